@@ -1,0 +1,65 @@
+"""The two exchanges of hierarchical CP, written with functional collectives so the same code
+runs eagerly and under tracing (each collective appears in the graph with its wait)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+
+def scatter_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> list[Tensor]:
+    """Ulysses exchange: ``[T_local, H_i, D]`` with all heads -> ``[size * T_local, H_i / size, D]``
+    with this rank's head slice of the ring stream; all tensors travel in one all-to-all."""
+    if size == 1:
+        return list(tensors)
+    tokens, dim = tensors[0].shape[0], tensors[0].shape[2]
+    widths = [t.shape[1] // size for t in tensors]
+    # [size, T_local, sum(widths), D]: block j holds the heads that go to Ulysses rank j
+    send = torch.cat([t.reshape(tokens, size, w, dim).transpose(0, 1) for t, w in zip(tensors, widths)], 2)
+    received = funcol.all_to_all_single(send.reshape(-1), None, None, group)
+    # the blocks from Ulysses ranks 0..size-1, concatenated, are the ring stream
+    received = funcol.wait_tensor(received).view(size * tokens, sum(widths), dim)
+    return list(received.split(widths, dim=1))
+
+
+def gather_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> list[Tensor]:
+    """Inverse of :func:`scatter_heads`: ``[size * T_local, h_i, D]`` -> ``[T_local, size * h_i, D]``."""
+    if size == 1:
+        return list(tensors)
+    stream, dim = tensors[0].shape[0], tensors[0].shape[2]
+    tokens = stream // size
+    widths = [t.shape[1] for t in tensors]
+    send = torch.cat([t.reshape(size, tokens, w, dim) for t, w in zip(tensors, widths)], 2)
+    received = funcol.all_to_all_single(send.reshape(-1), None, None, group)
+    received = funcol.wait_tensor(received).view(size, tokens, sum(widths), dim)
+    return [
+        part.transpose(0, 1).reshape(tokens, size * w, dim)
+        for part, w in zip(received.split(widths, dim=2), widths)
+    ]
+
+
+def gather_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """All-gather along dim 0 in group-rank order (waited)."""
+    gathered = _all_gather(x.contiguous(), 0, group)
+    return funcol.wait_tensor(gathered)
+
+
+# all_gather_tensor is deprecated from torch 2.12 on; 2.11 has only that name
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Tensor:
+    """Send ``x`` to ring rank ``rank + 1`` and receive the same shape from ``rank - 1``.
+
+    Returns the (possibly not yet waited) flat received tensor; view it as ``x.shape`` at use.
+    An all-to-all with one non-zero split is the point-to-point transfer that both torch 2.11
+    and later support as a functional collective; it is correct only for 1-D tensors.
+    """
+    flat = x.reshape(-1)
+    send = [0] * size
+    recv = [0] * size
+    send[(rank + 1) % size] = flat.numel()
+    recv[(rank - 1) % size] = flat.numel()
+    return funcol.all_to_all_single(flat, recv, send, group)

@@ -1,0 +1,129 @@
+"""Hierarchical context-parallel attention: Ulysses all-to-all over heads, then a zigzag ring
+of KV exchanges, then the all-to-all back (DESIGN §3-4). Forward and backward are one
+autograd.Function, because autograd through an unrolled ring would drop the lse gradients."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import kernels  # noqa: F401  (registers torch.ops.hcp.block_*)
+from .collectives import gather_heads, ring_shift, scatter_heads
+from .layout import StepKind
+from .mesh import CPGroups
+from .schedule import RingSchedule, RingStep
+
+
+def kv_head_repeat(kv_heads: int, ulysses: int) -> int:
+    """How often to repeat each KV head so the Ulysses exchange can split them (GQA)."""
+    return ulysses // kv_heads if kv_heads < ulysses else 1
+
+
+def _block_args(step: RingStep, sched: RingSchedule) -> tuple:
+    return (
+        step.cu_q, step.cu_k, sched.max_seqlen, sched.max_seqlen, step.kind is StepKind.DIAGONAL,
+        sched.scale, sched.window_left, sched.window_right, sched.q_positions, step.k_positions,
+        sched.kernel,
+    )
+
+
+def merge_partials(
+    out: Tensor | None, lse: Tensor | None, block_out: Tensor, block_lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """fp32 merge of two partial softmax results; rows seen by neither stay (0, -inf)."""
+    block_out = block_out.float()
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    finite = torch.isfinite(merged)
+    reference = torch.where(finite, merged, 0)
+    old_weight = torch.where(finite, torch.exp(lse - reference), 0).t().unsqueeze(-1)
+    new_weight = torch.where(finite, torch.exp(block_lse - reference), 0).t().unsqueeze(-1)
+    return out * old_weight + block_out * new_weight, merged
+
+
+def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -> tuple[Tensor, Tensor]:
+    """Merged ``(out, lse)`` of the local queries against every ring rank's KV."""
+    ring, rank = groups.ring_size, groups.ring_rank
+    kv_heads = kv.shape[1] // 2
+    out = lse = None
+    current = kv
+    for index, step in enumerate(sched.steps):
+        # issue the next transfer before this step's compute, so the two can overlap
+        incoming = ring_shift(current, groups.ring_group, rank, ring) if index + 1 < ring else None
+        if step.active:
+            k, v = current.view(kv.shape).split(kv_heads, dim=1)
+            block_out, block_lse = torch.ops.hcp.block_forward(q, k, v, *_block_args(step, sched))
+            out, lse = merge_partials(out, lse, block_out, block_lse)
+        current = incoming
+    if out is None:
+        out = q.new_zeros(q.shape, dtype=torch.float32)
+        lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+    pad = ~sched.valid
+    return (
+        out.masked_fill(pad[:, None, None], 0).to(q.dtype),
+        lse.masked_fill(pad[None, :], float("-inf")),
+    )
+
+
+def ring_backward(
+    dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, sched: RingSchedule,
+    groups: CPGroups,
+) -> tuple[Tensor, Tensor]:
+    """``(dq, dkv)`` in fp32. KV travels R-1 hops as in the forward; a dKV accumulator travels
+    with it, R hops, and arrives back at its owner after the last step."""
+    ring, rank = groups.ring_size, groups.ring_rank
+    kv_heads = kv.shape[1] // 2
+    dout = dout.masked_fill(~sched.valid[:, None, None], 0)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    current, travelling = kv, None
+    for index, step in enumerate(sched.steps):
+        incoming = ring_shift(current, groups.ring_group, rank, ring) if index + 1 < ring else None
+        dkv = None
+        if step.active:
+            k, v = current.view(kv.shape).split(kv_heads, dim=1)
+            dq_block, dk_block, dv_block = torch.ops.hcp.block_backward(
+                dout, q, k, v, out, lse, *_block_args(step, sched)
+            )
+            dq += dq_block
+            dkv = torch.cat([dk_block, dv_block], dim=1).float()
+        if travelling is not None:
+            received = travelling.view(kv.shape)
+            dkv = received if dkv is None else received + dkv
+        if dkv is None:
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        travelling = ring_shift(dkv, groups.ring_group, rank, ring) if ring > 1 else dkv
+        current = incoming
+    return dq, travelling.view(kv.shape)
+
+
+class HierarchicalAttention(torch.autograd.Function):
+    """Local token shards in, local output shard out; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sched: RingSchedule, groups: CPGroups) -> Tensor:
+        repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        q_s, k_s, v_s = scatter_heads([q, k, v], groups.ulysses_group, groups.ulysses_size)
+        kv_s = torch.cat([k_s, v_s], dim=1)
+        out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
+        ctx.save_for_backward(q_s, kv_s, out_s, lse_s)
+        ctx.sched, ctx.groups, ctx.repeat = sched, groups, repeat
+        (out,) = gather_heads([out_s], groups.ulysses_group, groups.ulysses_size)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q_s, kv_s, out_s, lse_s = ctx.saved_tensors
+        groups = ctx.groups
+        (dout_s,) = scatter_heads([dout.contiguous()], groups.ulysses_group, groups.ulysses_size)
+        dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, ctx.sched, groups)
+        dk_s, dv_s = dkv_s.to(kv_s.dtype).chunk(2, dim=1)
+        dq, dk, dv = gather_heads(
+            [dq_s.to(q_s.dtype), dk_s, dv_s], groups.ulysses_group, groups.ulysses_size
+        )
+        if ctx.repeat > 1:
+            dk = dk.unflatten(1, (-1, ctx.repeat)).sum(2)
+            dv = dv.unflatten(1, (-1, ctx.repeat)).sum(2)
+        return dq, dk, dv, None, None

@@ -1,0 +1,193 @@
+"""Token layout of hierarchical context parallelism: pure tensor math, no collectives.
+
+The rule (DESIGN §2), for ``R`` ring ranks and ``A`` Ulysses ranks:
+
+1. Document ``i`` of real length ``L_i`` is padded at its end to ``P_i = roundup(L_i, 2R)``
+   and cut into ``2R`` chunks of ``c_i = P_i / 2R`` tokens.
+2. Ring rank ``r`` takes chunks ``r`` and ``2R-1-r`` of every document, document by document
+   (the zigzag pairing that balances causal work). After the documents comes a pad-only tail
+   (its own segment) so that the ring stream length ``T_r`` is divisible by ``A``.
+3. Ulysses rank ``a`` of ring rank ``r`` holds the contiguous slice ``a`` of that stream.
+
+Every function here is vectorized over documents and traceable: shapes depend only on the
+number of documents and on the stream length, never on the values of ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DocChunks:
+    """Per-document real lengths and chunk sizes, with the pad-only tail as a last pseudo-doc."""
+
+    starts: Tensor  # [n+1] int64: global offset of each document (the tail starts at the end)
+    lengths: Tensor  # [n+1] int64: real tokens per document (0 for the tail)
+    chunk: Tensor  # [n+1] int64: c_i = ceil(L_i / 2R) (0 for the tail)
+    widths: Tensor  # [n+1] int64: tokens each ring rank holds of the document (2 c_i, or the tail)
+
+
+def chunk_sizes(lengths: Tensor, ring: int) -> Tensor:
+    """``c_i = ceil(L_i / 2R)``: the zigzag chunk size of each document."""
+    return (lengths + 2 * ring - 1) // (2 * ring)
+
+
+def ring_stream_length(chunk_total: int, ring: int, ulysses: int) -> int:
+    """``T_r``: tokens of one ring rank's stream, the documents' ``2 * sum(c_i)`` plus the
+    smallest even tail that makes it divisible by ``ulysses``."""
+    period = ulysses // math.gcd(ulysses, 2)
+    tail_half = (-chunk_total) % period
+    return 2 * (chunk_total + tail_half)
+
+
+def doc_chunks(cu_seqlens: Tensor, ring: int, stream_length: int | torch.SymInt) -> DocChunks:
+    """Chunk table of ``cu_seqlens`` for a ring stream of ``stream_length`` tokens."""
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    chunk = chunk_sizes(lengths, ring)
+    tail = (stream_length - 2 * chunk.sum()).reshape(1)
+    zero = torch.zeros_like(tail)
+    return DocChunks(
+        starts=cu,
+        lengths=torch.cat([lengths, zero]),
+        chunk=torch.cat([chunk, zero]),
+        widths=torch.cat([2 * chunk, tail]),
+    )
+
+
+@dataclass(frozen=True)
+class StreamTokens:
+    """Where each token of one ring rank's stream comes from."""
+
+    doc: Tensor  # [T_r] int64: document index (n for the tail)
+    position: Tensor  # [T_r] int64: position inside the padded document
+    valid: Tensor  # [T_r] bool: a real token (not padding)
+    global_index: Tensor  # [T_r] int64: index into the global packed tokens, -1 for padding
+
+
+def stream_tokens(
+    chunks: DocChunks, ring_rank: int, ring: int, stream_length: int | torch.SymInt
+) -> StreamTokens:
+    """The tokens of ring rank ``ring_rank``'s stream, in stream order."""
+    n_segments = chunks.widths.numel()
+    device = chunks.widths.device
+    doc = torch.repeat_interleave(
+        torch.arange(n_segments, device=device), chunks.widths, output_size=stream_length
+    )
+    seg_start = torch.cumsum(chunks.widths, 0) - chunks.widths
+    offset = torch.arange(stream_length, device=device) - seg_start[doc]
+    c = chunks.chunk[doc]
+    first_half = offset < c
+    position = torch.where(
+        first_half, ring_rank * c + offset, (2 * ring - 1 - ring_rank) * c + offset - c
+    )
+    valid = position < chunks.lengths[doc]
+    global_index = torch.where(valid, chunks.starts[doc] + position, -1)
+    return StreamTokens(doc=doc, position=position, valid=valid, global_index=global_index)
+
+
+def real_tokens_held(chunks: DocChunks, ring_rank: int, ring: int) -> Tensor:
+    """Real tokens of each document in ring rank ``ring_rank``'s stream (a prefix of its part)."""
+    first = (chunks.lengths - ring_rank * chunks.chunk).clamp(min=0).minimum(chunks.chunk)
+    return first + second_chunk_real(chunks, ring_rank, ring)
+
+
+def second_chunk_real(chunks: DocChunks, ring_rank: int, ring: int) -> Tensor:
+    """Real tokens of each document in ring rank ``ring_rank``'s second chunk."""
+    start = (2 * ring - 1 - ring_rank) * chunks.chunk
+    return (chunks.lengths - start).clamp(min=0).minimum(chunks.chunk)
+
+
+class StepKind(Enum):
+    """Which block of the causal zigzag schedule one ring step computes (DESIGN §3)."""
+
+    DIAGONAL = "diagonal"  # local Q x local KV, causal inside each document
+    LOWER = "lower"  # all Q x the first chunk of each KV document (src < r)
+    UPPER = "upper"  # the second chunk of each Q document x all KV (src > r)
+    FULL = "full"  # non-causal: all Q x all KV
+
+
+def step_kind(ring_rank: int, source: int, causal: bool) -> StepKind:
+    if not causal:
+        return StepKind.FULL
+    if source == ring_rank:
+        return StepKind.DIAGONAL
+    return StepKind.LOWER if source < ring_rank else StepKind.UPPER
+
+
+def step_segments(
+    chunks: DocChunks, ring_rank: int, source: int, ring: int, kind: StepKind
+) -> tuple[Tensor, Tensor]:
+    """``(cu_seqlens_q, cu_seqlens_k)`` (int32) of one ring step over the two local streams.
+
+    Every document becomes three aligned segments on both sides: ``a`` (rows that take no
+    part: matched with no keys), ``b`` (real queries x the real keys the step should see) and
+    ``c`` (padding x padding, whose output is discarded). Any varlen kernel then computes
+    exactly the step's block without gathering rows.
+    """
+    widths = chunks.widths
+    q_real = real_tokens_held(chunks, ring_rank, ring)
+    k_real = real_tokens_held(chunks, source, ring)
+    zero = torch.zeros_like(widths)
+    if kind is StepKind.LOWER:
+        k_first = (chunks.lengths - source * chunks.chunk).clamp(min=0).minimum(chunks.chunk)
+        q_parts = (zero, q_real, widths - q_real)
+        k_parts = (zero, k_first, widths - k_first)
+    elif kind is StepKind.UPPER:
+        q_second = second_chunk_real(chunks, ring_rank, ring)
+        q_parts = (chunks.chunk, q_second, widths - chunks.chunk - q_second)
+        k_parts = (zero, k_real, widths - k_real)
+    else:
+        q_parts = (zero, q_real, widths - q_real)
+        k_parts = (zero, k_real, widths - k_real)
+    return _cumulative(q_parts), _cumulative(k_parts)
+
+
+def _cumulative(parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    lengths = torch.stack(parts, dim=1).reshape(-1)
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+
+
+def step_max_seqlen(max_seqlen: int, ring: int, ulysses: int) -> int:
+    """Upper bound of any segment length in a ring step (documents' ``2 c_i`` or the tail)."""
+    return max(2 * (-(-max_seqlen // (2 * ring))), 2 * ulysses, 1)
+
+
+def step_sees_any_key(
+    chunks: DocChunks, ring_rank: int, source: int, ring: int, kind: StepKind,
+    window_left: int, window_right: int,
+) -> Tensor:
+    """Whether any real query of ring rank ``ring_rank`` sees any real key of ``source`` in
+    this step under the sliding window (a 0-d bool tensor). Used to skip steps wholly outside
+    the window."""
+    inf = torch.iinfo(torch.int64).max // 4
+    left = window_left if window_left >= 0 else inf
+    right = 0 if kind is not StepKind.FULL else (window_right if window_right >= 0 else inf)
+
+    def intervals(chunk_indices: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
+        # real positions [start, stop) of each chunk, per document
+        return [
+            (i * chunks.chunk, torch.minimum((i + 1) * chunks.chunk, chunks.lengths))
+            for i in chunk_indices
+        ]
+
+    both = (ring_rank, 2 * ring - 1 - ring_rank)
+    q_chunks = (2 * ring - 1 - ring_rank,) if kind is StepKind.UPPER else both
+    k_both = (source, 2 * ring - 1 - source)
+    k_chunks = (source,) if kind is StepKind.LOWER else k_both
+    seen = torch.zeros((), dtype=torch.bool, device=chunks.lengths.device)
+    for q_start, q_stop in intervals(q_chunks):
+        for k_start, k_stop in intervals(k_chunks):
+            nonempty = (q_stop > q_start) & (k_stop > k_start)
+            # q - k over the pair of intervals spans [q_start - (k_stop - 1), (q_stop - 1) - k_start]
+            low = q_start - (k_stop - 1)
+            high = (q_stop - 1) - k_start
+            overlaps = (high >= -right) & (low <= left)
+            seen = seen | (nonempty & overlaps).any()
+    return seen

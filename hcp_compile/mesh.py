@@ -1,0 +1,112 @@
+"""The context-parallel device mesh: ``("ring", "ulysses")``, Ulysses ranks contiguous."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("ring", "ulysses")
+
+MeshLike = Union[DeviceMesh, tuple[dist.ProcessGroup, dist.ProcessGroup]]
+
+
+def make_mesh(ulysses: int, ring: int, device_type: str | None = None) -> DeviceMesh:
+    """A 2-D mesh with dims ``("ring", "ulysses")`` over all ranks.
+
+    Global rank ``r * ulysses + a`` is ring rank ``r``, Ulysses rank ``a``: the Ulysses group
+    is contiguous ranks, so with one process per GPU it stays inside a node.
+    """
+    for name, value in (("ulysses", ulysses), ("ring", ring)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"make_mesh: {name} must be a positive int, got {value!r}")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "make_mesh: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group (or launch with torchrun) first"
+        )
+    world = dist.get_world_size()
+    if world != ulysses * ring:
+        raise ValueError(
+            f"make_mesh: world size is {world} but ulysses * ring = {ulysses} * {ring} = "
+            f"{ulysses * ring}; choose ulysses and ring whose product is the world size, or "
+            "build a 2-D DeviceMesh with dims ('ring', 'ulysses') over a subset yourself"
+        )
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=MESH_DIM_NAMES)
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """The two process groups of hierarchical context parallelism, and this rank's place."""
+
+    ulysses_group: dist.ProcessGroup
+    ring_group: dist.ProcessGroup
+    ulysses_size: int
+    ring_size: int
+    ulysses_rank: int
+    ring_rank: int
+    device_type: str
+
+    @property
+    def size(self) -> int:
+        return self.ulysses_size * self.ring_size
+
+
+def resolve_groups(mesh: MeshLike) -> CPGroups:
+    """Accept a ``("ring", "ulysses")`` DeviceMesh or a pair ``(ulysses_group, ring_group)``."""
+    if isinstance(mesh, DeviceMesh):
+        names = mesh.mesh_dim_names
+        if mesh.ndim != 2 or names is None or set(names) != set(MESH_DIM_NAMES):
+            raise ValueError(
+                f"mesh: expected a 2-D DeviceMesh with dims {MESH_DIM_NAMES}, got dims "
+                f"{names} of shape {tuple(mesh.shape)}; build it with hcp_compile.make_mesh"
+            )
+        ulysses_group, ring_group = mesh.get_group("ulysses"), mesh.get_group("ring")
+        device_type = mesh.device_type
+    elif (
+        isinstance(mesh, (tuple, list))
+        and len(mesh) == 2
+        and all(isinstance(g, dist.ProcessGroup) for g in mesh)
+    ):
+        ulysses_group, ring_group = mesh
+        device_type = "cuda" if dist.get_backend(ulysses_group) == "nccl" else "cpu"
+    else:
+        raise TypeError(
+            "mesh: expected a DeviceMesh with dims ('ring', 'ulysses') or a pair "
+            f"(ulysses_group, ring_group) of ProcessGroups, got {type(mesh).__name__}"
+        )
+    return CPGroups(
+        ulysses_group=ulysses_group,
+        ring_group=ring_group,
+        ulysses_size=dist.get_world_size(ulysses_group),
+        ring_size=dist.get_world_size(ring_group),
+        ulysses_rank=dist.get_rank(ulysses_group),
+        ring_rank=dist.get_rank(ring_group),
+        device_type=device_type,
+    )
+
+
+def agree_on_error(groups: CPGroups, error: Exception | None) -> None:
+    """Raise on every rank of the mesh if any rank found its input invalid.
+
+    Called after local validation and before the first data collective, so that one rank's
+    bad input makes all ranks raise instead of leaving the others waiting in a collective.
+    """
+    device = torch.device(groups.device_type, torch.cuda.current_device()) if (
+        groups.device_type == "cuda"
+    ) else torch.device(groups.device_type)
+    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int32, device=device)
+    for group in (groups.ulysses_group, groups.ring_group):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise RuntimeError(
+            "another rank of the context-parallel mesh rejected its input (see that rank's "
+            "error); all ranks stop here instead of waiting in a collective"
+        )

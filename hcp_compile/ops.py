@@ -1,0 +1,99 @@
+"""``varlen_attention``: the ecosystem's varlen attention signature, single-device as the
+``torch.ops.hcp.varlen_attention`` custom op, hierarchical CP inside ``context_parallel``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import validation
+from .context import active_context
+from .kernels import KERNELS, block_backward, resolve_kernel
+
+
+@torch.library.custom_op("hcp::varlen_attention", mutates_args=())
+def varlen_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, kernel: str,
+) -> tuple[Tensor, Tensor]:
+    """Single-device varlen attention: ``(out [Tq, Hq, D], lse [Hq, Tq] fp32)``.
+
+    ``lse`` is returned for inspection and is not differentiable."""
+    return KERNELS[resolve_kernel(kernel, q)].forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+        window_left, window_right, None, None,
+    )
+
+
+@varlen_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      window_left, window_right, kernel):
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, kernel = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, causal, scale, left, right, None, None, resolve_kernel(kernel, q))
+
+
+def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+    softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+) -> Tensor:
+    """Varlen attention over packed documents (q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``).
+
+    With no context parallelism active this is single-device attention. Inside
+    ``hcp_compile.context_parallel(mesh)`` q/k/v are this rank's shards laid out by
+    ``shard_plan(cu_seqlens, mesh)``, ``cu_seqlens``/``max_seqlen`` stay the global real ones,
+    and the result is this rank's shard of the single-device output.
+    ``window_size=(left, right)`` limits each query to keys at most ``left`` positions before
+    and ``right`` after it (-1: unlimited).
+    """
+    window = validation.check_window(window_size)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    cp = active_context()
+    if cp is not None:
+        return cp.attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            causal=causal, scale=scale, window=window,
+        )
+    if not torch.compiler.is_compiling():
+        _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, _ = torch.ops.hcp.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        window[0], window[1], "auto",
+    )
+    return out
+
+
+def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
+    validation.check_qkv(q, k, v)
+    for name, cu, tensor_name, tokens, max_len, max_name in (
+        ("cu_seqlens_q", cu_q, "q", q.shape[0], max_q, "max_seqlen_q"),
+        ("cu_seqlens_k", cu_k, "k", k.shape[0], max_k, "max_seqlen_k"),
+    ):
+        values = validation.check_cu_seqlens(cu, name)
+        validation.check_token_count(values, tokens, name, tensor_name)
+        validation.check_max_seqlen(max_len, values, max_name)
+    if cu_q.numel() != cu_k.numel():
+        raise validation.InputError(
+            f"cu_seqlens_q, cu_seqlens_k: expected the same number of documents, got "
+            f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
+        )
