@@ -63,3 +63,8 @@ def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Ten
     send[(rank + 1) % size] = flat.numel()
     recv[(rank - 1) % size] = flat.numel()
     return funcol.all_to_all_single(flat, recv, send, group)
+
+
+def complete(x: Tensor) -> None:
+    """Wait for a transfer whose data a skipped step does not read, so none is left pending."""
+    funcol.wait_tensor(x)

@@ -29,10 +29,16 @@ class CPOptions:
         ``"flash"`` or ``"torch"``.
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
         outside it (costs one small device-to-host read per new ``cu_seqlens``).
+    agree_across_ranks: before the first collective of every call, all ranks agree that
+        every rank's input is valid (one all-reduce of a flag and a host read; on a process
+        group with a CPU backend, e.g. ``init_process_group("cpu:gloo,cuda:nccl")``, it
+        does not wait for the GPU). Off: checks stay local, which is cheaper, but one rank's
+        bad input can leave the other ranks waiting in a collective.
     """
 
     kernel: str = "auto"
     skip_outside_window: bool = True
+    agree_across_ranks: bool = True
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNEL_CHOICES:
@@ -43,14 +49,24 @@ def active_context() -> "ContextParallel | None":
     return _ACTIVE.get()
 
 
+@dataclass(frozen=True)
+class _DocFacts:
+    """What the checks and the schedule need from one ``cu_seqlens`` version."""
+
+    version: int
+    values: Tensor  # host copy, int64
+    stream_length: int  # T_r on this mesh
+
+
 class ContextParallel:
-    """The state of one ``context_parallel`` block: the mesh's groups, the options, and the
-    ring schedules already built for the ``cu_seqlens`` tensors seen (every layer of a model
-    passes the same one, so it is validated and laid out once per batch)."""
+    """The state of one ``context_parallel`` block: the mesh's groups, the options, and what
+    was derived from the ``cu_seqlens`` tensors seen (every layer of a model passes the same
+    tensor, so it is read, checked and laid out once per batch)."""
 
     def __init__(self, mesh: MeshLike, options: CPOptions):
         self.groups: CPGroups = resolve_groups(mesh)
         self.options = options
+        self._doc_facts = WeakIdKeyDictionary()  # cu_seqlens tensor -> _DocFacts
         self._schedules = WeakIdKeyDictionary()  # cu_seqlens tensor -> {signature: schedule}
         self._token: contextvars.Token | None = None
 
@@ -66,63 +82,69 @@ class ContextParallel:
         max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float,
         window: tuple[int, int],
     ) -> Tensor:
-        sched = self.schedule(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            causal=causal, scale=scale, window=window,
-        )
-        return HierarchicalAttention.apply(q, k, v, sched, self.groups)
-
-    def schedule(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-        max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float,
-        window: tuple[int, int],
-    ) -> RingSchedule:
-        """Validate the call on every rank (all raise together) and build the ring schedule;
-        both are cached per ``cu_seqlens`` tensor and call signature."""
-        key = (
-            cu_seqlens_q._version, id(cu_seqlens_k), cu_seqlens_k._version, tuple(q.shape),
-            tuple(k.shape), tuple(v.shape), q.dtype, q.device, max_seqlen_q, max_seqlen_k,
-            causal, scale, window,
-        )
-        per_tensor = self._schedules.setdefault(cu_seqlens_q, {})
-        if key in per_tensor:
-            return per_tensor[key]
-        error, kernel, stream_length = None, None, None
+        error, kernel = None, None
         try:
-            kernel, stream_length = self._validate(
+            kernel = self._check_call(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window
             )
         except InputError as exc:
             error = exc
-        agree_on_error(self.groups, error)
-        groups = self.groups
-        sched = build_schedule(
-            cu_seqlens_q.to(q.device), max_seqlen_q, groups.ring_rank, groups.ring_size,
-            groups.ulysses_size, stream_length, causal=causal, scale=scale, window=window,
-            kernel=kernel, skip_outside_window=self.options.skip_outside_window,
-        )
-        for stale in [old for old in per_tensor if old[0] != key[0]]:
-            del per_tensor[stale]  # written in place since: those schedules are out of date
-        per_tensor[key] = sched
-        return sched
+        if self.options.agree_across_ranks:
+            agree_on_error(self.groups, error)
+        elif error is not None:
+            raise error
+        sched = self._schedule(q, cu_seqlens_q, max_seqlen_q, causal, scale, window, kernel)
+        return HierarchicalAttention.apply(q, k, v, sched, self.groups)
 
-    def _validate(self, q, k, v, cu_q, cu_k, max_q, max_k, window) -> tuple[str, int]:
+    def _facts(self, cu_seqlens: Tensor) -> _DocFacts:
+        facts = self._doc_facts.get(cu_seqlens)
+        if facts is None or facts.version != cu_seqlens._version:
+            values = validation.check_cu_seqlens(cu_seqlens, "cu_seqlens_q")
+            ring, ulysses = self.groups.ring_size, self.groups.ulysses_size
+            chunk_total = int(layout.chunk_sizes(values[1:] - values[:-1], ring).sum())
+            stream_length = layout.ring_stream_length(chunk_total, ring, ulysses)
+            facts = _DocFacts(cu_seqlens._version, values, stream_length)
+            self._doc_facts[cu_seqlens] = facts
+        return facts
+
+    def _schedule(
+        self, q: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool, scale: float,
+        window: tuple[int, int], kernel: str,
+    ) -> RingSchedule:
+        """The ring schedule, cached per ``cu_seqlens`` tensor version and call signature
+        (building it runs no collective, so a cache miss on one rank only is harmless)."""
+        key = (cu_seqlens._version, q.device, max_seqlen, causal, scale, window, kernel)
+        per_tensor = self._schedules.setdefault(cu_seqlens, {})
+        if key not in per_tensor:
+            for stale in [old for old in per_tensor if old[0] != key[0]]:
+                del per_tensor[stale]  # the tensor was written in place since
+            groups = self.groups
+            per_tensor[key] = build_schedule(
+                cu_seqlens.to(q.device), max_seqlen, groups.ring_rank, groups.ring_size,
+                groups.ulysses_size, self._facts(cu_seqlens).stream_length, causal=causal,
+                scale=scale, window=window, kernel=kernel,
+                skip_outside_window=self.options.skip_outside_window,
+            )
+        return per_tensor[key]
+
+    def _check_call(self, q, k, v, cu_q, cu_k, max_q, max_k, window) -> str:
+        """All checks of one call (no collective); returns the kernel to run."""
         groups = self.groups
         validation.check_qkv(q, k, v)
-        values = validation.check_cu_seqlens(cu_q, "cu_seqlens_q")
-        if cu_k is not cu_q:
-            values_k = validation.check_cu_seqlens(cu_k, "cu_seqlens_k")
-            if not torch.equal(values, values_k):
-                raise InputError(
-                    "cu_seqlens_k: under context parallelism queries and keys come from the "
-                    "same packed documents, so cu_seqlens_k must equal cu_seqlens_q"
-                )
+        facts = self._facts(cu_q)
+        if cu_k is not cu_q and not torch.equal(
+            facts.values, validation.check_cu_seqlens(cu_k, "cu_seqlens_k")
+        ):
+            raise InputError(
+                "cu_seqlens_k: under context parallelism queries and keys come from the "
+                "same packed documents, so cu_seqlens_k must equal cu_seqlens_q"
+            )
         if max_q != max_k:
             raise InputError(
                 f"max_seqlen_k: must equal max_seqlen_q under context parallelism, got "
                 f"{max_k} and {max_q}"
             )
-        validation.check_max_seqlen(max_q, values, "max_seqlen_q")
+        validation.check_max_seqlen(max_q, facts.values, "max_seqlen_q")
         heads_q, heads_kv, ulysses = q.shape[1], k.shape[1], groups.ulysses_size
         if heads_q % ulysses:
             raise InputError(
@@ -134,9 +156,7 @@ class ContextParallel:
                 f"k: {heads_kv} key/value heads must divide or be divisible by ulysses="
                 f"{ulysses}; choose another ulysses size"
             )
-        chunk_total = int(layout.chunk_sizes(values[1:] - values[:-1], groups.ring_size).sum())
-        stream_length = layout.ring_stream_length(chunk_total, groups.ring_size, ulysses)
-        local = stream_length // ulysses
+        local = facts.stream_length // ulysses
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.shape[0] != local:
                 raise InputError(
@@ -150,7 +170,7 @@ class ContextParallel:
                 "window_size: the flash kernel cannot apply a sliding window under context "
                 "parallelism; use context_parallel(mesh, kernel='torch') or no window"
             )
-        return kernel, stream_length
+        return kernel
 
 
 def context_parallel(mesh: MeshLike, **options) -> ContextParallel:

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from . import kernels  # noqa: F401  (registers torch.ops.hcp.block_*)
-from .collectives import gather_heads, ring_shift, scatter_heads
+from .collectives import complete, gather_heads, ring_shift, scatter_heads
+from .kernels.precision import accumulate_dtype
 from .layout import StepKind
 from .mesh import CPGroups
 from .schedule import RingSchedule, RingStep
@@ -30,8 +31,9 @@ def _block_args(step: RingStep, sched: RingSchedule) -> tuple:
 def merge_partials(
     out: Tensor | None, lse: Tensor | None, block_out: Tensor, block_lse: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """fp32 merge of two partial softmax results; rows seen by neither stay (0, -inf)."""
-    block_out = block_out.float()
+    """Merge of two partial softmax results in the lse's precision (fp32, or float64 for
+    float64 inputs); rows seen by neither stay (0, -inf)."""
+    block_out = block_out.to(block_lse.dtype)
     if out is None:
         return block_out, block_lse
     merged = torch.logaddexp(lse, block_lse)
@@ -55,10 +57,13 @@ def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -
             k, v = current.view(kv.shape).split(kv_heads, dim=1)
             block_out, block_lse = torch.ops.hcp.block_forward(q, k, v, *_block_args(step, sched))
             out, lse = merge_partials(out, lse, block_out, block_lse)
+        elif index > 0:
+            complete(current)  # received but not read: finish it all the same
         current = incoming
     if out is None:
-        out = q.new_zeros(q.shape, dtype=torch.float32)
-        lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+        acc = accumulate_dtype(q.dtype)
+        out = q.new_zeros(q.shape, dtype=acc)
+        lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc)
     pad = ~sched.valid
     return (
         out.masked_fill(pad[:, None, None], 0).to(q.dtype),
@@ -70,12 +75,14 @@ def ring_backward(
     dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, sched: RingSchedule,
     groups: CPGroups,
 ) -> tuple[Tensor, Tensor]:
-    """``(dq, dkv)`` in fp32. KV travels R-1 hops as in the forward; a dKV accumulator travels
-    with it, R hops, and arrives back at its owner after the last step."""
+    """``(dq, dkv)``, accumulated in fp32 (float64 for float64 inputs). KV travels R-1 hops
+    as in the forward; a dKV accumulator travels with it, R hops, and arrives back at its
+    owner after the last step."""
     ring, rank = groups.ring_size, groups.ring_rank
     kv_heads = kv.shape[1] // 2
     dout = dout.masked_fill(~sched.valid[:, None, None], 0)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = accumulate_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     current, travelling = kv, None
     for index, step in enumerate(sched.steps):
         incoming = ring_shift(current, groups.ring_group, rank, ring) if index + 1 < ring else None
@@ -86,12 +93,14 @@ def ring_backward(
                 dout, q, k, v, out, lse, *_block_args(step, sched)
             )
             dq += dq_block
-            dkv = torch.cat([dk_block, dv_block], dim=1).float()
+            dkv = torch.cat([dk_block, dv_block], dim=1).to(acc)
+        elif index > 0:
+            complete(current)
         if travelling is not None:
             received = travelling.view(kv.shape)
             dkv = received if dkv is None else received + dkv
         if dkv is None:
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         travelling = ring_shift(dkv, groups.ring_group, rank, ring) if ring > 1 else dkv
         current = incoming
     return dq, travelling.view(kv.shape)

@@ -96,11 +96,10 @@ def agree_on_error(groups: CPGroups, error: Exception | None) -> None:
 
     Called after local validation and before the first data collective, so that one rank's
     bad input makes all ranks raise instead of leaving the others waiting in a collective.
+    The flag travels as a CPU tensor where the groups' backend takes one (gloo, or a
+    ``"cpu:gloo,cuda:nccl"`` process group), so no GPU work is waited for.
     """
-    device = torch.device(groups.device_type, torch.cuda.current_device()) if (
-        groups.device_type == "cuda"
-    ) else torch.device(groups.device_type)
-    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([error is not None], dtype=torch.int32, device=_flag_device(groups))
     for group in (groups.ulysses_group, groups.ring_group):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if error is not None:
@@ -110,3 +109,10 @@ def agree_on_error(groups: CPGroups, error: Exception | None) -> None:
             "another rank of the context-parallel mesh rejected its input (see that rank's "
             "error); all ranks stop here instead of waiting in a collective"
         )
+
+
+def _flag_device(groups: CPGroups) -> torch.device:
+    backends = [str(dist.get_backend(g)) for g in (groups.ulysses_group, groups.ring_group)]
+    if all(b == "gloo" or "cpu:" in b for b in backends):
+        return torch.device("cpu")
+    return torch.device(groups.device_type, torch.cuda.current_device())

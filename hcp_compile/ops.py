@@ -9,6 +9,7 @@ from torch import Tensor
 from . import validation
 from .context import active_context
 from .kernels import KERNELS, block_backward, resolve_kernel
+from .kernels.precision import accumulate_dtype
 
 
 @torch.library.custom_op("hcp::varlen_attention", mutates_args=())
@@ -17,7 +18,8 @@ def varlen_attention_op(
     max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
     window_left: int, window_right: int, kernel: str,
 ) -> tuple[Tensor, Tensor]:
-    """Single-device varlen attention: ``(out [Tq, Hq, D], lse [Hq, Tq] fp32)``.
+    """Single-device varlen attention: ``(out [Tq, Hq, D], lse [Hq, Tq])``, lse in fp32
+    (float64 for float64 inputs).
 
     ``lse`` is returned for inspection and is not differentiable."""
     return KERNELS[resolve_kernel(kernel, q)].forward(
@@ -31,7 +33,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
       window_left, window_right, kernel):
     return (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
-        q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+        q.new_empty((q.shape[1], q.shape[0]), dtype=accumulate_dtype(q.dtype)),
     )
 
 

@@ -3,7 +3,8 @@
 Contract shared by every kernel:
 
 - ``forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
-  q_positions, k_positions) -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32)``;
+  q_positions, k_positions) -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq])``, lse in fp32
+  (float64 for float64 inputs), both contiguous;
   a row with no visible key has ``out = 0`` and ``lse = -inf``.
 - ``backward(dout, q, k, v, out, lse, <same arguments>) -> (dq, dk, dv)``, where ``out`` and
   ``lse`` may be the merged results of several blocks (the ring backward passes them so each
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from ..validation import InputError
 from . import flash, torch_kernel
+from .precision import accumulate_dtype
 
 KERNELS: dict[str, ModuleType] = {"torch": torch_kernel, "flash": flash}
 KERNEL_CHOICES = ("auto", *KERNELS)
@@ -56,7 +58,7 @@ def block_forward(
 def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
       q_positions, k_positions, kernel):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accumulate_dtype(q.dtype))
     return out, lse
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .precision import accumulate_dtype
+
 
 def _segments(cu: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """Segment id, offset inside the segment, and segment length of every row."""
@@ -45,13 +47,9 @@ def _mask(
     return mask
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor) -> Tensor:
     """Masked scores [Hkv, group, Tq, Tk] in the accumulation dtype."""
-    acc = _accumulate_dtype(q.dtype)
+    acc = accumulate_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     qg = q.to(acc).unflatten(1, (k.shape[1], group))
     s = torch.einsum("qhgd,khd->hgqk", qg, k.to(acc)) * scale
@@ -75,7 +73,7 @@ def forward(
     lse = torch.logsumexp(s, dim=-1)
     p = _probabilities(s, lse)
     out = torch.einsum("hgqk,khd->qhgd", p, v.to(p.dtype)).flatten(1, 2)
-    return out.to(q.dtype), lse.flatten(0, 1).to(torch.float32)
+    return out.to(q.dtype).contiguous(), lse.flatten(0, 1).contiguous()
 
 
 def backward(
@@ -97,4 +95,6 @@ def backward(
     ds = p * (dp - row_dot[..., None])
     dq = torch.einsum("hgqk,khd->qhgd", ds, k.to(acc)).flatten(1, 2) * scale
     dk = torch.einsum("hgqk,qhgd->khd", ds, q.to(acc).unflatten(1, (hkv, group))) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return (
+        dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    )

@@ -1,0 +1,117 @@
+"""Throughput of eager hierarchical CP attention against single-device attention.
+
+Launch one process per device:
+    torchrun --nproc-per-node 2 benchmarks/cp_throughput.py --ulysses 2 --ring 1
+    torchrun --nproc-per-node 2 benchmarks/cp_throughput.py --ulysses 1 --ring 2
+Every rank first times single-device attention on the whole packed batch (the baseline, run
+side by side on each device), then the CP run on its shard; fwd+bwd, causal, CUDA events.
+TFLOP/s count only the real (causal) attention work of the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+import hcp_compile
+
+
+def packed_lengths(tokens: int, docs: int, seed: int) -> list[int]:
+    """``docs`` random document lengths (odd ones included) that sum to ``tokens``."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(docs, generator=gen) + 0.05
+    lengths = (weights / weights.sum() * tokens).floor().long()
+    lengths[0] += tokens - int(lengths.sum())
+    return lengths.tolist()
+
+
+def causal_flops(lengths: list[int], heads: int, head_dim: int) -> float:
+    """fwd (2 matmuls) + bwd (5 matmuls) over the causal half of every document."""
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    return 7 * 2 * pairs * heads * head_dim
+
+
+def time_fwd_bwd(fn, inputs: list[torch.Tensor], warmup: int, iters: int) -> float:
+    """Median milliseconds of forward + backward."""
+    grad = None
+    times = []
+    for i in range(warmup + iters):
+        for t in inputs:
+            t.grad = None
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        out = fn(*inputs)
+        if grad is None:
+            grad = torch.randn_like(out)
+        out.backward(grad)
+        stop.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ulysses", type=int, required=True)
+    parser.add_argument("--ring", type=int, required=True)
+    parser.add_argument("--tokens", type=int, default=128 * 1024)
+    parser.add_argument("--docs", type=int, default=25)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    mesh = hcp_compile.make_mesh(args.ulysses, args.ring, "cuda")
+    lengths = packed_lengths(args.tokens, args.docs, seed=0)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    max_len = max(lengths)
+    torch.manual_seed(0)
+    shape_q = (args.tokens, args.heads, args.head_dim)
+    shape_kv = (args.tokens, args.kv_heads, args.head_dim)
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (shape_q, shape_kv, shape_kv))
+
+    def attention(q, k, v):
+        return hcp_compile.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True)
+
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    single_ms = time_fwd_bwd(attention, full, args.warmup, args.iters)
+
+    plan = hcp_compile.shard_plan(cu, mesh)
+    local = [plan.shard(t).requires_grad_() for t in (q, k, v)]
+    with hcp_compile.context_parallel(mesh, kernel="flash"):
+        cp_ms = time_fwd_bwd(attention, local, args.warmup, args.iters)
+
+    world = dist.get_world_size()
+    flops = causal_flops(lengths, args.heads, args.head_dim)
+    rows = [
+        ["single device, whole batch", f"{single_ms:.2f}", f"{flops / single_ms / 1e9:.1f}", "1.00"],
+        [
+            f"hcp ulysses {args.ulysses} x ring {args.ring}, per GPU",
+            f"{cp_ms:.2f}",
+            f"{flops / world / cp_ms / 1e9:.1f}",
+            f"{single_ms / (cp_ms * world):.2f}",
+        ],
+    ]
+    if dist.get_rank() == 0:
+        print(
+            f"{args.tokens} tokens, {args.docs} docs (longest {max_len}), heads {args.heads}/"
+            f"{args.kv_heads} x {args.head_dim}, bf16, causal, fwd+bwd, {world} GPUs, "
+            f"{plan.local_tokens} local tokens"
+        )
+        print(tabulate(rows, headers=["run", "ms", "TFLOP/s per GPU", "efficiency vs 1 GPU"]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

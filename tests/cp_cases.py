@@ -1,0 +1,367 @@
+"""Cases run under context parallelism inside the worker processes of ``distributed.py``.
+
+Every case has a stable ``id`` and a ``run(world)`` that executes on every rank and returns a
+dict of CPU tensors / plain values (or raises: the harness records the exception). The
+assertions live in the test modules, which rebuild the same case list with :func:`suite` and
+regenerate the same seeded inputs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import hcp_compile as hc
+
+MESHES = ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1))  # (ulysses, ring)
+ERROR_MESH = (2, 2)
+HEAD_DIM = 8
+
+
+def mesh_id(mesh: tuple[int, int]) -> str:
+    return f"u{mesh[0]}xr{mesh[1]}"
+
+
+def cu_seqlens(lengths: tuple[int, ...]) -> Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
+                        dtype=torch.int32)
+
+
+def seeded(name: str, *shape: int, salt: int = 0) -> Tensor:
+    """Deterministic fp32 standard normals, identical in every process for the same name."""
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + salt)
+    return torch.randn(*shape, generator=generator)
+
+
+@dataclass
+class World:
+    """What a case sees on its rank."""
+
+    mesh: object  # the ("ring", "ulysses") DeviceMesh of this world
+    rank: int
+    ulysses: int
+    ring: int
+
+
+# --------------------------------------------------------------------------------------------
+# correctness: CP attention vs the single-device reference
+# --------------------------------------------------------------------------------------------
+
+DOC_MIXES = {
+    "mixed": (0, 1, 7, 3, 13, 0, 2, 29, 0),  # empty, 1-token, odd and longer docs
+    "long": (97,),  # one document spread over every rank
+    "8.8": (8, 8),  # with "16.0": same shard sizes on every mesh of MESHES
+    "16.0": (16, 0),
+}
+MATRIX_DOCS = ("mixed", "long")
+HEADS = ((4, 4), (4, 2), (4, 1))  # (Hq, Hkv): MHA, GQA, MQA (Hkv < ulysses for ulysses >= 2)
+MASKS = {
+    "causal": (True, (-1, -1)),
+    "full": (False, (-1, -1)),
+    "causal-w4.0": (True, (4, 0)),
+    "full-w3.5": (False, (3, 5)),
+}
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    docs: str  # a key of DOC_MIXES
+    heads_q: int
+    heads_kv: int
+    causal: bool
+    window: tuple[int, int] = (-1, -1)
+    scale: float | None = None
+    head_dim: int = HEAD_DIM
+
+    @property
+    def id(self) -> str:
+        mask = "causal" if self.causal else "full"
+        if self.window != (-1, -1):
+            mask += f"-w{self.window[0]}.{self.window[1]}"
+        scale = "" if self.scale is None else f"-scale{self.scale}"
+        dim = "" if self.head_dim == HEAD_DIM else f"-d{self.head_dim}"
+        return f"{self.docs}-h{self.heads_q}.{self.heads_kv}-{mask}{scale}{dim}"
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return DOC_MIXES[self.docs]
+
+    @property
+    def mask_args(self) -> dict:
+        return {"causal": self.causal, "window": self.window, "scale": self.scale}
+
+    def inputs(self) -> dict[str, Tensor]:
+        """Global fp32 q, k, v and the output gradient, the same in every process."""
+        tokens = sum(self.lengths)
+        shapes = {"q": self.heads_q, "k": self.heads_kv, "v": self.heads_kv, "dout": self.heads_q}
+        return {name: seeded(f"{self.id}/{name}", tokens, heads, self.head_dim)
+                for name, heads in shapes.items()}
+
+    def run(self, world: World) -> dict:
+        with hc.context_parallel(world.mesh):
+            return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
+
+    def attend(self, world: World, cu: Tensor, max_seqlen: int) -> dict:
+        """Forward and backward of this case's inputs, sharded with garbage in the pads, in the
+        active context; returns the local results and where the local rows come from."""
+        plan = hc.shard_plan(cu, world.mesh)
+        x = self.inputs()
+        q, k, v = (shard_with_garbage_pads(plan, x[n], f"{self.id}/{n}", world.rank).requires_grad_()
+                   for n in ("q", "k", "v"))
+        out = hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=self.causal,
+                                  softmax_scale=self.scale, window_size=self.window)
+        out.backward(shard_with_garbage_pads(plan, x["dout"], f"{self.id}/dout", world.rank))
+        return {
+            "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "global_index": plan.global_index, "unsharded_out": plan.unshard(out.detach()),
+        }
+
+
+@dataclass(frozen=True)
+class InPlaceUpdateCase(AttentionCase):
+    """Two calls in one ``context_parallel`` block: first the ``previous`` batch, then this
+    case's, written into the same ``cu_seqlens`` tensor in place. Shapes and max_seqlen are
+    equal, so only the tensor's version tells the batches apart (the context caches schedules
+    per cu_seqlens tensor); the second result must be this case's."""
+
+    previous: str = "8.8"
+
+    @property
+    def id(self) -> str:
+        return f"in-place-from-{self.previous}-{super().id}"
+
+    def run(self, world: World) -> dict:
+        cu = cu_seqlens(DOC_MIXES[self.previous])
+        longest = max(*DOC_MIXES[self.previous], *self.lengths)
+        with hc.context_parallel(world.mesh):
+            replace(self, docs=self.previous).attend(world, cu, longest)
+            cu.copy_(cu_seqlens(self.lengths))
+            return self.attend(world, cu, longest)
+
+
+def shard_with_garbage_pads(plan: hc.ShardPlan, x: Tensor, name: str, rank: int) -> Tensor:
+    """``plan.shard(x)`` with random values at the pads (as a projection's bias would leave
+    there): the pads must still not affect any real output or gradient."""
+    local = plan.shard(x)
+    garbage = seeded(f"{name}/pads", *local.shape, salt=rank) * 10
+    pads = ~plan.valid.reshape(-1, *([1] * (x.dim() - 1)))
+    return torch.where(pads, garbage, local)
+
+
+def attention_cases() -> list[AttentionCase]:
+    matrix = [
+        AttentionCase(docs, hq, hkv, causal, window)
+        for docs in MATRIX_DOCS
+        for hq, hkv in HEADS
+        for causal, window in MASKS.values()
+    ]
+    extras = [
+        AttentionCase("long", 4, 2, True, (17, 0)),  # window reaching across zigzag chunks
+        AttentionCase("mixed", 4, 1, False, (0, 0)),  # each query sees only itself
+        AttentionCase("mixed", 4, 2, True, scale=0.3),
+        InPlaceUpdateCase("16.0", 4, 2, True),
+    ]
+    return matrix + extras
+
+
+# --------------------------------------------------------------------------------------------
+# the shard plan on a real mesh
+# --------------------------------------------------------------------------------------------
+
+PAD_VALUE = -7.0
+
+
+@dataclass(frozen=True)
+class PlanCase:
+    lengths: tuple[int, ...]
+
+    @property
+    def id(self) -> str:
+        return "plan-" + ".".join(map(str, self.lengths))
+
+    def inputs(self) -> dict[str, Tensor]:
+        tokens = sum(self.lengths)
+        return {"x": seeded(f"{self.id}/x", tokens, 3), "w": seeded(f"{self.id}/w", tokens, 3)}
+
+    def run(self, world: World) -> dict:
+        plan = hc.shard_plan(cu_seqlens(self.lengths), world.mesh)
+        x = self.inputs()
+        local = plan.shard(x["x"], pad_value=PAD_VALUE)
+        leaf = local.clone().requires_grad_()
+        (plan.unshard(leaf) * x["w"]).sum().backward()
+        return {
+            "local_tokens": plan.local_tokens, "global_index": plan.global_index,
+            "valid": plan.valid, "position_ids": plan.position_ids, "sharded": local,
+            "unsharded": plan.unshard(local), "unshard_grad": leaf.grad,
+        }
+
+
+def plan_cases() -> list[PlanCase]:
+    fixed = [*DOC_MIXES.values(), (1,), (0, 5), (3, 3, 3), (8, 8, 8, 8)]
+    generator = torch.Generator().manual_seed(1234)
+    random = [
+        tuple(torch.randint(0, 30, (int(n),), generator=generator).tolist())
+        for n in torch.randint(1, 8, (6,), generator=generator)
+    ]
+    return [PlanCase(lengths) for lengths in fixed + random]
+
+
+# --------------------------------------------------------------------------------------------
+# invalid input under CP: every rank must raise, none may hang
+# --------------------------------------------------------------------------------------------
+
+ERROR_DOCS = (5, 0, 9)
+
+
+class ErrorSetup:
+    """Valid local shards for ``ERROR_DOCS`` (Hq=4, Hkv=2) and a call that overrides any
+    argument of ``varlen_attention``."""
+
+    def __init__(self, world: World, heads_q: int = 4, heads_kv: int = 2):
+        self.world, self.rank = world, world.rank
+        self.cu = cu_seqlens(ERROR_DOCS)
+        self.plan = hc.shard_plan(self.cu, world.mesh)
+        tokens, name = sum(ERROR_DOCS), f"errors-h{heads_q}.{heads_kv}"
+        self.q, self.k, self.v = (
+            self.plan.shard(seeded(f"{name}/{n}", tokens, heads, HEAD_DIM))
+            for n, heads in (("q", heads_q), ("k", heads_kv), ("v", heads_kv))
+        )
+        self.longest = max(ERROR_DOCS)
+
+    def attend(self, options: dict | None = None, context=None, **overrides):
+        """``varlen_attention`` on the valid inputs with ``overrides``, inside ``context`` or
+        a new ``context_parallel(mesh, **options)``."""
+        args = {"q": self.q, "k": self.k, "v": self.v, "cu_seqlens_q": self.cu,
+                "cu_seqlens_k": self.cu, "max_seqlen_q": self.longest,
+                "max_seqlen_k": self.longest, "causal": True, **overrides}
+        with context or hc.context_parallel(self.world.mesh, **(options or {})):
+            return hc.varlen_attention(**args)
+
+
+@dataclass(frozen=True)
+class ErrorCase:
+    """``action`` runs on every rank. Ranks in ``bad_ranks`` (all when None) must raise
+    ``error`` with ``match`` in the message; the others a RuntimeError naming another rank."""
+
+    id: str
+    action: Callable[[ErrorSetup], object] = field(compare=False)
+    error: type[BaseException] = hc.InputError
+    match: str = ""
+    bad_ranks: tuple[int, ...] | None = None
+    heads: tuple[int, int] = (4, 2)
+
+    def run(self, world: World) -> dict:
+        self.action(ErrorSetup(world, *self.heads))
+        return {}
+
+    def expects_own_error(self, rank: int) -> bool:
+        return self.bad_ranks is None or rank in self.bad_ranks
+
+
+def only_on(rank: int, bad, good):
+    """``bad`` on global rank ``rank`` alone (one rank gets invalid input), ``good`` elsewhere."""
+    return bad if dist.get_rank() == rank else good
+
+
+def short_timeout_groups(world: World, seconds: float) -> tuple:
+    """``(ulysses_group, ring_group)`` of this rank with a short collective timeout, so that a
+    hang turns into a timely error. Every rank creates every group, in the same order."""
+    timeout = datetime.timedelta(seconds=seconds)
+    mine = {}
+    for r in range(world.ring):
+        ranks = [r * world.ulysses + a for a in range(world.ulysses)]
+        group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if world.rank in ranks:
+            mine["ulysses"] = group
+    for a in range(world.ulysses):
+        ranks = [r * world.ulysses + a for r in range(world.ring)]
+        group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if world.rank in ranks:
+            mine["ring"] = group
+    return mine["ulysses"], mine["ring"]
+
+
+def _bad_rank_after_cached_call(s: ErrorSetup):
+    """A valid call first (its validation and schedule are cached), then rank 1 alone passes
+    a wrongly sized q to the same context: all ranks must still raise together."""
+    groups = short_timeout_groups(s.world, seconds=4)
+    context = hc.context_parallel(groups)
+    s.attend(context=context)
+    s.attend(context=context, q=only_on(1, s.q[:-1], s.q))
+
+
+def _attend_as_is(s: ErrorSetup):
+    return s.attend()
+
+
+ONE_BAD_RANK = ErrorCase("one-rank-q-wrong-size", lambda s: s.attend(q=only_on(1, s.q[:-1], s.q)),
+                         match="q: has", bad_ranks=(1,))
+
+
+def error_cases() -> list[ErrorCase]:
+    """For ``ERROR_MESH`` (ulysses=2, ring=2, 4 ranks)."""
+    two_d = lambda s: s.cu.reshape(1, -1)  # noqa: E731
+    decreasing = torch.tensor([0, 9, 5, 14], dtype=torch.int32)
+    return [
+        ErrorCase("cu-int64", lambda s: s.attend(cu_seqlens_q=s.cu.long(), cu_seqlens_k=s.cu.long()),
+                  match="cu_seqlens_q: expected dtype torch.int32"),
+        ErrorCase("cu-2d", lambda s: s.attend(cu_seqlens_q=two_d(s), cu_seqlens_k=two_d(s)),
+                  match="cu_seqlens_q: expected a 1-D tensor"),
+        ErrorCase("cu-not-from-0", lambda s: s.attend(cu_seqlens_q=s.cu + 1, cu_seqlens_k=s.cu + 1),
+                  match="cu_seqlens_q: must start at 0"),
+        ErrorCase("cu-decreasing", lambda s: s.attend(cu_seqlens_q=decreasing, cu_seqlens_k=decreasing),
+                  match="cu_seqlens_q: must be non-decreasing"),
+        ErrorCase("cu-last-entry-too-large",
+                  lambda s: s.attend(cu_seqlens_q=cu_seqlens(ERROR_DOCS + (9,)),
+                                     cu_seqlens_k=cu_seqlens(ERROR_DOCS + (9,))),
+                  match="q: has"),
+        ErrorCase("q-not-sharded", lambda s: s.attend(q=seeded("g", sum(ERROR_DOCS), 4, HEAD_DIM)),
+                  match="q: has 14 tokens"),
+        ErrorCase("k-v-not-sharded", lambda s: s.attend(k=s.k[:-2], v=s.v[:-2]), match="k: has"),
+        ErrorCase("hq-not-divisible-by-ulysses", _attend_as_is, heads=(3, 1),
+                  match="q: 3 query heads cannot be split over ulysses=2"),
+        ErrorCase("hkv-neither-divides-nor-divisible", _attend_as_is, heads=(6, 3),
+                  match="k: 3 key/value heads must divide or be divisible by ulysses=2"),
+        ErrorCase("cu-q-differs-from-cu-k",
+                  lambda s: s.attend(cu_seqlens_k=cu_seqlens((9, 0, 5))), match="cu_seqlens_k"),
+        ErrorCase("max-seqlen-q-differs-from-k", lambda s: s.attend(max_seqlen_k=s.longest + 1),
+                  match="max_seqlen_k: must equal max_seqlen_q"),
+        ErrorCase("max-seqlen-too-small",
+                  lambda s: s.attend(max_seqlen_q=s.longest - 1, max_seqlen_k=s.longest - 1),
+                  match="max_seqlen_q: got 8 but the longest document"),
+        ErrorCase("window-negative", lambda s: s.attend(window_size=(-2, 0)), match="window_size"),
+        ErrorCase("window-not-a-pair", lambda s: s.attend(window_size=(3,)), match="window_size"),
+        ErrorCase("kernel-unknown", lambda s: s.attend(options={"kernel": "fast"}),
+                  match="kernel: expected one of"),
+        ErrorCase("kernel-flash-on-cpu", lambda s: s.attend(options={"kernel": "flash"}),
+                  match="kernel='flash' needs CUDA"),
+        ErrorCase("make-mesh-world-size", lambda s: hc.make_mesh(ulysses=1, ring=2, device_type="cpu"),
+                  error=ValueError, match="world size is 4 but ulysses * ring = 1 * 2 = 2"),
+        ErrorCase("shard-plan-cu-int64", lambda s: hc.shard_plan(s.cu.long(), s.world.mesh),
+                  match="cu_seqlens: expected dtype torch.int32"),
+        ErrorCase("plan-shard-token-count", lambda s: s.plan.shard(seeded("x", 13, 2)),
+                  match="x: expected the global packed tensor with 14 tokens"),
+        ErrorCase("one-rank-cu-int64",
+                  lambda s: s.attend(cu_seqlens_q=only_on(3, s.cu.long(), s.cu)),
+                  match="cu_seqlens_q: expected dtype", bad_ranks=(3,)),
+        ErrorCase("one-rank-unshard-wrong-size",
+                  lambda s: s.plan.unshard(only_on(1, s.q[:-1], s.q)),
+                  match="x_local: expected this rank's shard", bad_ranks=(1,)),
+        # last: if it hangs, the short-timeout groups it uses may be broken afterwards
+        ErrorCase("one-rank-bad-after-cached-call", _bad_rank_after_cached_call,
+                  match="q: has", bad_ranks=(1,)),
+    ]
+
+
+def suite(mesh: tuple[int, int]) -> list:
+    """Every case run in the world of ``mesh``, in order."""
+    cases = [*attention_cases(), *plan_cases(), ONE_BAD_RANK]
+    if mesh == ERROR_MESH:
+        cases += error_cases()
+    return cases

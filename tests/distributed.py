@@ -1,0 +1,187 @@
+"""Run many test cases inside one multi-process gloo world per context-parallel mesh.
+
+The parent (pytest) calls :func:`run_world` once per ``(ulysses, ring)`` mesh: it starts the
+world's ranks as subprocesses of this file, each rank runs every case of
+``cp_cases.suite(mesh)`` in order and saves one record per case right after running it, and
+the parent collects the records. A case that raises is recorded (exception type and message),
+not fatal; a world that crashes or hangs is killed at its deadline and the cases it did not
+finish report that. Processes are started once per mesh, never per test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+WORLD_DEADLINE_S = 240  # a whole world, process start-up included
+COLLECTIVE_TIMEOUT_S = 60  # gloo's timeout inside the workers: a mismatch errors, not hangs
+FAILED_PEER_GRACE_S = 10  # how long the other ranks may go on after one rank died
+
+
+@dataclass
+class CaseRecord:
+    """What one rank reported for one case."""
+
+    value: dict | None = None  # the case's result, when it returned
+    error_types: tuple[str, ...] = ()  # qualified names of the raised exception's classes
+    message: str = ""
+    traceback: str = ""
+
+    @property
+    def raised(self) -> bool:
+        return bool(self.error_types)
+
+    def raised_instance_of(self, cls: type) -> bool:
+        return qualified_name(cls) in self.error_types
+
+    def describe(self) -> str:
+        if not self.raised:
+            return "returned normally"
+        return f"raised {self.error_types[0]}: {self.message}"
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass
+class WorldResults:
+    mesh: tuple[int, int]
+    records: dict[str, dict[int, CaseRecord]]  # case id -> rank -> record
+    return_codes: list[int | None]
+    log: str
+
+    @property
+    def size(self) -> int:
+        return self.mesh[0] * self.mesh[1]
+
+    def per_rank(self, case_id: str) -> list[CaseRecord]:
+        """Every rank's record of a case; fails the test when some rank has none."""
+        by_rank = self.records.get(case_id, {})
+        missing = [r for r in range(self.size) if r not in by_rank]
+        if missing:
+            raise AssertionError(
+                f"ranks {missing} of mesh ulysses x ring = {self.mesh} left no result for "
+                f"{case_id!r} (exit codes {self.return_codes}); end of the world's log:\n"
+                f"{self.log[-4000:]}"
+            )
+        return [by_rank[r] for r in range(self.size)]
+
+    def values(self, case_id: str) -> list[dict]:
+        """Every rank's returned value; fails the test when some rank raised instead."""
+        records = self.per_rank(case_id)
+        for rank, record in enumerate(records):
+            if record.raised:
+                raise AssertionError(f"rank {rank} {record.describe()}\n{record.traceback}")
+        return [record.value for record in records]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(ulysses: int, ring: int, deadline_s: float = WORLD_DEADLINE_S) -> WorldResults:
+    """Start ``ulysses * ring`` ranks, run the mesh's suite in each, collect the records."""
+    world = ulysses * ring
+    with tempfile.TemporaryDirectory(prefix="hcp_world_") as tmp:
+        out = Path(tmp)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+        with open(out / "log.txt", "w") as log:
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, __file__, f"--rank={rank}", f"--ulysses={ulysses}",
+                     f"--ring={ring}", f"--out={out}"],
+                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                )
+                for rank in range(world)
+            ]
+            try:
+                return_codes = _wait_all(procs, time.monotonic() + deadline_s)
+            finally:  # also when the wait is interrupted: no rank outlives the call
+                _kill_running(procs)
+        records: dict[str, dict[int, CaseRecord]] = {}
+        for path in sorted(out.glob("*.pt")):
+            saved = torch.load(path, weights_only=False)
+            case_id, rank = saved.pop("key")
+            records.setdefault(case_id, {})[rank] = CaseRecord(**saved)
+        log_text = (out / "log.txt").read_text()
+    return WorldResults((ulysses, ring), records, return_codes, log_text)
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
+    """Exit codes once every process ended, or at ``deadline``, or a grace period after one of
+    them failed (its peers would wait for it in a collective); None for those still running."""
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
+        time.sleep(0.05)
+    return [proc.poll() for proc in procs]
+
+
+def _kill_running(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:  # each by its own handle: only the processes this module started
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# worker side
+# --------------------------------------------------------------------------------------------
+
+def _record_of(run) -> dict:
+    """The fields of a :class:`CaseRecord` (saved as a plain dict: this module is
+    ``__main__`` in the workers, so its classes would not unpickle in the parent)."""
+    try:
+        value = run()
+    except Exception as exc:  # noqa: BLE001 - every failure is a result to report
+        return {"error_types": tuple(qualified_name(c) for c in type(exc).__mro__),
+                "message": str(exc), "traceback": traceback.format_exc()}
+    return {"value": _detached(value)}
+
+
+def _detached(value: dict) -> dict:
+    return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in value.items()}
+
+
+def _worker(rank: int, ulysses: int, ring: int, out: Path) -> None:
+    import cp_cases  # importable here: this file's folder is the worker's sys.path[0]
+    import hcp_compile as hc
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=ulysses * ring,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    world = cp_cases.World(hc.make_mesh(ulysses, ring, "cpu"), rank, ulysses, ring)
+    for index, case in enumerate(cp_cases.suite((ulysses, ring))):
+        record = _record_of(lambda: case.run(world))
+        path = out / f"{index:04d}.rank{rank}.pt"
+        torch.save({"key": (case.id, rank), **record}, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)  # the parent never sees a half-written record
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    for name in ("rank", "ulysses", "ring"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    _worker(args.rank, args.ulysses, args.ring, args.out)

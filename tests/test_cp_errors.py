@@ -1,0 +1,21 @@
+"""Invalid input under CP: every rank raises, naming the argument, and no rank hangs; when a
+single rank gets invalid input, the others raise a RuntimeError pointing at another rank."""
+
+import pytest
+
+from checks import assert_raised
+from cp_cases import ERROR_MESH, MESHES, ONE_BAD_RANK, error_cases, mesh_id
+
+CASES = [pytest.param(ERROR_MESH, case, id=f"{mesh_id(ERROR_MESH)}-{case.id}")
+         for case in error_cases()]
+CASES += [pytest.param(mesh, ONE_BAD_RANK, id=f"{mesh_id(mesh)}-{ONE_BAD_RANK.id}")
+          for mesh in MESHES]
+
+
+@pytest.mark.parametrize("mesh, case", CASES)
+def test_invalid_input_raises_on_every_rank(cp_world, mesh, case):
+    for rank, record in enumerate(cp_world(mesh).per_rank(case.id)):
+        if case.expects_own_error(rank):
+            assert_raised(record, case.error, case.match, f"rank {rank}")
+        else:
+            assert_raised(record, RuntimeError, "another rank", f"rank {rank}")

@@ -1,0 +1,197 @@
+"""``hcp_compile.varlen_attention`` with no CP active, its input validation, and ``opcheck`` of
+the custom ops ``torch.ops.hcp.varlen_attention`` / ``block_forward`` / ``block_backward``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hcp_compile as hc
+from attention_reference import reference_with_grads
+from checks import assert_matches, expected_for
+from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded
+
+
+def attention_with_grads(q, k, v, dout, cu_q, cu_k, **kwargs) -> dict[str, torch.Tensor]:
+    """``hc.varlen_attention`` (no CP) and the gradients of ``sum(out * dout)``."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    max_k = int((cu_k[1:] - cu_k[:-1]).max())
+    out = hc.varlen_attention(*leaves, cu_q, cu_k, max_q, max_k, **kwargs)
+    out.backward(dout)
+    return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+
+def assert_all_match(got: dict, expected: dict, **tol) -> None:
+    for name in ("out", "dq", "dk", "dv"):
+        assert_matches(got[name], expected[name], name, **tol)
+
+
+@pytest.mark.parametrize("case", attention_cases(), ids=lambda c: c.id)
+def test_matches_reference(case: AttentionCase):
+    x, cu = case.inputs(), cu_seqlens(case.lengths)
+    got = attention_with_grads(x["q"], x["k"], x["v"], x["dout"], cu, cu, causal=case.causal,
+                               softmax_scale=case.scale, window_size=case.window)
+    assert_all_match(got, expected_for(case))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_cross_attention_with_different_query_and_key_documents(heads):
+    """cu_seqlens_q != cu_seqlens_k, non-causal; includes docs with queries and no keys (their
+    output is 0) and keys but no queries."""
+    q_lengths, k_lengths = (3, 0, 5, 2, 4), (4, 2, 7, 0, 1)
+    cu_q, cu_k = cu_seqlens(q_lengths), cu_seqlens(k_lengths)
+    q = seeded("cross/q", sum(q_lengths), heads[0], HEAD_DIM)
+    k, v = (seeded(f"cross/{n}", sum(k_lengths), heads[1], HEAD_DIM) for n in "kv")
+    dout = seeded("cross/dout", sum(q_lengths), heads[0], HEAD_DIM)
+    got = attention_with_grads(q, k, v, dout, cu_q, cu_k, causal=False)
+    expected = reference_with_grads(q, k, v, dout, cu_q.tolist(), cu_k.tolist(), causal=False)
+    assert_all_match(got, expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=5).filter(any).map(tuple),
+    heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+    causal=st.booleans(),
+    window=st.tuples(st.integers(-1, 6), st.integers(-1, 6)),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_reference_on_random_documents(lengths, heads, causal, window, seed):
+    cu, tokens = cu_seqlens(lengths), sum(lengths)
+    q, dout = (seeded(f"{seed}/{n}", tokens, heads[0], HEAD_DIM) for n in ("q", "dout"))
+    k, v = (seeded(f"{seed}/{n}", tokens, heads[1], HEAD_DIM) for n in ("k", "v"))
+    got = attention_with_grads(q, k, v, dout, cu, cu, causal=causal, window_size=window)
+    expected = reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=causal,
+                                    window=window)
+    assert_all_match(got, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# input validation (no CP)
+# --------------------------------------------------------------------------------------------
+
+DOCS = (5, 0, 9)
+CU = cu_seqlens(DOCS)
+Q = seeded("errors/q", 14, 4, HEAD_DIM)
+KV = seeded("errors/kv", 14, 2, HEAD_DIM)
+INT32 = torch.int32
+
+
+def call(**overrides):
+    args = {"q": Q, "k": KV, "v": KV, "cu_seqlens_q": CU, "cu_seqlens_k": CU,
+            "max_seqlen_q": 9, "max_seqlen_k": 9, "causal": True}
+    return hc.varlen_attention(**{**args, **overrides})
+
+
+INVALID_CALLS = {
+    "cu-q-int64": ({"cu_seqlens_q": CU.long()}, "cu_seqlens_q: expected dtype torch.int32"),
+    "cu-k-int64": ({"cu_seqlens_k": CU.long()}, "cu_seqlens_k: expected dtype torch.int32"),
+    "cu-2d": ({"cu_seqlens_q": CU.reshape(1, -1)}, "cu_seqlens_q: expected a 1-D tensor"),
+    "cu-single-entry": ({"cu_seqlens_q": CU[:1]}, "cu_seqlens_q: expected a 1-D tensor"),
+    "cu-not-from-0": ({"cu_seqlens_q": CU + 1}, "cu_seqlens_q: must start at 0"),
+    "cu-decreasing": ({"cu_seqlens_k": torch.tensor([0, 9, 5, 14], dtype=INT32)},
+                      "cu_seqlens_k: must be non-decreasing"),
+    "cu-q-last-entry": ({"cu_seqlens_q": cu_seqlens((5, 0, 8))},
+                        "cu_seqlens_q: last entry is 13 but q has 14 tokens"),
+    "cu-k-last-entry": ({"cu_seqlens_k": cu_seqlens((5, 0, 10))},
+                        "cu_seqlens_k: last entry is 15 but k has 14 tokens"),
+    "cu-doc-counts-differ": ({"cu_seqlens_k": cu_seqlens((5, 9)), "causal": False},
+                             "cu_seqlens_q, cu_seqlens_k: expected the same number of documents"),
+    "max-seqlen-q-too-small": ({"max_seqlen_q": 8}, "max_seqlen_q: got 8 but the longest"),
+    "max-seqlen-k-too-small": ({"max_seqlen_k": 3}, "max_seqlen_k: got 3 but the longest"),
+    "max-seqlen-not-int": ({"max_seqlen_q": 9.0}, "max_seqlen_q: got 9.0"),
+    "window-below-minus-1": ({"window_size": (-2, 0)}, "window_size"),
+    "window-one-entry": ({"window_size": (3,)}, "window_size"),
+    "window-float": ({"window_size": (1.5, 0)}, "window_size"),
+    "q-2d": ({"q": Q[:, 0]}, "q: expected a tensor of shape [tokens, heads, head_dim]"),
+    "k-v-shapes-differ": ({"v": KV[:, :1]}, "k, v: expected equal shapes"),
+    "head-dims-differ": ({"k": KV[..., :4], "v": KV[..., :4]}, "q, k: head_dim differs"),
+    "dtypes-differ": ({"v": KV.double()}, "q, k, v: expected one dtype"),
+    "gqa-heads-not-multiple": ({"q": seeded("q3", 14, 3, HEAD_DIM)},
+                               "q, k: query heads (3) must be a multiple of key/value heads (2)"),
+}
+
+
+@pytest.mark.parametrize("overrides, match", INVALID_CALLS.values(), ids=INVALID_CALLS.keys())
+def test_invalid_input_raises_input_error_naming_the_argument(overrides, match):
+    with pytest.raises(hc.InputError, match=re.escape(match)):
+        call(**overrides)
+
+
+def test_unknown_kernel_is_rejected():
+    with pytest.raises(hc.InputError, match="kernel: expected one of"):
+        torch.ops.hcp.varlen_attention(Q, KV, KV, CU, CU, 9, 9, True, 0.3, -1, -1, "fast")
+    with pytest.raises(hc.InputError, match="kernel: expected one of"):
+        hc.CPOptions(kernel="fast")
+
+
+def test_flash_kernel_is_rejected_on_cpu():
+    with pytest.raises(hc.InputError, match="kernel='flash' needs CUDA"):
+        torch.ops.hcp.varlen_attention(Q, KV, KV, CU, CU, 9, 9, True, 0.3, -1, -1, "flash")
+
+
+def test_make_mesh_rejects_bad_sizes_and_missing_process_group():
+    with pytest.raises(ValueError, match="make_mesh: ulysses must be a positive int"):
+        hc.make_mesh(ulysses=0, ring=1)
+    with pytest.raises(ValueError, match="make_mesh: ring must be a positive int"):
+        hc.make_mesh(ulysses=1, ring=2.0)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        hc.make_mesh(ulysses=1, ring=1)
+
+
+def test_shard_plan_rejects_something_that_is_not_a_mesh():
+    with pytest.raises(TypeError, match="mesh: expected a DeviceMesh"):
+        hc.shard_plan(CU, "not a mesh")
+
+
+# --------------------------------------------------------------------------------------------
+# opcheck: schema, fake (meta) kernels, autograd registration, AOT dispatch
+# --------------------------------------------------------------------------------------------
+
+OPCHECK_HEADS = [pytest.param((4, 4), id="mha"), pytest.param((4, 2), id="gqa")]
+OPCHECK_MASKS = {  # (causal, window, positions: the block ops get global ones under a window)
+    "causal": (True, (-1, -1), None),
+    "window": (False, (2, 1), torch.arange(14)),
+}
+SCALE = 0.35
+
+
+def qkv(heads: tuple[int, int]) -> list[torch.Tensor]:
+    heads_q, heads_kv = heads
+    return [seeded("opcheck/q", 14, heads_q, HEAD_DIM), seeded("opcheck/k", 14, heads_kv, HEAD_DIM),
+            seeded("opcheck/v", 14, heads_kv, HEAD_DIM)]
+
+
+def block_args(mask: str) -> tuple:
+    """The arguments of block_forward/backward after the tensors."""
+    causal, (left, right), positions = OPCHECK_MASKS[mask]
+    return (CU, CU, 9, 9, causal, SCALE, left, right, positions, positions, "torch")
+
+
+@pytest.mark.parametrize("mask", OPCHECK_MASKS)
+@pytest.mark.parametrize("heads", OPCHECK_HEADS)
+def test_opcheck_varlen_attention(heads, mask):
+    causal, (left, right), _ = OPCHECK_MASKS[mask]
+    leaves = [t.requires_grad_() for t in qkv(heads)]
+    torch.library.opcheck(torch.ops.hcp.varlen_attention,
+                          (*leaves, CU, CU, 9, 9, causal, SCALE, left, right, "auto"))
+
+
+@pytest.mark.parametrize("mask", OPCHECK_MASKS)
+@pytest.mark.parametrize("heads", OPCHECK_HEADS)
+def test_opcheck_block_forward(heads, mask):
+    torch.library.opcheck(torch.ops.hcp.block_forward, (*qkv(heads), *block_args(mask)))
+
+
+@pytest.mark.parametrize("mask", OPCHECK_MASKS)
+@pytest.mark.parametrize("heads", OPCHECK_HEADS)
+def test_opcheck_block_backward(heads, mask):
+    q, k, v = qkv(heads)
+    out, lse = torch.ops.hcp.block_forward(q, k, v, *block_args(mask))
+    dout = seeded("opcheck/dout", *q.shape)
+    torch.library.opcheck(torch.ops.hcp.block_backward, (dout, q, k, v, out, lse, *block_args(mask)))
