@@ -57,6 +57,19 @@ def time_fwd_bwd(fn, inputs: list[torch.Tensor], warmup: int, iters: int) -> flo
     return sorted(times)[len(times) // 2]
 
 
+def profile_one_step(fn, inputs: list[torch.Tensor], out_dir: str) -> None:
+    """A Chrome trace of one forward + backward per rank, and rank 0's top CUDA ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*inputs).sum().backward()
+        torch.cuda.synchronize()
+    os.makedirs(out_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(out_dir, f"trace_rank{dist.get_rank()}.json"))
+    if dist.get_rank() == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ulysses", type=int, required=True)
@@ -68,10 +81,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", metavar="DIR", help="also trace one CP iteration into DIR")
     args = parser.parse_args()
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    # CPU tensors go through gloo: the per-call input agreement then waits for no GPU work
+    dist.init_process_group("cpu:gloo,cuda:nccl")
     mesh = hcp_compile.make_mesh(args.ulysses, args.ring, "cuda")
     lengths = packed_lengths(args.tokens, args.docs, seed=0)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -91,6 +106,8 @@ def main() -> None:
     local = [plan.shard(t).requires_grad_() for t in (q, k, v)]
     with hcp_compile.context_parallel(mesh, kernel="flash"):
         cp_ms = time_fwd_bwd(attention, local, args.warmup, args.iters)
+        if args.profile:
+            profile_one_step(attention, local, args.profile)
 
     world = dist.get_world_size()
     flops = causal_flops(lengths, args.heads, args.head_dim)

@@ -192,6 +192,7 @@ class Result:
     dq: Tensor
     dk: Tensor
     dv: Tensor
+    pad_max: float = 0.0  # CP only: largest |value| of the local output or gradients on pads
 
     def tensors(self) -> dict[str, Tensor]:
         return {"out": self.out, "dq": self.dq, "dk": self.dk, "dv": self.dv}
@@ -210,20 +211,32 @@ def single_device(batch: PackedBatch, causal: bool, dtype: torch.dtype | None = 
     return Result(out.detach(), q.grad, k.grad, v.grad)
 
 
+PAD_FILL = 7.0
+
+
 def context_parallel(
     batch: PackedBatch, mesh, plan: hcp_compile.ShardPlan, causal: bool, kernel: str = "auto"
 ) -> Result:
     """Hierarchical CP attention on this rank's shards, backward, then unshard everything.
 
+    Pads are filled with a non-zero value on the way in (inputs and output gradient), and the
+    largest |value| on pads of the local output and gradients, over all ranks, is reported:
+    the contract says it is 0.
+
     Collective: every rank of ``mesh`` must call it."""
-    q, k, v = (plan.shard(t).requires_grad_() for t in (batch.q, batch.k, batch.v))
+    q, k, v = (plan.shard(t, PAD_FILL).requires_grad_() for t in (batch.q, batch.k, batch.v))
     with hcp_compile.context_parallel(mesh, kernel=kernel):
         out = hcp_compile.varlen_attention(
             q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
             causal=causal,
         )
-    out.backward(plan.shard(batch.dout))
-    return Result(*(plan.unshard(t) for t in (out.detach(), q.grad, k.grad, v.grad)))
+    out.backward(plan.shard(batch.dout, PAD_FILL))
+    local = (out.detach(), q.grad, k.grad, v.grad)
+    pad = ~plan.valid.reshape(-1, 1, 1)
+    pad_max = torch.stack([torch.where(pad, t, 0).abs().amax() for t in local]).amax()
+    pad_max = pad_max.float().reshape(1)
+    dist.all_reduce(pad_max, op=dist.ReduceOp.MAX)
+    return Result(*(plan.unshard(t) for t in local), pad_max=pad_max.item())
 
 
 # --------------------------------------------------------------------------- comparing
@@ -247,10 +260,11 @@ class Comparison:
     errors: dict[str, float]  # max abs error of out, dq, dk, dv
     ratio: float  # worst bound_ratio over the four
     tol: float
+    pad_max: float  # must be 0: pads give output 0 and no gradient
 
     @property
     def ok(self) -> bool:
-        return self.ratio <= 1.0
+        return self.ratio <= 1.0 and self.pad_max == 0
 
 
 def compare(actual: Result, expected: Result, tol: float) -> Comparison:
@@ -258,7 +272,7 @@ def compare(actual: Result, expected: Result, tol: float) -> Comparison:
     pairs = list(zip(actual.tensors().values(), expected.tensors().values()))
     errors = {name: max_abs_error(a, e) for name, (a, e) in zip(GRADIENTS, pairs)}
     ratio = max(bound_ratio(a, e, tol) for a, e in pairs)
-    return Comparison(errors, ratio, tol)
+    return Comparison(errors, ratio, tol, actual.pad_max)
 
 
 def rank_layout(mesh, plan: hcp_compile.ShardPlan) -> list[list[int]]:

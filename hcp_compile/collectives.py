@@ -9,19 +9,23 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 
-def scatter_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> list[Tensor]:
-    """Ulysses exchange: ``[T_local, H_i, D]`` with all heads -> ``[size * T_local, H_i / size, D]``
-    with this rank's head slice of the ring stream; all tensors travel in one all-to-all."""
+def scatter_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> Tensor:
+    """Ulysses exchange in one all-to-all: ``[T_local, H_i, D]`` with all heads ->
+    ``[size * T_local, sum(H_i) / size, D]``, this rank's head slice of every tensor (in
+    order) over the whole ring stream, one contiguous tensor."""
     if size == 1:
-        return list(tensors)
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
     tokens, dim = tensors[0].shape[0], tensors[0].shape[2]
     widths = [t.shape[1] // size for t in tensors]
     # [size, T_local, sum(widths), D]: block j holds the heads that go to Ulysses rank j
-    send = torch.cat([t.reshape(tokens, size, w, dim).transpose(0, 1) for t, w in zip(tensors, widths)], 2)
-    received = funcol.all_to_all_single(send.reshape(-1), None, None, group)
+    send = tensors[0].new_empty((size, tokens, sum(widths), dim))
+    offset = 0
+    for t, width in zip(tensors, widths):
+        send[:, :, offset : offset + width].copy_(t.view(tokens, size, width, dim).transpose(0, 1))
+        offset += width
+    received = funcol.all_to_all_single(send.view(-1), None, None, group)
     # the blocks from Ulysses ranks 0..size-1, concatenated, are the ring stream
-    received = funcol.wait_tensor(received).view(size * tokens, sum(widths), dim)
-    return list(received.split(widths, dim=1))
+    return funcol.wait_tensor(received).view(size * tokens, sum(widths), dim)
 
 
 def gather_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> list[Tensor]:
@@ -32,7 +36,7 @@ def gather_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> 
     tokens = stream // size
     widths = [t.shape[1] for t in tensors]
     send = torch.cat([t.reshape(size, tokens, w, dim) for t, w in zip(tensors, widths)], 2)
-    received = funcol.all_to_all_single(send.reshape(-1), None, None, group)
+    received = funcol.all_to_all_single(send.view(-1), None, None, group)
     received = funcol.wait_tensor(received).view(size, tokens, sum(widths), dim)
     return [
         part.transpose(0, 1).reshape(tokens, size * w, dim)
@@ -53,7 +57,7 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Tensor:
     """Send ``x`` to ring rank ``rank + 1`` and receive the same shape from ``rank - 1``.
 
-    Returns the (possibly not yet waited) flat received tensor; view it as ``x.shape`` at use.
+    Returns the flat received tensor, not yet waited for: read it through :func:`arrived`.
     An all-to-all with one non-zero split is the point-to-point transfer that both torch 2.11
     and later support as a functional collective; it is correct only for 1-D tensors.
     """
@@ -65,6 +69,6 @@ def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Ten
     return funcol.all_to_all_single(flat, recv, send, group)
 
 
-def complete(x: Tensor) -> None:
-    """Wait for a transfer whose data a skipped step does not read, so none is left pending."""
-    funcol.wait_tensor(x)
+def arrived(x: Tensor, shape: torch.Size) -> Tensor:
+    """Wait for a transfer issued by :func:`ring_shift` and view it as ``shape``."""
+    return funcol.wait_tensor(x).view(shape)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import kernels  # noqa: F401  (registers torch.ops.hcp.block_*)
-from .collectives import complete, gather_heads, ring_shift, scatter_heads
+from .collectives import arrived, gather_heads, ring_shift, scatter_heads
 from .kernels.precision import accumulate_dtype
 from .layout import StepKind
 from .mesh import CPGroups
@@ -31,9 +31,9 @@ def _block_args(step: RingStep, sched: RingSchedule) -> tuple:
 def merge_partials(
     out: Tensor | None, lse: Tensor | None, block_out: Tensor, block_lse: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Merge of two partial softmax results in the lse's precision (fp32, or float64 for
-    float64 inputs); rows seen by neither stay (0, -inf)."""
-    block_out = block_out.to(block_lse.dtype)
+    """Merge a block's partial softmax result into the running one, in the lse's precision
+    (fp32, or float64 for float64 inputs); rows seen by neither stay (0, -inf). The first
+    block is taken as it is, so a one-step ring converts nothing."""
     if out is None:
         return block_out, block_lse
     merged = torch.logaddexp(lse, block_lse)
@@ -45,65 +45,62 @@ def merge_partials(
 
 
 def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -> tuple[Tensor, Tensor]:
-    """Merged ``(out, lse)`` of the local queries against every ring rank's KV."""
+    """Merged ``(out, lse)`` of the local queries against every ring rank's KV. Pad rows
+    come out as (0, -inf): the step segmentation gives them no keys."""
     ring, rank = groups.ring_size, groups.ring_rank
     kv_heads = kv.shape[1] // 2
-    out = lse = None
-    current = kv
+    out = lse = incoming = None
     for index, step in enumerate(sched.steps):
+        current = kv if index == 0 else arrived(incoming, kv.shape)
         # issue the next transfer before this step's compute, so the two can overlap
         incoming = ring_shift(current, groups.ring_group, rank, ring) if index + 1 < ring else None
         if step.active:
-            k, v = current.view(kv.shape).split(kv_heads, dim=1)
+            k, v = current.split(kv_heads, dim=1)
             block_out, block_lse = torch.ops.hcp.block_forward(q, k, v, *_block_args(step, sched))
             out, lse = merge_partials(out, lse, block_out, block_lse)
-        elif index > 0:
-            complete(current)  # received but not read: finish it all the same
-        current = incoming
     if out is None:
-        acc = accumulate_dtype(q.dtype)
-        out = q.new_zeros(q.shape, dtype=acc)
-        lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc)
-    pad = ~sched.valid
-    return (
-        out.masked_fill(pad[:, None, None], 0).to(q.dtype),
-        lse.masked_fill(pad[None, :], float("-inf")),
-    )
+        out = torch.zeros_like(q)
+        lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype))
+    return out.to(q.dtype), lse
 
 
 def ring_backward(
     dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, sched: RingSchedule,
     groups: CPGroups,
 ) -> tuple[Tensor, Tensor]:
-    """``(dq, dkv)``, accumulated in fp32 (float64 for float64 inputs). KV travels R-1 hops
-    as in the forward; a dKV accumulator travels with it, R hops, and arrives back at its
-    owner after the last step."""
+    """``(dq, dkv)``. KV travels R-1 hops as in the forward; a dKV accumulator travels with
+    it, R hops, and arrives back at its owner after the last step. Sums of several blocks
+    are kept in fp32 (float64 for float64 inputs); a block's own gradient and the finished
+    sum travel in the input dtype, which rounds nothing that the result would not."""
     ring, rank = groups.ring_size, groups.ring_rank
     kv_heads = kv.shape[1] // 2
-    dout = dout.masked_fill(~sched.valid[:, None, None], 0)
     acc = accumulate_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    current, travelling = kv, None
+    dq = incoming = travelling = None
     for index, step in enumerate(sched.steps):
+        current = kv if index == 0 else arrived(incoming, kv.shape)
         incoming = ring_shift(current, groups.ring_group, rank, ring) if index + 1 < ring else None
         dkv = None
         if step.active:
-            k, v = current.view(kv.shape).split(kv_heads, dim=1)
+            k, v = current.split(kv_heads, dim=1)
             dq_block, dk_block, dv_block = torch.ops.hcp.block_backward(
                 dout, q, k, v, out, lse, *_block_args(step, sched)
             )
-            dq += dq_block
-            dkv = torch.cat([dk_block, dv_block], dim=1).to(acc)
-        elif index > 0:
-            complete(current)
+            dq = dq_block if dq is None else dq.to(acc) + dq_block
+            dkv = torch.cat([dk_block, dv_block], dim=1)
         if travelling is not None:
-            received = travelling.view(kv.shape)
+            received = arrived(travelling, kv.shape).to(acc)
             dkv = received if dkv is None else received + dkv
         if dkv is None:
-            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        travelling = ring_shift(dkv, groups.ring_group, rank, ring) if ring > 1 else dkv
-        current = incoming
-    return dq, travelling.view(kv.shape)
+            dkv = torch.zeros_like(kv)
+        if ring > 1:
+            last_hop = index == ring - 1
+            travelling = ring_shift(dkv.to(kv.dtype) if last_hop else dkv, groups.ring_group, rank, ring)
+        else:
+            travelling = dkv
+    if dq is None:
+        dq = torch.zeros_like(q)
+    dkv = arrived(travelling, kv.shape) if ring > 1 else travelling
+    return dq.to(q.dtype), dkv.to(kv.dtype)
 
 
 class HierarchicalAttention(torch.autograd.Function):
@@ -114,8 +111,9 @@ class HierarchicalAttention(torch.autograd.Function):
         repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        q_s, k_s, v_s = scatter_heads([q, k, v], groups.ulysses_group, groups.ulysses_size)
-        kv_s = torch.cat([k_s, v_s], dim=1)
+        q_s = scatter_heads([q], groups.ulysses_group, groups.ulysses_size)
+        # k and v travel together, so the ring can send them as one contiguous buffer
+        kv_s = scatter_heads([k, v], groups.ulysses_group, groups.ulysses_size)
         out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
         ctx.save_for_backward(q_s, kv_s, out_s, lse_s)
         ctx.sched, ctx.groups, ctx.repeat = sched, groups, repeat
@@ -126,11 +124,10 @@ class HierarchicalAttention(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         q_s, kv_s, out_s, lse_s = ctx.saved_tensors
         groups = ctx.groups
-        (dout_s,) = scatter_heads([dout.contiguous()], groups.ulysses_group, groups.ulysses_size)
+        dout_s = scatter_heads([dout.contiguous()], groups.ulysses_group, groups.ulysses_size)
         dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, ctx.sched, groups)
-        dk_s, dv_s = dkv_s.to(kv_s.dtype).chunk(2, dim=1)
         dq, dk, dv = gather_heads(
-            [dq_s.to(q_s.dtype), dk_s, dv_s], groups.ulysses_group, groups.ulysses_size
+            [dq_s, *dkv_s.chunk(2, dim=1)], groups.ulysses_group, groups.ulysses_size
         )
         if ctx.repeat > 1:
             dk = dk.unflatten(1, (-1, ctx.repeat)).sum(2)

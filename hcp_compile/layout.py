@@ -126,30 +126,27 @@ def step_segments(
 ) -> tuple[Tensor, Tensor]:
     """``(cu_seqlens_q, cu_seqlens_k)`` (int32) of one ring step over the two local streams.
 
-    Every document becomes three aligned segments on both sides: ``a`` (rows that take no
-    part: matched with no keys), ``b`` (real queries x the real keys the step should see) and
-    ``c`` (padding x padding, whose output is discarded). Any varlen kernel then computes
-    exactly the step's block without gathering rows.
+    Every document becomes four aligned segments on both sides: ``a`` (queries that take no
+    part in this step, matched with no keys), ``b`` (real queries x the real keys the step
+    should see), ``c`` (pad queries x no keys) and ``d`` (no queries x pad keys). Any varlen
+    kernel then computes exactly the step's block without gathering rows, and its contract
+    (rows with no visible key give 0 and lse = -inf) leaves pad rows at zero with no masking.
     """
     widths = chunks.widths
     q_real = real_tokens_held(chunks, ring_rank, ring)
     k_real = real_tokens_held(chunks, source, ring)
     zero = torch.zeros_like(widths)
+    q_skip = chunks.chunk if kind is StepKind.UPPER else zero
+    if kind is StepKind.UPPER:
+        q_real = second_chunk_real(chunks, ring_rank, ring)
     if kind is StepKind.LOWER:
-        k_first = (chunks.lengths - source * chunks.chunk).clamp(min=0).minimum(chunks.chunk)
-        q_parts = (zero, q_real, widths - q_real)
-        k_parts = (zero, k_first, widths - k_first)
-    elif kind is StepKind.UPPER:
-        q_second = second_chunk_real(chunks, ring_rank, ring)
-        q_parts = (chunks.chunk, q_second, widths - chunks.chunk - q_second)
-        k_parts = (zero, k_real, widths - k_real)
-    else:
-        q_parts = (zero, q_real, widths - q_real)
-        k_parts = (zero, k_real, widths - k_real)
+        k_real = (chunks.lengths - source * chunks.chunk).clamp(min=0).minimum(chunks.chunk)
+    q_parts = (q_skip, q_real, widths - q_skip - q_real, zero)
+    k_parts = (zero, k_real, zero, widths - k_real)
     return _cumulative(q_parts), _cumulative(k_parts)
 
 
-def _cumulative(parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+def _cumulative(parts: tuple[Tensor, ...]) -> Tensor:
     lengths = torch.stack(parts, dim=1).reshape(-1)
     return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
 

@@ -96,7 +96,7 @@ def check(
         return None
     reference = single_device(batch, cfg.causal)
     cmp = compare(result, reference, tolerance(DTYPES[args.dtype], cfg.gqa))
-    row = [cfg.heads, cfg.causal, *cmp.errors.values(), cmp.tol, cmp.ratio,
+    row = [cfg.heads, cfg.causal, *cmp.errors.values(), cmp.tol, cmp.ratio, cmp.pad_max,
            "PASS" if cmp.ok else "FAIL"]
     fp32_row = None
     if wants_fp32_reference(args):
@@ -125,10 +125,13 @@ def report(
         title,
         f"doc lengths: {lengths}",
         "max abs error of CP vs single-device attention (same dtype and kernel):",
-        tabulate(rows, headers=["heads q/kv", "causal", *GRADIENTS, "tol", "worst/bound", "result"],
-                 floatfmt=("", "", ".2e", ".2e", ".2e", ".2e", "g", ".3f", "")),
+        tabulate(rows, headers=["heads q/kv", "causal", *GRADIENTS, "tol", "worst/bound",
+                                "pad |max|", "result"],
+                 floatfmt=("", "", ".2e", ".2e", ".2e", ".2e", "g", ".3f", "g", "")),
         "tol: atol = rtol (README, Tolerances); worst/bound: max |err| / (tol + tol |ref|) over "
-        "all four tensors, <= 1 passes (torch.testing.assert_close's criterion); NaN/Inf fail",
+        "all four tensors, <= 1 passes (torch.testing.assert_close's criterion); NaN/Inf fail; "
+        "pad |max|: largest |value| of the local output and gradients on pad rows (inputs and "
+        "output gradient filled with 7 there), must be 0",
     ]
     if fp32_rows:
         parts += [
