@@ -145,6 +145,22 @@ class InPlaceUpdateCase(AttentionCase):
             return self.attend(world, cu, longest)
 
 
+@dataclass(frozen=True)
+class GroupPairCase(AttentionCase):
+    """The same attention with the mesh given as a pair ``(ulysses_group, ring_group)`` of
+    process groups (to ``shard_plan`` and ``context_parallel`` alike) instead of a DeviceMesh,
+    and with the per-call agreement across ranks turned off."""
+
+    @property
+    def id(self) -> str:
+        return f"group-pair-{super().id}"
+
+    def run(self, world: World) -> dict:
+        pair_world = replace(world, mesh=short_timeout_groups(world, seconds=60))
+        with hc.context_parallel(pair_world.mesh, agree_across_ranks=False):
+            return self.attend(pair_world, cu_seqlens(self.lengths), max(self.lengths))
+
+
 def shard_with_garbage_pads(plan: hc.ShardPlan, x: Tensor, name: str, rank: int) -> Tensor:
     """``plan.shard(x)`` with random values at the pads (as a projection's bias would leave
     there): the pads must still not affect any real output or gradient."""
@@ -166,6 +182,7 @@ def attention_cases() -> list[AttentionCase]:
         AttentionCase("mixed", 4, 1, False, (0, 0)),  # each query sees only itself
         AttentionCase("mixed", 4, 2, True, scale=0.3),
         InPlaceUpdateCase("16.0", 4, 2, True),
+        GroupPairCase("mixed", 4, 2, True),
     ]
     return matrix + extras
 
