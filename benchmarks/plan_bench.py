@@ -5,9 +5,9 @@ milliseconds).
     python benchmarks/plan_bench.py --meshes 2x2 8x4 8x8 --repeats 11
 
 A real 32-rank mesh cannot be built on one machine, so for each ``ULYSSESxRING`` mesh this
-times, for one rank, the layout math that ``ShardPlan.__init__`` runs (the functions of
-``hcp_compile.layout``: chunk sizes, stream length, the chunk table, every ring rank's stream,
-the unshard index and this rank's slice), and the ring schedule that ``context_parallel``
+times, for one rank, the layout math that ``ShardPlan.__init__`` runs
+(``hcp_compile.layout.rank_layout``: every ring rank's stream, the unshard index and this
+rank's slice), and the ring schedule that ``context_parallel``
 builds on the first attention call of a batch (``hcp_compile.schedule.build_schedule``,
 causal). ``shard_plan`` itself is timed end to end on a real 1-process gloo mesh (1x1).
 """
@@ -62,28 +62,14 @@ def median_ms(fn: Callable[[torch.Tensor], object], cu: torch.Tensor, repeats: i
     return 1e3 * statistics.median(times)
 
 
-def plan_layout(cu: torch.Tensor, ulysses: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout math of ``ShardPlan.__init__`` for rank (ring 0, ulysses 0): this rank's
-    global indices and the unshard index. Mirrors plan.py; keep the two in step."""
-    values = check_cu_seqlens(cu)
-    chunk_total = int(layout.chunk_sizes(values[1:] - values[:-1], ring).sum())
-    stream_length = layout.ring_stream_length(chunk_total, ring, ulysses)
-    local_tokens = stream_length // ulysses
-    chunks = layout.doc_chunks(values, ring, stream_length)
-    streams = [layout.stream_tokens(chunks, r, ring, stream_length) for r in range(ring)]
-    gathered = torch.cat([s.global_index for s in streams])
-    real = gathered >= 0
-    unshard_index = torch.empty(int(values[-1]), dtype=torch.int64)
-    unshard_index[gathered[real]] = torch.arange(gathered.numel())[real]
-    mine = streams[0]
-    return mine.global_index[:local_tokens], unshard_index
+def plan_layout(cu: torch.Tensor, ulysses: int, ring: int) -> layout.RankLayout:
+    """What ``ShardPlan.__init__`` computes, for rank (ring 0, ulysses 0)."""
+    return layout.rank_layout(check_cu_seqlens(cu), ring, ulysses, 0, 0)
 
 
 def ring_schedule(cu: torch.Tensor, ulysses: int, ring: int, max_seqlen: int) -> object:
     """The causal ring schedule of ring rank 0, as ``context_parallel`` builds it per batch."""
-    values = check_cu_seqlens(cu)
-    chunk_total = int(layout.chunk_sizes(values[1:] - values[:-1], ring).sum())
-    stream_length = layout.ring_stream_length(chunk_total, ring, ulysses)
+    stream_length = layout.stream_length_for(check_cu_seqlens(cu), ring, ulysses)
     return build_schedule(
         cu, max_seqlen, 0, ring, ulysses, stream_length, causal=True, scale=1.0,
         window=(-1, -1), kernel="torch", skip_outside_window=True,
@@ -100,9 +86,8 @@ def mesh_rows(cu: torch.Tensor, meshes: list[str], repeats: int) -> list[list]:
     rows = []
     for text in meshes:
         ulysses, ring = parse_mesh(text)
-        local, _ = plan_layout(cu, ulysses, ring)
         rows.append([
-            f"{ulysses}x{ring}", ulysses * ring, local.numel(),
+            f"{ulysses}x{ring}", ulysses * ring, plan_layout(cu, ulysses, ring).local_tokens,
             median_ms(lambda c: plan_layout(c, ulysses, ring), cu, repeats),
             median_ms(lambda c: ring_schedule(c, ulysses, ring, max_seqlen), cu, repeats),
         ])

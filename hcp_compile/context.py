@@ -100,9 +100,9 @@ class ContextParallel:
         facts = self._doc_facts.get(cu_seqlens)
         if facts is None or facts.version != cu_seqlens._version:
             values = validation.check_cu_seqlens(cu_seqlens, "cu_seqlens_q")
-            ring, ulysses = self.groups.ring_size, self.groups.ulysses_size
-            chunk_total = int(layout.chunk_sizes(values[1:] - values[:-1], ring).sum())
-            stream_length = layout.ring_stream_length(chunk_total, ring, ulysses)
+            stream_length = layout.stream_length_for(
+                values, self.groups.ring_size, self.groups.ulysses_size
+            )
             facts = _DocFacts(cu_seqlens._version, values, stream_length)
             self._doc_facts[cu_seqlens] = facts
         return facts

@@ -46,6 +46,12 @@ def ring_stream_length(chunk_total: int, ring: int, ulysses: int) -> int:
     return 2 * (chunk_total + tail_half)
 
 
+def stream_length_for(cu_seqlens: Tensor, ring: int, ulysses: int) -> int:
+    """``T_r`` of the batch ``cu_seqlens`` (host values) on a ``ulysses x ring`` mesh."""
+    chunk_total = int(chunk_sizes(cu_seqlens[1:] - cu_seqlens[:-1], ring).sum())
+    return ring_stream_length(chunk_total, ring, ulysses)
+
+
 def doc_chunks(cu_seqlens: Tensor, ring: int, stream_length: int | torch.SymInt) -> DocChunks:
     """Chunk table of ``cu_seqlens`` for a ring stream of ``stream_length`` tokens."""
     cu = cu_seqlens.to(torch.int64)
@@ -81,15 +87,49 @@ def stream_tokens(
         torch.arange(n_segments, device=device), chunks.widths, output_size=stream_length
     )
     seg_start = torch.cumsum(chunks.widths, 0) - chunks.widths
-    offset = torch.arange(stream_length, device=device) - seg_start[doc]
-    c = chunks.chunk[doc]
+    offset = torch.arange(stream_length, device=device) - seg_start.index_select(0, doc)
+    c = chunks.chunk.index_select(0, doc)
     first_half = offset < c
     position = torch.where(
         first_half, ring_rank * c + offset, (2 * ring - 1 - ring_rank) * c + offset - c
     )
-    valid = position < chunks.lengths[doc]
-    global_index = torch.where(valid, chunks.starts[doc] + position, -1)
+    valid = position < chunks.lengths.index_select(0, doc)
+    global_index = torch.where(valid, chunks.starts.index_select(0, doc) + position, -1)
     return StreamTokens(doc=doc, position=position, valid=valid, global_index=global_index)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's share of a batch, and how to reassemble the batch from all shares."""
+
+    stream_length: int  # T_r
+    local_tokens: int  # T_r / A, on every rank
+    tokens: StreamTokens  # this rank's local tokens
+    unshard_index: Tensor  # [num_tokens]: row of each global token in the gathered shards
+
+
+def rank_layout(
+    cu_seqlens: Tensor, ring: int, ulysses: int, ring_rank: int, ulysses_rank: int
+) -> RankLayout:
+    """The layout of rank ``(ring_rank, ulysses_rank)``; shards are gathered ring rank major,
+    Ulysses rank minor, which concatenates every ring stream in order."""
+    stream_length = stream_length_for(cu_seqlens, ring, ulysses)
+    local_tokens = stream_length // ulysses
+    chunks = doc_chunks(cu_seqlens, ring, stream_length)
+    streams = [stream_tokens(chunks, r, ring, stream_length) for r in range(ring)]
+    gathered = torch.cat([s.global_index for s in streams])
+    # pads (-1) scatter into one extra slot that is cut off afterwards
+    slot = torch.where(gathered >= 0, gathered, cu_seqlens[-1])
+    unshard_index = torch.empty(int(cu_seqlens[-1]) + 1, dtype=torch.int64, device=slot.device)
+    unshard_index.scatter_(0, slot, torch.arange(gathered.numel(), device=slot.device))
+    unshard_index = unshard_index[:-1]
+    mine = slice(ulysses_rank * local_tokens, (ulysses_rank + 1) * local_tokens)
+    stream = streams[ring_rank]
+    local = StreamTokens(
+        doc=stream.doc[mine], position=stream.position[mine], valid=stream.valid[mine],
+        global_index=stream.global_index[mine],
+    )
+    return RankLayout(stream_length, local_tokens, local, unshard_index)
 
 
 def real_tokens_held(chunks: DocChunks, ring_rank: int, ring: int) -> Tensor:

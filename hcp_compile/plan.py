@@ -27,26 +27,20 @@ class ShardPlan:
 
     def __init__(self, cu_seqlens: Tensor, mesh: MeshLike):
         self.groups: CPGroups = resolve_groups(mesh)
-        ring, ulysses = self.groups.ring_size, self.groups.ulysses_size
+        groups = self.groups
         values = check_cu_seqlens(cu_seqlens)
-        chunk_total = int(layout.chunk_sizes(values[1:] - values[:-1], ring).sum())
-        self.ring_stream_length = layout.ring_stream_length(chunk_total, ring, ulysses)
-        self.local_tokens = self.ring_stream_length // ulysses
+        rank = layout.rank_layout(
+            values, groups.ring_size, groups.ulysses_size, groups.ring_rank, groups.ulysses_rank
+        )
+        self.ring_stream_length = rank.stream_length
+        self.local_tokens = rank.local_tokens
         self.num_tokens = int(values[-1])
-        chunks = layout.doc_chunks(values, ring, self.ring_stream_length)
-        streams = [layout.stream_tokens(chunks, r, ring, self.ring_stream_length) for r in range(ring)]
-        # every rank's tokens in gather order (ring rank, then Ulysses rank): unshard's source
-        gathered = torch.cat([s.global_index for s in streams])
-        real = gathered >= 0
-        self._unshard_index = torch.empty(self.num_tokens, dtype=torch.int64)
-        self._unshard_index[gathered[real]] = torch.arange(gathered.numel())[real]
-        mine = streams[self.groups.ring_rank]
-        start = self.groups.ulysses_rank * self.local_tokens
-        local = slice(start, start + self.local_tokens)
+        self._unshard_index = rank.unshard_index
         device = cu_seqlens.device
-        self.global_index = mine.global_index[local].to(device)
-        self.valid = mine.valid[local].to(device)
-        self.position_ids = torch.where(mine.valid, mine.position, 0)[local].to(device)
+        tokens = rank.tokens
+        self.global_index = tokens.global_index.to(device)
+        self.valid = tokens.valid.to(device)
+        self.position_ids = torch.where(tokens.valid, tokens.position, 0).to(device)
 
     def shard(self, x: Tensor, pad_value: float = 0) -> Tensor:
         """Global ``[num_tokens, ...]`` -> this rank's ``[local_tokens, ...]`` (pads filled)."""
