@@ -17,12 +17,8 @@ def scatter_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) ->
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
     tokens, dim = tensors[0].shape[0], tensors[0].shape[2]
     widths = [t.shape[1] // size for t in tensors]
-    # [size, T_local, sum(widths), D]: block j holds the heads that go to Ulysses rank j
-    send = tensors[0].new_empty((size, tokens, sum(widths), dim))
-    offset = 0
-    for t, width in zip(tensors, widths):
-        send[:, :, offset : offset + width].copy_(t.view(tokens, size, width, dim).transpose(0, 1))
-        offset += width
+    # block j of dim 0 holds the heads that go to Ulysses rank j
+    send = _pack([t.view(tokens, size, w, dim).transpose(0, 1) for t, w in zip(tensors, widths)])
     received = funcol.all_to_all_single(send.view(-1), None, None, group)
     # the blocks from Ulysses ranks 0..size-1, concatenated, are the ring stream
     return funcol.wait_tensor(received).view(size * tokens, sum(widths), dim)
@@ -35,13 +31,25 @@ def gather_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> 
     stream, dim = tensors[0].shape[0], tensors[0].shape[2]
     tokens = stream // size
     widths = [t.shape[1] for t in tensors]
-    send = torch.cat([t.reshape(size, tokens, w, dim) for t, w in zip(tensors, widths)], 2)
+    send = _pack([t.view(size, tokens, w, dim) for t, w in zip(tensors, widths)])
     received = funcol.all_to_all_single(send.view(-1), None, None, group)
     received = funcol.wait_tensor(received).view(size, tokens, sum(widths), dim)
     return [
         part.transpose(0, 1).reshape(tokens, size * w, dim)
         for part, w in zip(received.split(widths, dim=2), widths)
     ]
+
+
+def _pack(blocks: list[Tensor]) -> Tensor:
+    """Concatenate ``[size, tokens, w_i, D]`` views along dim 2 into one new contiguous
+    buffer, one strided copy each (faster than ``torch.cat`` of strided inputs)."""
+    size, tokens, _, dim = blocks[0].shape
+    buffer = blocks[0].new_empty((size, tokens, sum(b.shape[2] for b in blocks), dim))
+    offset = 0
+    for block in blocks:
+        buffer[:, :, offset : offset + block.shape[2]].copy_(block)
+        offset += block.shape[2]
+    return buffer
 
 
 def gather_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:

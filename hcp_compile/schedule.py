@@ -25,7 +25,6 @@ class RingStep:
 @dataclass(frozen=True)
 class RingSchedule:
     steps: tuple[RingStep, ...]
-    valid: Tensor  # [T_r] bool: real tokens of the local stream
     q_positions: Tensor | None  # global positions of the local tokens (window only)
     max_seqlen: int  # bound of every segment length, for the kernels' grids
     scale: float
@@ -62,11 +61,9 @@ def build_schedule(
     for src, kind, is_active in zip(sources, kinds, active):
         cu_q, cu_k = layout.step_segments(chunks, ring_rank, src, ring, kind)
         steps.append(RingStep(src, kind, cu_q, cu_k, positions(src), bool(is_active)))
-    mine = layout.stream_tokens(chunks, ring_rank, ring, stream_length)
     return RingSchedule(
         steps=tuple(steps),
-        valid=mine.valid,
-        q_positions=mine.position if windowed else None,
+        q_positions=positions(ring_rank),
         max_seqlen=layout.step_max_seqlen(max_seqlen, ring, ulysses),
         scale=scale,
         window_left=window[0],
