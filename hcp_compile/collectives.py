@@ -24,15 +24,17 @@ def scatter_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) ->
     return funcol.wait_tensor(received).view(size * tokens, sum(widths), dim)
 
 
-def gather_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> list[Tensor]:
-    """Inverse of :func:`scatter_heads`: ``[size * T_local, h_i, D]`` -> ``[T_local, size * h_i, D]``."""
+def gather_heads(
+    x: Tensor, widths: list[int], group: dist.ProcessGroup, size: int
+) -> list[Tensor]:
+    """Inverse of :func:`scatter_heads` for one tensor ``[size * T_local, sum(widths), D]``
+    that holds several tensors' head slices side by side: returns ``[T_local, size * w, D]``
+    for each width. A contiguous ``x`` travels as it is, with no packing copy."""
     if size == 1:
-        return list(tensors)
-    stream, dim = tensors[0].shape[0], tensors[0].shape[2]
+        return list(x.split(widths, dim=1))
+    stream, dim = x.shape[0], x.shape[2]
     tokens = stream // size
-    widths = [t.shape[1] for t in tensors]
-    send = _pack([t.view(size, tokens, w, dim) for t, w in zip(tensors, widths)])
-    received = funcol.all_to_all_single(send.view(-1), None, None, group)
+    received = funcol.all_to_all_single(x.contiguous().view(-1), None, None, group)
     received = funcol.wait_tensor(received).view(size, tokens, sum(widths), dim)
     return [
         part.transpose(0, 1).reshape(tokens, size * w, dim)
@@ -42,7 +44,7 @@ def gather_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> 
 
 def _pack(blocks: list[Tensor]) -> Tensor:
     """Concatenate ``[size, tokens, w_i, D]`` views along dim 2 into one new contiguous
-    buffer, one strided copy each (faster than ``torch.cat`` of strided inputs)."""
+    buffer, one strided copy each (faster than ``torch.cat`` of strided inputs on GPU)."""
     size, tokens, _, dim = blocks[0].shape
     buffer = blocks[0].new_empty((size, tokens, sum(b.shape[2] for b in blocks), dim))
     offset = 0

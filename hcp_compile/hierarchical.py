@@ -117,7 +117,7 @@ class HierarchicalAttention(torch.autograd.Function):
         out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
         ctx.save_for_backward(q_s, kv_s, out_s, lse_s)
         ctx.sched, ctx.groups, ctx.repeat = sched, groups, repeat
-        (out,) = gather_heads([out_s], groups.ulysses_group, groups.ulysses_size)
+        (out,) = gather_heads(out_s, [out_s.shape[1]], groups.ulysses_group, groups.ulysses_size)
         return out
 
     @staticmethod
@@ -126,9 +126,9 @@ class HierarchicalAttention(torch.autograd.Function):
         groups = ctx.groups
         dout_s = scatter_heads([dout.contiguous()], groups.ulysses_group, groups.ulysses_size)
         dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, ctx.sched, groups)
-        dq, dk, dv = gather_heads(
-            [dq_s, *dkv_s.chunk(2, dim=1)], groups.ulysses_group, groups.ulysses_size
-        )
+        ulysses = (groups.ulysses_group, groups.ulysses_size)
+        (dq,) = gather_heads(dq_s, [dq_s.shape[1]], *ulysses)
+        dk, dv = gather_heads(dkv_s, [dkv_s.shape[1] // 2] * 2, *ulysses)
         if ctx.repeat > 1:
             dk = dk.unflatten(1, (-1, ctx.repeat)).sum(2)
             dv = dv.unflatten(1, (-1, ctx.repeat)).sum(2)
