@@ -18,7 +18,7 @@ def scatter_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) ->
     tokens, dim = tensors[0].shape[0], tensors[0].shape[2]
     widths = [t.shape[1] // size for t in tensors]
     # block j of dim 0 holds the heads that go to Ulysses rank j
-    send = _pack([t.view(tokens, size, w, dim).transpose(0, 1) for t, w in zip(tensors, widths)])
+    send = _pack([t.reshape(tokens, size, w, dim).transpose(0, 1) for t, w in zip(tensors, widths)])
     received = funcol.all_to_all_single(send.view(-1), None, None, group)
     # the blocks from Ulysses ranks 0..size-1, concatenated, are the ring stream
     return funcol.wait_tensor(received).view(size * tokens, sum(widths), dim)
