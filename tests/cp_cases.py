@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import hcp_compile as hc
+from hcp_compile.kernels import torch_kernel
 
 MESHES = ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1))  # (ulysses, ring)
 ERROR_MESH = (2, 2)
@@ -161,6 +162,24 @@ class GroupPairCase(AttentionCase):
             return self.attend(pair_world, cu_seqlens(self.lengths), max(self.lengths))
 
 
+@dataclass(frozen=True)
+class SmallQueryBlockCase(AttentionCase):
+    """The same attention with the plain kernel cutting every ring step's queries into blocks
+    of 3 rows, so blocks start and end inside and between the step's segments."""
+
+    @property
+    def id(self) -> str:
+        return f"query-block-3-{super().id}"
+
+    def run(self, world: World) -> dict:
+        saved = torch_kernel.QUERY_BLOCK
+        torch_kernel.QUERY_BLOCK = 3
+        try:
+            return super().run(world)
+        finally:
+            torch_kernel.QUERY_BLOCK = saved
+
+
 def shard_with_garbage_pads(plan: hc.ShardPlan, x: Tensor, name: str, rank: int) -> Tensor:
     """``plan.shard(x)`` with random values at the pads (as a projection's bias would leave
     there): the pads must still not affect any real output or gradient."""
@@ -183,6 +202,8 @@ def attention_cases() -> list[AttentionCase]:
         AttentionCase("mixed", 4, 2, True, scale=0.3),
         InPlaceUpdateCase("16.0", 4, 2, True),
         GroupPairCase("mixed", 4, 2, True),
+        SmallQueryBlockCase("mixed", 4, 2, True, (4, 0)),
+        SmallQueryBlockCase("long", 4, 1, False),
     ]
     return matrix + extras
 

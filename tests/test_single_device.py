@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hcp_compile as hc
+from hcp_compile.kernels import torch_kernel
 from attention_reference import reference_with_grads
 from checks import assert_matches, expected_for
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded
@@ -69,6 +70,25 @@ def test_matches_reference_on_random_documents(lengths, heads, causal, window, s
     expected = reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=causal,
                                     window=window)
     assert_all_match(got, expected)
+
+
+@pytest.mark.parametrize("query_block", [1, 5, 16])
+@pytest.mark.parametrize("case", [c for c in attention_cases() if c.docs in ("mixed", "long")][:16],
+                         ids=lambda c: c.id)
+def test_torch_kernel_query_blocks_match_reference(monkeypatch, query_block, case):
+    """The plain kernel's query blocks (forced small here) cut through and between documents,
+    including empty ones; the result must not depend on where the cuts fall."""
+    monkeypatch.setattr(torch_kernel, "QUERY_BLOCK", query_block)
+    x, cu = case.inputs(), cu_seqlens(case.lengths)
+    got = attention_with_grads(x["q"], x["k"], x["v"], x["dout"], cu, cu, causal=case.causal,
+                               softmax_scale=case.scale, window_size=case.window)
+    assert_all_match(got, expected_for(case))
+
+
+@pytest.mark.parametrize("query_block", [1, 3])
+def test_torch_kernel_query_blocks_in_cross_attention(monkeypatch, query_block):
+    monkeypatch.setattr(torch_kernel, "QUERY_BLOCK", query_block)
+    test_cross_attention_with_different_query_and_key_documents((4, 2))
 
 
 # --------------------------------------------------------------------------------------------

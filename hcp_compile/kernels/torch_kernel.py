@@ -1,8 +1,10 @@
 """Plain-PyTorch varlen attention with LSE and an explicit backward.
 
-Runs on any device and is the reference for the other kernels. It materializes the scores of
-all query rows against all key rows ([heads, Tq, Tk] in fp32), so it is meant for CPU runs and
-tests, not for long sequences on a GPU.
+Runs on any device and is the reference for the other kernels. It works through the queries in
+blocks of at most ``QUERY_BLOCK`` rows, each against the keys of the segments the block
+touches, so memory is ``heads x QUERY_BLOCK x (keys of those segments)`` in fp32: fine on a CPU
+and in tests, slow for long sequences on a GPU (use flash there). It reads ``cu_seqlens`` on
+the host once per call.
 
 Masking: a query sees a key of the same segment (``cu_seqlens``), that is not masked by
 ``causal`` or the window. Positions come from ``q_positions``/``k_positions`` when given (ring
@@ -12,10 +14,27 @@ segment, aligned bottom-right as flash attention does when a segment has more ke
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from .precision import accumulate_dtype
+
+QUERY_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Query rows ``[q0, q1)`` and the key rows ``[k0, k1)`` of the segments they touch."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: Tensor  # [q1 - q0, k1 - k0] bool
 
 
 def _segments(cu: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -26,25 +45,31 @@ def _segments(cu: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     return seg, row - cu[seg], (cu[1:] - cu[:-1])[seg]
 
 
-def _mask(
+def _blocks(
     q_rows: int, k_rows: int, cu_q: Tensor, cu_k: Tensor, causal: bool,
     window_left: int, window_right: int, q_positions: Tensor | None, k_positions: Tensor | None,
-) -> Tensor:
+) -> Iterator[_Block]:
     seg_q, off_q, len_q = _segments(cu_q, q_rows)
     seg_k, off_k, _ = _segments(cu_k, k_rows)
     if q_positions is None:
         len_k_of_q = (cu_k[1:] - cu_k[:-1]).to(torch.int64)[seg_q]
         q_positions = off_q + len_k_of_q - len_q
         k_positions = off_k
-    mask = seg_q[:, None] == seg_k[None, :]
-    delta = q_positions[:, None] - k_positions[None, :]
-    if causal:
-        mask &= delta >= 0
-    if window_left >= 0:
-        mask &= delta <= window_left
-    if window_right >= 0:
-        mask &= -delta <= window_right
-    return mask
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    for q0 in range(0, q_rows, QUERY_BLOCK):
+        q1 = min(q0 + QUERY_BLOCK, q_rows)
+        # the segments holding rows q0 and q1 - 1 (empty segments are skipped over)
+        first, last = bisect_right(starts_q, q0) - 1, bisect_right(starts_q, q1 - 1) - 1
+        k0, k1 = starts_k[first], starts_k[last + 1]
+        mask = seg_q[q0:q1, None] == seg_k[None, k0:k1]
+        delta = q_positions[q0:q1, None] - k_positions[None, k0:k1]
+        if causal:
+            mask &= delta >= 0
+        if window_left >= 0:
+            mask &= delta <= window_left
+        if window_right >= 0:
+            mask &= -delta <= window_right
+        yield _Block(q0, q1, k0, k1, mask)
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor) -> Tensor:
@@ -67,13 +92,18 @@ def forward(
     causal: bool, scale: float, window_left: int, window_right: int,
     q_positions: Tensor | None, k_positions: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    mask = _mask(q.shape[0], k.shape[0], cu_q, cu_k, causal, window_left, window_right,
-                 q_positions, k_positions)
-    s = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    p = _probabilities(s, lse)
-    out = torch.einsum("hgqk,khd->qhgd", p, v.to(p.dtype)).flatten(1, 2)
-    return out.to(q.dtype).contiguous(), lse.flatten(0, 1).contiguous()
+    acc = accumulate_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+    for b in _blocks(q.shape[0], k.shape[0], cu_q, cu_k, causal, window_left, window_right,
+                     q_positions, k_positions):
+        s = _scores(q[b.q0 : b.q1], k[b.k0 : b.k1], scale, b.mask)
+        block_lse = torch.logsumexp(s, dim=-1)
+        p = _probabilities(s, block_lse)
+        block_out = torch.einsum("hgqk,khd->qhgd", p, v[b.k0 : b.k1].to(acc)).flatten(1, 2)
+        out[b.q0 : b.q1] = block_out.to(q.dtype)
+        lse[:, b.q0 : b.q1] = block_lse.flatten(0, 1)
+    return out, lse
 
 
 def backward(
@@ -82,19 +112,22 @@ def backward(
     causal: bool, scale: float, window_left: int, window_right: int,
     q_positions: Tensor | None, k_positions: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    mask = _mask(q.shape[0], k.shape[0], cu_q, cu_k, causal, window_left, window_right,
-                 q_positions, k_positions)
-    s = _scores(q, k, scale, mask)
-    acc = s.dtype
+    acc = accumulate_dtype(q.dtype)
     hkv, group = k.shape[1], q.shape[1] // k.shape[1]
-    p = _probabilities(s, lse.to(acc).unflatten(0, (hkv, group)))
-    dout_g = dout.to(acc).unflatten(1, (hkv, group))
-    dv = torch.einsum("hgqk,qhgd->khd", p, dout_g)
-    dp = torch.einsum("qhgd,khd->hgqk", dout_g, v.to(acc))
-    row_dot = (dout_g * out.to(acc).unflatten(1, (hkv, group))).sum(-1).permute(1, 2, 0)
-    ds = p * (dp - row_dot[..., None])
-    dq = torch.einsum("hgqk,khd->qhgd", ds, k.to(acc)).flatten(1, 2) * scale
-    dk = torch.einsum("hgqk,qhgd->khd", ds, q.to(acc).unflatten(1, (hkv, group))) * scale
-    return (
-        dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
-    )
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for b in _blocks(q.shape[0], k.shape[0], cu_q, cu_k, causal, window_left, window_right,
+                     q_positions, k_positions):
+        rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
+        q_b, k_b, v_b = q[rows].to(acc), k[keys].to(acc), v[keys].to(acc)
+        s = _scores(q_b, k_b, scale, b.mask)
+        p = _probabilities(s, lse[:, rows].to(acc).unflatten(0, (hkv, group)))
+        dout_g = dout[rows].to(acc).unflatten(1, (hkv, group))
+        dv[keys] += torch.einsum("hgqk,qhgd->khd", p, dout_g)
+        dp = torch.einsum("qhgd,khd->hgqk", dout_g, v_b)
+        row_dot = (dout_g * out[rows].to(acc).unflatten(1, (hkv, group))).sum(-1).permute(1, 2, 0)
+        ds = p * (dp - row_dot[..., None])
+        dq[rows] = torch.einsum("hgqk,khd->qhgd", ds, k_b).flatten(1, 2) * scale
+        dk[keys] += torch.einsum("hgqk,qhgd->khd", ds, q_b.unflatten(1, (hkv, group))) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
