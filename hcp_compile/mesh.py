@@ -36,7 +36,7 @@ def make_mesh(ulysses: int, ring: int, device_type: str | None = None) -> Device
             "build a 2-D DeviceMesh with dims ('ring', 'ulysses') over a subset yourself"
         )
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = _device_type(dist.group.WORLD)
     return init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=MESH_DIM_NAMES)
 
 
@@ -74,7 +74,7 @@ def resolve_groups(mesh: MeshLike) -> CPGroups:
         and all(isinstance(g, dist.ProcessGroup) for g in mesh)
     ):
         ulysses_group, ring_group = mesh
-        device_type = "cuda" if dist.get_backend(ulysses_group) == "nccl" else "cpu"
+        device_type = _device_type(ulysses_group)
     else:
         raise TypeError(
             "mesh: expected a DeviceMesh with dims ('ring', 'ulysses') or a pair "
@@ -109,6 +109,12 @@ def agree_on_error(groups: CPGroups, error: Exception | None) -> None:
             "another rank of the context-parallel mesh rejected its input (see that rank's "
             "error); all ranks stop here instead of waiting in a collective"
         )
+
+
+def _device_type(group: dist.ProcessGroup) -> str:
+    """Where the group's data lives: CUDA if it has an NCCL backend (``"nccl"`` or a mixed
+    ``"cpu:gloo,cuda:nccl"``), else the CPU."""
+    return "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
 
 
 def _flag_device(groups: CPGroups) -> torch.device:
