@@ -132,16 +132,14 @@ def rank_layout(
     return RankLayout(stream_length, local_tokens, local, unshard_index)
 
 
+def chunk_real(chunks: DocChunks, chunk_index: int) -> Tensor:
+    """Real tokens of each document in its chunk ``chunk_index`` (padding sits at the end)."""
+    return (chunks.lengths - chunk_index * chunks.chunk).clamp(min=0).minimum(chunks.chunk)
+
+
 def real_tokens_held(chunks: DocChunks, ring_rank: int, ring: int) -> Tensor:
     """Real tokens of each document in ring rank ``ring_rank``'s stream (a prefix of its part)."""
-    first = (chunks.lengths - ring_rank * chunks.chunk).clamp(min=0).minimum(chunks.chunk)
-    return first + second_chunk_real(chunks, ring_rank, ring)
-
-
-def second_chunk_real(chunks: DocChunks, ring_rank: int, ring: int) -> Tensor:
-    """Real tokens of each document in ring rank ``ring_rank``'s second chunk."""
-    start = (2 * ring - 1 - ring_rank) * chunks.chunk
-    return (chunks.lengths - start).clamp(min=0).minimum(chunks.chunk)
+    return chunk_real(chunks, ring_rank) + chunk_real(chunks, 2 * ring - 1 - ring_rank)
 
 
 class StepKind(Enum):
@@ -173,14 +171,16 @@ def step_segments(
     (rows with no visible key give 0 and lse = -inf) leaves pad rows at zero with no masking.
     """
     widths = chunks.widths
-    q_real = real_tokens_held(chunks, ring_rank, ring)
-    k_real = real_tokens_held(chunks, source, ring)
     zero = torch.zeros_like(widths)
     q_skip = chunks.chunk if kind is StepKind.UPPER else zero
-    if kind is StepKind.UPPER:
-        q_real = second_chunk_real(chunks, ring_rank, ring)
-    if kind is StepKind.LOWER:
-        k_real = (chunks.lengths - source * chunks.chunk).clamp(min=0).minimum(chunks.chunk)
+    if kind is StepKind.UPPER:  # only the second chunk of each query document takes part
+        q_real = chunk_real(chunks, 2 * ring - 1 - ring_rank)
+    else:
+        q_real = real_tokens_held(chunks, ring_rank, ring)
+    if kind is StepKind.LOWER:  # only the first chunk of each key document takes part
+        k_real = chunk_real(chunks, source)
+    else:
+        k_real = real_tokens_held(chunks, source, ring)
     q_parts = (q_skip, q_real, widths - q_skip - q_real, zero)
     k_parts = (zero, k_real, zero, widths - k_real)
     return _cumulative(q_parts), _cumulative(k_parts)
@@ -210,8 +210,7 @@ def step_sees_any_key(
     def intervals(chunk_indices: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
         # real positions [start, stop) of each chunk, per document
         return [
-            (i * chunks.chunk, torch.minimum((i + 1) * chunks.chunk, chunks.lengths))
-            for i in chunk_indices
+            (i * chunks.chunk, i * chunks.chunk + chunk_real(chunks, i)) for i in chunk_indices
         ]
 
     both = (ring_rank, 2 * ring - 1 - ring_rank)

@@ -43,13 +43,13 @@ def build_schedule(
     chunks = layout.doc_chunks(cu_seqlens, ring, stream_length)
     windowed = window != (-1, -1)
 
-    def positions(rank: int) -> Tensor | None:
-        if not windowed:
-            return None
-        return layout.stream_tokens(chunks, rank, ring, stream_length).position
-
-    steps = []
     sources = [(ring_rank - s) % ring for s in range(ring)]
+    # global positions of every ring stream (the sources include this rank), window only
+    positions = {
+        src: layout.stream_tokens(chunks, src, ring, stream_length).position if windowed else None
+        for src in sources
+    }
+    steps = []
     kinds = [layout.step_kind(ring_rank, src, causal) for src in sources]
     active = [True] * ring
     if windowed and skip_outside_window:
@@ -60,10 +60,10 @@ def build_schedule(
         active = seen.tolist()
     for src, kind, is_active in zip(sources, kinds, active):
         cu_q, cu_k = layout.step_segments(chunks, ring_rank, src, ring, kind)
-        steps.append(RingStep(src, kind, cu_q, cu_k, positions(src), bool(is_active)))
+        steps.append(RingStep(src, kind, cu_q, cu_k, positions[src], bool(is_active)))
     return RingSchedule(
         steps=tuple(steps),
-        q_positions=positions(ring_rank),
+        q_positions=positions[ring_rank],
         max_seqlen=layout.step_max_seqlen(max_seqlen, ring, ulysses),
         scale=scale,
         window_left=window[0],
