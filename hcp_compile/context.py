@@ -94,7 +94,7 @@ class ContextParallel:
         elif error is not None:
             raise error
         sched = self._schedule(q, cu_seqlens_q, max_seqlen_q, causal, scale, window, kernel)
-        return HierarchicalAttention.apply(q, k, v, sched, self.groups)
+        return HierarchicalAttention.apply(q, k, v, sched, self.groups, False)
 
     def _facts(self, cu_seqlens: Tensor) -> _DocFacts:
         facts = self._doc_facts.get(cu_seqlens)

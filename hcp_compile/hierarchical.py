@@ -104,32 +104,43 @@ def ring_backward(
 
 
 class HierarchicalAttention(torch.autograd.Function):
-    """Local token shards in, local output shard out; see the module docstring."""
+    """Local token shards in, local output shard out (and, with ``return_lse``, the local
+    ``[Hq, T_local]`` logsumexp, which is not differentiable); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sched: RingSchedule, groups: CPGroups) -> Tensor:
+    def forward(
+        ctx, q: Tensor, k: Tensor, v: Tensor, sched: RingSchedule, groups: CPGroups,
+        return_lse: bool,
+    ):
         repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        q_s = scatter_heads([q], groups.ulysses_group, groups.ulysses_size)
+        ulysses = (groups.ulysses_group, groups.ulysses_size)
+        q_s = scatter_heads([q], *ulysses)
         # k and v travel together, so the ring can send them as one contiguous buffer
-        kv_s = scatter_heads([k, v], groups.ulysses_group, groups.ulysses_size)
+        kv_s = scatter_heads([k, v], *ulysses)
         out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
         ctx.save_for_backward(q_s, kv_s, out_s, lse_s)
         ctx.sched, ctx.groups, ctx.repeat = sched, groups, repeat
-        (out,) = gather_heads(out_s, [out_s.shape[1]], groups.ulysses_group, groups.ulysses_size)
-        return out
+        (out,) = gather_heads(out_s, [out_s.shape[1]], *ulysses)
+        if not return_lse:
+            return out
+        # [H_s, T_r] -> [T_r, H_s, 1]: the token-major layout gather_heads exchanges
+        (lse,) = gather_heads(lse_s.t().unsqueeze(-1), [lse_s.shape[0]], *ulysses)
+        lse = lse.squeeze(-1).t().contiguous()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor):
+    def backward(ctx, dout: Tensor, *_grad_lse):
         q_s, kv_s, out_s, lse_s = ctx.saved_tensors
         groups = ctx.groups
-        dout_s = scatter_heads([dout.contiguous()], groups.ulysses_group, groups.ulysses_size)
-        dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, ctx.sched, groups)
         ulysses = (groups.ulysses_group, groups.ulysses_size)
+        dout_s = scatter_heads([dout.contiguous()], *ulysses)
+        dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, ctx.sched, groups)
         (dq,) = gather_heads(dq_s, [dq_s.shape[1]], *ulysses)
         dk, dv = gather_heads(dkv_s, [dkv_s.shape[1] // 2] * 2, *ulysses)
         if ctx.repeat > 1:
             dk = dk.unflatten(1, (-1, ctx.repeat)).sum(2)
             dv = dv.unflatten(1, (-1, ctx.repeat)).sum(2)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None

@@ -38,9 +38,10 @@ def chunk_sizes(lengths: Tensor, ring: int) -> Tensor:
     return (lengths + 2 * ring - 1) // (2 * ring)
 
 
-def ring_stream_length(chunk_total: int, ring: int, ulysses: int) -> int:
+def ring_stream_length(chunk_total: int | Tensor, ring: int, ulysses: int) -> int | Tensor:
     """``T_r``: tokens of one ring rank's stream, the documents' ``2 * sum(c_i)`` plus the
-    smallest even tail that makes it divisible by ``ulysses``."""
+    smallest even tail that makes it divisible by ``ulysses`` (an int, or a tensor for a
+    tensor ``chunk_total``)."""
     period = ulysses // math.gcd(ulysses, 2)
     tail_half = (-chunk_total) % period
     return 2 * (chunk_total + tail_half)
@@ -191,9 +192,10 @@ def _cumulative(parts: tuple[Tensor, ...]) -> Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
 
 
-def step_max_seqlen(max_seqlen: int, ring: int, ulysses: int) -> int:
-    """Upper bound of any segment length in a ring step (documents' ``2 c_i`` or the tail)."""
-    return max(2 * (-(-max_seqlen // (2 * ring))), 2 * ulysses, 1)
+def step_max_seqlen(max_seqlen: int | torch.SymInt, ring: int, ulysses: int) -> int | torch.SymInt:
+    """Upper bound of any segment length in a ring step (documents' ``2 c_i`` or the tail);
+    ``torch.sym_max`` keeps a symbolic ``max_seqlen`` free of guards."""
+    return torch.sym_max(2 * (-(-max_seqlen // (2 * ring))), max(2 * ulysses, 1))
 
 
 def step_sees_any_key(

@@ -1,0 +1,173 @@
+"""The ``hcp`` torch.compile backend: rewrite attention with ``cu_seqlens`` into hierarchical
+CP (the pass in :mod:`hcp_compile.passes`), then compile with an inner compiler."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from .kernels import KERNEL_CHOICES
+from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
+from .validation import InputError
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+DUMP_ENV = "HCP_DUMP_DIR"
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options of the ``hcp`` backend.
+
+    mesh: a ``("ring", "ulysses")`` DeviceMesh or a pair ``(ulysses_group, ring_group)``.
+        Default: Ulysses over the ranks of one node (``LOCAL_WORLD_SIZE`` as set by torchrun,
+        else the whole world), ring across nodes.
+    inner: the compiler of the rewritten graph: ``"inductor"``, ``"aot_eager"`` or ``"eager"``.
+    kernel: the attention kernel, as in ``context_parallel`` (a module's mark overrides it).
+    dump_dir: write every compiled graph's files under ``dump_dir/rank<R>/graph_<N>/``
+        (default: the ``HCP_DUMP_DIR`` environment variable; caches are bypassed while dumping,
+        so every graph is traced and written).
+    agree_across_ranks: the layout check of each batch is all-reduced over the mesh, so all
+        ranks fail together on one rank's bad input (two tiny collectives per batch).
+    """
+
+    mesh: Any = None
+    inner: str = "inductor"
+    kernel: str = "auto"
+    dump_dir: str | None = None
+    agree_across_ranks: bool = True
+
+    def __post_init__(self) -> None:
+        if self.inner not in INNER_COMPILERS:
+            raise InputError(f"inner: expected one of {INNER_COMPILERS}, got {self.inner!r}")
+        if self.kernel not in KERNEL_CHOICES:
+            raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
+
+
+def parse_options(options: dict[str, Any] | None) -> BackendOptions:
+    options = dict(options or {})
+    known = {f.name for f in fields(BackendOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InputError(
+            f"options: unknown {unknown} for the hcp backend; expected some of {sorted(known)}"
+        )
+    return BackendOptions(**options)
+
+
+class HcpBackend:
+    """A torch.compile backend; ``hcp_compile.backend(**options)`` returns one."""
+
+    def __init__(self, options: BackendOptions):
+        self.options = options
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        from hcp_compile.passes.hierarchical_cp import GraphDump, HierarchicalCPPass
+        from hcp_compile.passes.rewrite import RewriteConfig
+
+        options = self.options
+        groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
+        dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV), GraphDump)
+        rewrite = HierarchicalCPPass(
+            RewriteConfig(groups, options.kernel, options.agree_across_ranks), dump
+        )
+        if options.inner == "inductor":
+            return _inductor(gm, example_inputs, rewrite, groups, dump)
+        rewrite(gm.graph)
+        if options.inner == "eager":
+            if dump is not None:
+                dump.write("aot_forward.py", "# inner='eager': no AOT graphs\n")
+            return gm.forward
+        return _aot_eager(dump)(gm, example_inputs)
+
+
+def backend(**options) -> HcpBackend:
+    """The ``hcp`` backend as a callable: ``torch.compile(model, backend=backend(mesh=...))``
+    is ``torch.compile(model, backend="hcp", options={"mesh": ...})``."""
+    return HcpBackend(parse_options(options))
+
+
+def hcp(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None):
+    """Entry point of ``backend="hcp"`` (``torch_dynamo_backends``); Dynamo passes
+    ``torch.compile(..., options=...)`` as ``options``."""
+    return HcpBackend(parse_options(options))(gm, example_inputs)
+
+
+@functools.cache
+def _default_mesh(world: int, local: int, device_type: str):
+    return make_mesh(ulysses=local, ring=world // local, device_type=device_type)
+
+
+def default_mesh():
+    """Ulysses over the ranks of one node, ring across nodes (created once per process:
+    building a mesh is itself a collective)."""
+    if not dist.is_initialized():
+        raise InputError(
+            "mesh: no mesh was given and torch.distributed is not initialized; call "
+            "init_process_group (or launch with torchrun) or pass options={'mesh': mesh}"
+        )
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local < 1 or world % local:
+        raise InputError(
+            f"mesh: LOCAL_WORLD_SIZE={local} does not divide the world size {world}; pass "
+            "options={'mesh': hcp_compile.make_mesh(ulysses=..., ring=...)}"
+        )
+    return _default_mesh(world, local, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+
+
+def _graph_dump(folder: str | None, dump_type):
+    if not folder:
+        return None
+    root = Path(folder) / f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+    index = len(list(root.glob("graph_*"))) if root.exists() else 0
+    return dump_type(root / f"graph_{index}")
+
+
+def _dumping(compiler: Callable, dump, name_for: Callable[[dict], str]) -> Callable:
+    def compile_and_dump(gm: fx.GraphModule, example_inputs, *args, **kwargs):
+        dump.write(name_for(kwargs), gm.print_readable(print_output=False))
+        return compiler(gm, example_inputs, *args, **kwargs)
+
+    return compile_and_dump
+
+
+def _aot_eager(dump) -> Callable:
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    forward = backward = boxed_nop
+    if dump is not None:
+        forward = _dumping(boxed_nop, dump, lambda _: "aot_forward.py")
+        backward = _dumping(boxed_nop, dump, lambda _: "aot_backward.py")
+    return aot_autograd(
+        fw_compiler=forward, bw_compiler=backward,
+        partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
+    )
+
+
+def _inductor(gm, example_inputs, rewrite, groups: CPGroups, dump) -> Callable:
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    patches: dict[str, Any] = {"pre_grad_custom_pass": rewrite}
+    if groups.device_type == "cuda" and hasattr(inductor_config, "aten_distributed_optimizations"):
+        patches["aten_distributed_optimizations.enable_overlap_scheduling"] = True
+    if dump is None:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    patches["force_disable_caches"] = True
+
+    def name_for(kwargs: dict) -> str:
+        if kwargs.get("is_backward"):
+            return "aot_backward.py"
+        return "aot_inference.py" if kwargs.get("is_inference") else "aot_forward.py"
+
+    inner = _dumping(compile_fx_inner, dump, name_for)
+    return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)

@@ -1,0 +1,79 @@
+"""The rewrite as one graph pass: match, rewrite, record (and dump) what was done.
+
+It is an Inductor ``CustomGraphPass`` so that, handed to Inductor as its pre-grad pass, it
+runs before AOTAutograd and keys Inductor's caches by :meth:`uuid` (stable across process
+starts); the other inner compilers get the same pass applied by the backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+import hcp_compile
+from hcp_compile.marking import marks_digest
+
+from . import report
+from .match import find_attention
+from .rewrite import RewriteConfig, Rewritten, rewrite_attention
+
+
+@dataclass
+class GraphRecord:
+    """What the pass did to one graph."""
+
+    before: str = ""
+    after: str = ""
+    rewritten: list[Rewritten] = field(default_factory=list)
+
+
+class HierarchicalCPPass(CustomGraphPass):
+    """Rewrite every (marked) attention node with ``cu_seqlens`` into hierarchical CP."""
+
+    def __init__(self, config: RewriteConfig, dump: "GraphDump | None" = None):
+        self.config = config
+        self.dump = dump
+        self.record = GraphRecord()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        record = self.record
+        record.before = graph.python_code("self").src
+        record.rewritten = rewrite_attention(graph, find_attention(graph), self.config)
+        if graph.owning_module is not None:
+            graph.owning_module.recompile()
+        record.after = graph.python_code("self").src
+        if self.dump is not None:
+            self.dump.write("before_rewrite.py", record.before)
+            self.dump.write("after_rewrite.py", record.after)
+            self.dump.write("matches.md", self.table())
+
+    def table(self) -> str:
+        return report.table(self.record.rewritten, self.config.groups, self.config.agree_across_ranks)
+
+    def uuid(self) -> str:
+        """Everything the rewritten graph depends on besides the input graph: this code,
+        the mesh as this rank sees it, the options and the module marks."""
+        groups = self.config.groups
+        package = Path(hcp_compile.__file__).parent
+        sources = sorted(package.rglob("*.py")) + sorted(Path(__file__).parent.glob("*.py"))
+        mesh = (
+            groups.ulysses_group.group_name, groups.ring_group.group_name, groups.ulysses_size,
+            groups.ring_size, groups.ulysses_rank, groups.ring_rank, groups.device_type,
+        )
+        facts = repr((mesh, self.config.kernel, self.config.agree_across_ranks, marks_digest()))
+        return hashlib.sha256((get_hash_for_files(tuple(sources)).hex() + facts).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class GraphDump:
+    """The folder one compiled graph's files go to."""
+
+    folder: Path
+
+    def write(self, name: str, text: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / name).write_text(text)

@@ -1,0 +1,87 @@
+"""The table of rewritten attention nodes: what was matched, how it is split over the mesh,
+which collectives the rewrite inserts and how many bytes they move per rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from hcp_compile.hierarchical import kv_head_repeat
+from hcp_compile.mesh import CPGroups
+
+from .rewrite import Rewritten
+
+HEADERS = (
+    "module", "op", "heads q/kv", "head dim", "dtype", "ulysses x ring", "kernel",
+    "collectives fwd", "collectives bwd", "all-to-all bytes/rank fwd", "ring bytes/rank/step",
+    "ring steps",
+)
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Collectives one rewritten node adds to the forward and backward graphs."""
+
+    forward_all_to_all: int  # Ulysses exchanges
+    forward_ring: int  # KV transfers
+    forward_all_reduce: int  # the layout check's agreement
+    backward_all_to_all: int
+    backward_ring: int  # dKV transfers
+
+
+def collectives(node: Rewritten, groups: CPGroups, agree: bool) -> Collectives:
+    ulysses, ring = groups.ulysses_size > 1, groups.ring_size
+    # q and kv in, out back (and the lse when the graph reads it); dout in, dq and dkv back
+    forward_all_to_all = (3 + node.returns_lse) if ulysses else 0
+    return Collectives(
+        forward_all_to_all=forward_all_to_all,
+        forward_ring=ring - 1,
+        forward_all_reduce=2 if node.checked and agree else 0,
+        backward_all_to_all=3 if ulysses else 0,
+        # AOTAutograd merges the backward's KV transfers with the forward's (the same
+        # functional collective on the same input), so only the dKV hops remain
+        backward_ring=ring if ring > 1 else 0,
+    )
+
+
+def row(node: Rewritten, groups: CPGroups, agree: bool) -> list[str]:
+    ulysses = groups.ulysses_size
+    element = node.dtype.itemsize
+    kv_heads = node.heads_kv * kv_head_repeat(node.heads_kv, ulysses)
+    per_head = node.local_tokens * node.head_dim * element
+    # every rank keeps 1/A of what it exchanges: q, k, v in and out back
+    all_to_all = (ulysses - 1) * (2 * node.heads_q + 2 * kv_heads) * per_head // ulysses
+    ring_step = 2 * kv_heads * per_head  # this rank's stream of its head slice: A*T/A tokens
+    count = collectives(node, groups, agree)
+    forward = [f"{count.forward_all_to_all} all_to_all", f"{count.forward_ring} ring"]
+    if count.forward_all_reduce:
+        forward.append(f"{count.forward_all_reduce} all_reduce (check)")
+    return [
+        node.match.module_path or "-",
+        node.match.op,
+        f"{node.heads_q}/{node.heads_kv}",
+        str(node.head_dim),
+        str(node.dtype).removeprefix("torch."),
+        f"{ulysses} x {groups.ring_size}",
+        node.kernel,
+        ", ".join(forward),
+        f"{count.backward_all_to_all} all_to_all, {count.backward_ring} ring",
+        _bytes(all_to_all),
+        _bytes(ring_step) if groups.ring_size > 1 else "-",
+        str(groups.ring_size),
+    ]
+
+
+def table(nodes: list[Rewritten], groups: CPGroups, agree: bool) -> str:
+    if not nodes:
+        return "no attention node with cu_seqlens was found"
+    return tabulate([row(n, groups, agree) for n in nodes], headers=HEADERS, tablefmt="github")
+
+
+def _bytes(count: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:g} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"

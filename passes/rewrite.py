@@ -1,0 +1,164 @@
+"""Replace matched attention nodes by the hierarchical CP subgraph, before AOTAutograd.
+
+Each match becomes one call of :func:`hcp_compile.compiled.hierarchical_varlen_attention`
+(which AOTAutograd traces into all-to-all -> ring -> all-to-all functional collectives and the
+block kernels), preceded, once per ``cu_seqlens``, by the device-side layout check. Every
+output the graph used is rewired: the attention output and the logsumexp.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from hcp_compile.compiled import check_layout, hierarchical_varlen_attention
+from hcp_compile.kernels import resolve_kernel
+from hcp_compile.mesh import CPGroups
+
+from .match import AttentionMatch, UnsupportedAttention
+
+
+@dataclass(frozen=True)
+class RewriteConfig:
+    groups: CPGroups
+    kernel: str  # the backend's kernel; a mark's kernel overrides it
+    agree_across_ranks: bool
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """What one match became."""
+
+    match: AttentionMatch
+    kernel: str
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    local_tokens: int  # this rank's tokens at compile time (a hint when symbolic)
+    returns_lse: bool
+    checked: bool  # this node carries the layout check of its cu_seqlens
+
+
+def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: RewriteConfig) -> list[Rewritten]:
+    checked: set[tuple[fx.Node, fx.Node, str]] = set()
+    done = []
+    for match in matches:
+        done.append(_rewrite_one(graph, match, config, checked))
+    graph.lint()
+    return done
+
+
+def example_value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _rewrite_one(
+    graph: fx.Graph, match: AttentionMatch, config: RewriteConfig,
+    checked: set[tuple[fx.Node, fx.Node, str]],
+) -> Rewritten:
+    node, call, groups = match.node, match.call, config.groups
+    q_value, k_value = example_value(call.q), example_value(call.k)
+    heads_q, heads_kv, head_dim = int(q_value.shape[1]), int(k_value.shape[1]), int(q_value.shape[2])
+    kernel = (match.mark.kernel if match.mark and match.mark.kernel else None) or config.kernel
+    kernel = resolve_kernel(kernel, q_value)
+    _check_static(match, heads_q, heads_kv, kernel, groups)
+    outputs = _output_users(node)
+    for index in outputs:
+        if index not in (call.out_index, call.lse_index):
+            raise UnsupportedAttention(
+                f"{match.op} at {match.module_path or 'top level'}: output {index} of the op "
+                "is used, but under hierarchical context parallelism only the attention "
+                "output and the logsumexp exist"
+            )
+    returns_lse = call.lse_index in outputs
+    names = {
+        "ulysses_group": groups.ulysses_group.group_name,
+        "ring_group": groups.ring_group.group_name,
+    }
+    local_tokens = q_value.shape[0]
+    check_key = (call.cu_seqlens_q, call.cu_seqlens_k, str(local_tokens))
+    with graph.inserting_before(node):
+        is_checked = check_key not in checked
+        if is_checked:
+            checked.add(check_key)
+            tokens = graph.call_function(torch.ops.aten.sym_size.int, (call.q, 0))
+            graph.call_function(
+                check_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens),
+                {**names, "agree": config.agree_across_ranks},
+            )
+        max_seqlen = call.max_seqlen_q
+        if call.max_seqlen_k is not call.max_seqlen_q and call.max_seqlen_k != call.max_seqlen_q:
+            # only a bound for the kernels' grids: the larger one is right for both
+            max_seqlen = graph.call_function(torch.sym_max, (call.max_seqlen_q, call.max_seqlen_k))
+        scale = call.scale if call.scale is not None else head_dim**-0.5
+        attention = graph.call_function(
+            hierarchical_varlen_attention, (call.q, call.k, call.v, call.cu_seqlens_q, max_seqlen),
+            {"causal": call.causal, "scale": scale, "window": call.window, "kernel": kernel,
+             **names, "return_lse": returns_lse},
+        )
+        _copy_provenance(node, attention)
+        new_outputs = {call.out_index: attention}
+        if returns_lse:
+            new_outputs = {
+                call.out_index: graph.call_function(operator.getitem, (attention, 0)),
+                call.lse_index: graph.call_function(operator.getitem, (attention, 1)),
+            }
+    for index, users in outputs.items():
+        for user in users:
+            new = new_outputs[index]
+            new.meta.update({k: v for k, v in user.meta.items() if k in ("example_value", "val")})
+            user.replace_all_uses_with(new)
+    for user in list(node.users):  # the getitems, now unused
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return Rewritten(
+        match, kernel, heads_q, heads_kv, head_dim, q_value.dtype,
+        int(local_tokens.node.hint) if isinstance(local_tokens, torch.SymInt) else int(local_tokens),
+        returns_lse, is_checked,
+    )
+
+
+def _check_static(match: AttentionMatch, heads_q: int, heads_kv: int, kernel: str, groups: CPGroups) -> None:
+    where = f"{match.op} at {match.module_path or 'top level'}"
+    ulysses = groups.ulysses_size
+    if heads_q % ulysses:
+        raise UnsupportedAttention(
+            f"{where}: {heads_q} query heads cannot be split over ulysses={ulysses} ranks; "
+            "choose a mesh whose ulysses size divides the number of query heads"
+        )
+    if heads_kv % ulysses and ulysses % heads_kv:
+        raise UnsupportedAttention(
+            f"{where}: {heads_kv} key/value heads must divide or be divisible by "
+            f"ulysses={ulysses}; choose another ulysses size"
+        )
+    if kernel == "flash" and match.call.window != (-1, -1):
+        raise UnsupportedAttention(
+            f"{where}: the flash kernel cannot apply a sliding window under context "
+            "parallelism; mark the module with @hcp_compile.attention(kernel='torch') or "
+            "compile with options={'kernel': 'torch'}"
+        )
+
+
+def _output_users(node: fx.Node) -> dict[int, list[fx.Node]]:
+    """Output index -> the ``getitem`` nodes that read it."""
+    users: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise UnsupportedAttention(
+                f"{node.name}: expected the op's outputs to be read by indexing, found "
+                f"{user.format_node()}"
+            )
+        if user.users:
+            users.setdefault(user.args[1], []).append(user)
+    return users
+
+
+def _copy_provenance(source: fx.Node, target: fx.Node) -> None:
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in source.meta:
+            target.meta[key] = source.meta[key]
