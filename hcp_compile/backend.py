@@ -158,7 +158,8 @@ def _inductor(gm, example_inputs, rewrite, groups: CPGroups, dump) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches: dict[str, Any] = {"pre_grad_custom_pass": rewrite}
-    if groups.device_type == "cuda" and hasattr(inductor_config, "aten_distributed_optimizations"):
+    overlap = getattr(inductor_config, "aten_distributed_optimizations", None)
+    if groups.device_type == "cuda" and hasattr(overlap, "enable_overlap_scheduling"):
         patches["aten_distributed_optimizations.enable_overlap_scheduling"] = True
     if dump is None:
         return compile_fx(gm, example_inputs, config_patches=patches)
