@@ -1,5 +1,10 @@
 """The two exchanges of hierarchical CP, written with functional collectives so the same code
-runs eagerly and under tracing (each collective appears in the graph with its wait)."""
+runs eagerly and under tracing (each collective appears in the graph with its wait).
+
+The ``_c10d_functional`` ops are called directly rather than through
+``torch.distributed._functional_collectives``, whose wrappers wait right after issuing when
+traced: here every wait sits where its result is first needed, in the eager run and in the
+graph alike."""
 
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ def scatter_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) ->
     widths = [t.shape[1] // size for t in tensors]
     # block j of dim 0 holds the heads that go to Ulysses rank j
     send = _pack([t.reshape(tokens, size, w, dim).transpose(0, 1) for t, w in zip(tensors, widths)])
-    received = funcol.all_to_all_single(send.view(-1), None, None, group)
+    received = _all_to_all(send.view(-1), None, group, size)
     # the blocks from Ulysses ranks 0..size-1, concatenated, are the ring stream
-    return funcol.wait_tensor(received).view(size * tokens, sum(widths), dim)
+    return _wait(received).view(size * tokens, sum(widths), dim)
 
 
 def gather_heads(
@@ -34,8 +39,8 @@ def gather_heads(
         return list(x.split(widths, dim=1))
     stream, dim = x.shape[0], x.shape[2]
     tokens = stream // size
-    received = funcol.all_to_all_single(x.contiguous().view(-1), None, None, group)
-    received = funcol.wait_tensor(received).view(size, tokens, sum(widths), dim)
+    received = _all_to_all(x.contiguous().view(-1), None, group, size)
+    received = _wait(received).view(size, tokens, sum(widths), dim)
     return [
         part.transpose(0, 1).reshape(tokens, size * w, dim)
         for part, w in zip(received.split(widths, dim=2), widths)
@@ -72,13 +77,29 @@ def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Ten
     and later support as a functional collective; it is correct only for 1-D tensors.
     """
     flat = x.reshape(-1)
-    send = [0] * size
-    recv = [0] * size
-    send[(rank + 1) % size] = flat.numel()
-    recv[(rank - 1) % size] = flat.numel()
-    return funcol.all_to_all_single(flat, recv, send, group)
+    splits = [0] * size
+    splits[(rank + 1) % size] = flat.numel()
+    received = [0] * size
+    received[(rank - 1) % size] = flat.numel()
+    return _all_to_all(flat, (received, splits), group, size)
 
 
 def arrived(x: Tensor, shape: torch.Size) -> Tensor:
     """Wait for a transfer issued by :func:`ring_shift` and view it as ``shape``."""
-    return funcol.wait_tensor(x).view(shape)
+    return _wait(x).view(shape)
+
+
+def _all_to_all(
+    flat: Tensor, splits: tuple[list[int], list[int]] | None, group: dist.ProcessGroup,
+    size: int,
+) -> Tensor:
+    """Issue an all-to-all of a 1-D tensor (``splits``: output and input split sizes, even
+    when None); the result must go through :func:`_wait` before it is read."""
+    if splits is None:
+        even = [flat.numel() // size] * size
+        splits = (even, even)
+    return torch.ops._c10d_functional.all_to_all_single(flat, *splits, group.group_name)
+
+
+def _wait(x: Tensor) -> Tensor:
+    return torch.ops._c10d_functional.wait_tensor(x)

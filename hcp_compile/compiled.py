@@ -9,7 +9,6 @@ run on the device (optionally agreed over the mesh) instead of raising on the ho
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -59,7 +58,8 @@ def check_layout(
     bad = (~ok).to(torch.int32).reshape(1)
     if agree:
         for group in (groups.ulysses_group, groups.ring_group):
-            bad = funcol.wait_tensor(funcol.all_reduce(bad, "max", group))
+            issued = torch.ops._c10d_functional.all_reduce(bad, "max", group.group_name)
+            bad = torch.ops._c10d_functional.wait_tensor(issued)
     torch._assert_async(
         bad[0] == 0,
         "hcp_compile: cu_seqlens does not describe the batch these local shards were cut "

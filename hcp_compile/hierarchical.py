@@ -76,9 +76,15 @@ def ring_backward(
     kv_heads = kv.shape[1] // 2
     acc = accumulate_dtype(q.dtype)
     dq = incoming = travelling = None
+    # The KV message carries one element of dout along. Without that dependency on the
+    # backward's input, a compiler merges these transfers with the forward's identical ones
+    # (or moves them into the forward) and keeps every rank's KV alive until the backward.
+    message = torch.cat([kv.reshape(-1), dout.reshape(-1)[:1]]) if ring > 1 else None
     for index, step in enumerate(sched.steps):
-        current = kv if index == 0 else arrived(incoming, kv.shape)
-        incoming = ring_shift(current, groups.ring_group, rank, ring) if index + 1 < ring else None
+        if index > 0:
+            message = arrived(incoming, message.shape)
+        current = kv if index == 0 else message[: kv.numel()].view(kv.shape)
+        incoming = ring_shift(message, groups.ring_group, rank, ring) if index + 1 < ring else None
         dkv = None
         if step.active:
             k, v = current.split(kv_heads, dim=1)

@@ -22,6 +22,12 @@ def varlen_attention_op(
     (float64 for float64 inputs).
 
     ``lse`` is returned for inspection and is not differentiable."""
+    if active_context() is not None:
+        raise validation.InputError(
+            "varlen_attention: a graph compiled with a backend other than 'hcp' ran inside "
+            "hcp_compile.context_parallel, so its attention would ignore the other ranks' "
+            "tokens; compile with backend='hcp' (options={'mesh': mesh}) or run eagerly"
+        )
     return KERNELS[resolve_kernel(kernel, q)].forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
         window_left, window_right, None, None,
@@ -70,7 +76,9 @@ def varlen_attention(
     """
     window = validation.check_window(window_size)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    cp = active_context()
+    # traced, the call stays the single-device op, which the ``hcp`` backend rewrites; the
+    # op refuses to run inside context_parallel, so another backend cannot silently skip CP
+    cp = None if torch.compiler.is_compiling() else active_context()
     if cp is not None:
         return cp.attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

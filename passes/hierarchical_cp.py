@@ -39,6 +39,14 @@ class HierarchicalCPPass(CustomGraphPass):
         self.dump = dump
         self.record = GraphRecord()
 
+    def __deepcopy__(self, memo) -> "HierarchicalCPPass":
+        # Inductor copies and pickles its config for cache keys (torch 2.11); process groups
+        # can be neither, and what identifies the pass is its uuid
+        return self
+
+    def __reduce__(self):
+        return (str, (self.uuid(),))
+
     def __call__(self, graph: fx.Graph) -> None:
         record = self.record
         record.before = graph.python_code("self").src
@@ -49,7 +57,7 @@ class HierarchicalCPPass(CustomGraphPass):
         if self.dump is not None:
             self.dump.write("before_rewrite.py", record.before)
             self.dump.write("after_rewrite.py", record.after)
-            self.dump.write("matches.md", self.table())
+            self.dump.write("matches.md", self.table() + "\n")
 
     def table(self) -> str:
         return report.table(self.record.rewritten, self.config.groups, self.config.agree_across_ranks)

@@ -27,7 +27,7 @@ class Collectives:
     forward_ring: int  # KV transfers
     forward_all_reduce: int  # the layout check's agreement
     backward_all_to_all: int
-    backward_ring: int  # dKV transfers
+    backward_ring: int  # KV and dKV transfers
 
 
 def collectives(node: Rewritten, groups: CPGroups, agree: bool) -> Collectives:
@@ -39,9 +39,7 @@ def collectives(node: Rewritten, groups: CPGroups, agree: bool) -> Collectives:
         forward_ring=ring - 1,
         forward_all_reduce=2 if node.checked and agree else 0,
         backward_all_to_all=3 if ulysses else 0,
-        # AOTAutograd merges the backward's KV transfers with the forward's (the same
-        # functional collective on the same input), so only the dKV hops remain
-        backward_ring=ring if ring > 1 else 0,
+        backward_ring=(2 * ring - 1) if ring > 1 else 0,  # R-1 KV hops, R dKV hops
     )
 
 

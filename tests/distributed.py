@@ -1,9 +1,10 @@
 """Run many test cases inside one multi-process gloo world per context-parallel mesh.
 
-The parent (pytest) calls :func:`run_world` once per ``(ulysses, ring)`` mesh: it starts the
-world's ranks as subprocesses of this file, each rank runs every case of
-``cp_cases.suite(mesh)`` in order and saves one record per case right after running it, and
-the parent collects the records. A case that raises is recorded (exception type and message),
+The parent (pytest) calls :func:`run_world` once per ``(ulysses, ring)`` mesh and suite: it
+starts the world's ranks as subprocesses of this file, each rank runs every case of the suite
+(by default ``cp_cases.suite(mesh)``; ``suite="module:function"`` names another list, e.g.
+``"compile_cases"`` for the compiled path) in order and saves one record per case right after
+running it, and the parent collects the records. A case that raises is recorded (exception type and message),
 not fatal; a world that crashes or hangs is killed at its deadline and the cases it did not
 finish report that. Processes are started once per mesh, never per test.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import socket
 import subprocess
@@ -28,6 +30,8 @@ import torch.distributed as dist
 WORLD_DEADLINE_S = 240  # a whole world, process start-up included
 COLLECTIVE_TIMEOUT_S = 60  # gloo's timeout inside the workers: a mismatch errors, not hangs
 FAILED_PEER_GRACE_S = 10  # how long the other ranks may go on after one rank died
+DEFAULT_SUITE = "cp_cases"  # "module" (its function ``suite``) or "module:function"
+WORLD_DIR_ENV = "HCP_TEST_WORLD_DIR"  # a folder every rank of a world shares (removed after it)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class WorldResults:
     records: dict[str, dict[int, CaseRecord]]  # case id -> rank -> record
     return_codes: list[int | None]
     log: str
+    suite: str = DEFAULT_SUITE
 
     @property
     def size(self) -> int:
@@ -73,8 +78,9 @@ class WorldResults:
         missing = [r for r in range(self.size) if r not in by_rank]
         if missing:
             raise AssertionError(
-                f"ranks {missing} of mesh ulysses x ring = {self.mesh} left no result for "
-                f"{case_id!r} (exit codes {self.return_codes}); end of the world's log:\n"
+                f"ranks {missing} of mesh ulysses x ring = {self.mesh} (suite {self.suite}) left "
+                f"no result for {case_id!r} (exit codes {self.return_codes}); end of the world's "
+                f"log:\n"
                 f"{self.log[-4000:]}"
             )
         return [by_rank[r] for r in range(self.size)]
@@ -94,18 +100,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(ulysses: int, ring: int, deadline_s: float = WORLD_DEADLINE_S) -> WorldResults:
-    """Start ``ulysses * ring`` ranks, run the mesh's suite in each, collect the records."""
+def run_world(
+    ulysses: int, ring: int, deadline_s: float = WORLD_DEADLINE_S, suite: str = DEFAULT_SUITE
+) -> WorldResults:
+    """Start ``ulysses * ring`` ranks, run the mesh's ``suite`` in each, collect the records."""
     world = ulysses * ring
     with tempfile.TemporaryDirectory(prefix="hcp_world_") as tmp:
         out = Path(tmp)
+        shared = out / "shared"
+        shared.mkdir()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+               "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+               WORLD_DIR_ENV: str(shared)}
         with open(out / "log.txt", "w") as log:
             procs = [
                 subprocess.Popen(
                     [sys.executable, __file__, f"--rank={rank}", f"--ulysses={ulysses}",
-                     f"--ring={ring}", f"--out={out}"],
+                     f"--ring={ring}", f"--out={out}", f"--suite={suite}"],
                     env=env, stdout=log, stderr=subprocess.STDOUT,
                 )
                 for rank in range(world)
@@ -120,7 +131,7 @@ def run_world(ulysses: int, ring: int, deadline_s: float = WORLD_DEADLINE_S) -> 
             case_id, rank = saved.pop("key")
             records.setdefault(case_id, {})[rank] = CaseRecord(**saved)
         log_text = (out / "log.txt").read_text()
-    return WorldResults((ulysses, ring), records, return_codes, log_text)
+    return WorldResults((ulysses, ring), records, return_codes, log_text, suite)
 
 
 def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
@@ -160,7 +171,12 @@ def _detached(value: dict) -> dict:
             for k, v in value.items()}
 
 
-def _worker(rank: int, ulysses: int, ring: int, out: Path) -> None:
+def _suite_function(suite: str):
+    module, _, function = suite.partition(":")
+    return getattr(importlib.import_module(module), function or "suite")
+
+
+def _worker(rank: int, ulysses: int, ring: int, out: Path, suite: str = DEFAULT_SUITE) -> None:
     import cp_cases  # importable here: this file's folder is the worker's sys.path[0]
     import hcp_compile as hc
 
@@ -170,7 +186,7 @@ def _worker(rank: int, ulysses: int, ring: int, out: Path) -> None:
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     world = cp_cases.World(hc.make_mesh(ulysses, ring, "cpu"), rank, ulysses, ring)
-    for index, case in enumerate(cp_cases.suite((ulysses, ring))):
+    for index, case in enumerate(_suite_function(suite)((ulysses, ring))):
         record = _record_of(lambda: case.run(world))
         path = out / f"{index:04d}.rank{rank}.pt"
         torch.save({"key": (case.id, rank), **record}, path.with_suffix(".tmp"))
@@ -183,5 +199,6 @@ if __name__ == "__main__":
     for name in ("rank", "ulysses", "ring"):
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--suite", default=DEFAULT_SUITE)
     args = parser.parse_args()
-    _worker(args.rank, args.ulysses, args.ring, args.out)
+    _worker(args.rank, args.ulysses, args.ring, args.out, args.suite)

@@ -1,0 +1,677 @@
+"""Cases of the compiled path (``torch.compile`` with the ``hcp`` backend), run inside the
+worker processes of ``distributed.py``: ``suite="compile_cases"`` once per mesh of
+``COMPILE_MESHES`` (inner compiler ``aot_eager``), ``suite=INDUCTOR_SUITE`` once for the single
+Inductor-compiled run.
+
+As in ``cp_cases``, every case has a stable ``id`` and a ``run(world)`` that executes on every
+rank and returns a dict of CPU tensors / plain values (or raises); the assertions live in
+``test_compile.py``, which rebuilds the same cases and regenerates the same seeded inputs and
+models for its float64 references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx, nn
+from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+import hcp_compile as hc
+from cp_cases import AttentionCase, World, cu_seqlens, seeded, shard_with_garbage_pads
+from distributed import WORLD_DIR_ENV
+
+COMPILE_MESHES = ((2, 2), (1, 4), (4, 1))  # (ulysses, ring)
+ERROR_MESH = (2, 2)
+INDUCTOR_MESH = (2, 2)
+SUITE = "compile_cases"
+INDUCTOR_SUITE = "compile_cases:inductor_suite"
+WORLD_DEADLINE_S = 420  # one aot_eager world, start-up included (about 60 s on 2 cores)
+INDUCTOR_DEADLINE_S = 480  # the Inductor world (about 70 s on 2 cores)
+
+MODEL_DIM = 16
+HEAD_DIM = 8
+
+COMPILE_DOCS = {
+    "mixed": (0, 1, 7, 3, 13, 0, 2, 29, 0),  # empty, 1-token, odd and longer docs
+    "mixed-permuted": (29, 0, 13, 2, 0, 1, 0, 7, 3),  # same lengths: same local token count
+    "four": (5, 13, 1, 20),  # other document count, token count and longest document
+    "even": (8, 8, 8, 8),
+    "one-97": (97,),  # a single document
+    "one-50": (50,),
+    "three": (7, 13, 1),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# helpers: compile counting, AOT graph capture, collective counts
+# --------------------------------------------------------------------------------------------
+
+class CompileCounter:
+    """A backend that counts the graphs Dynamo hands it and passes them on."""
+
+    def __init__(self, backend: Callable):
+        self.backend = backend
+        self.graphs = 0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        self.graphs += 1
+        return self.backend(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def capture_aot_graphs():
+    """Collect the FX graphs that ``inner="aot_eager"`` hands to its forward and backward
+    compilers (``boxed_nop``, looked up when the backend compiles), in compile order."""
+    from torch._dynamo.backends import debugging
+
+    captured: list[fx.GraphModule] = []
+    real = debugging.boxed_nop
+
+    def capturing_nop(gm, example_inputs):
+        captured.append(gm)
+        return real(gm, example_inputs)
+
+    debugging.boxed_nop = capturing_nop
+    try:
+        yield captured
+    finally:
+        debugging.boxed_nop = real
+
+
+def split_forward_backward(graphs: list[fx.GraphModule]) -> tuple[list, list]:
+    """Backward graphs are those with ``tangents_*`` inputs."""
+    def is_backward(gm):
+        return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+    return [g for g in graphs if not is_backward(g)], [g for g in graphs if is_backward(g)]
+
+
+C10D = torch.ops._c10d_functional
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "_dtensor")
+
+
+def _depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in sources:
+            return True
+        for parent in current.all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return False
+
+
+def _is_zero(split) -> bool:
+    return isinstance(split, int) and split == 0
+
+
+def collective_summary(gm: fx.GraphModule, ulysses_group: str, ring_group: str) -> dict:
+    """Counts of the collectives in one AOT graph, by kind, with the properties the tests
+    check: each followed by its wait, the split pattern of each kind, and (for backward
+    graphs) whether each exchange carries something derived from the incoming gradients."""
+    tangents = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    summary = {"ulysses": 0, "ring": 0, "all_reduce": 0, "unwaited": 0, "bad_splits": 0,
+               "ulysses_from_tangents": 0, "ring_from_tangents": 0, "other": []}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) not in COLLECTIVE_NAMESPACES:
+            continue
+        if node.target is C10D.wait_tensor.default:
+            continue
+        if not any(user.target is C10D.wait_tensor.default for user in node.users):
+            summary["unwaited"] += 1
+        if node.target is C10D.all_reduce.default:
+            summary["all_reduce"] += 1
+            continue
+        if node.target is not C10D.all_to_all_single.default:
+            summary["other"].append(str(node.target))
+            continue
+        _, output_splits, input_splits, group = node.args[:4]
+        from_tangents = _depends_on(node, tangents)
+        if group == ulysses_group:
+            summary["ulysses"] += 1
+            summary["ulysses_from_tangents"] += from_tangents
+            equal = len({str(s) for s in output_splits}) == 1 and len({str(s) for s in input_splits}) == 1
+            summary["bad_splits"] += not equal or any(_is_zero(s) for s in output_splits)
+        elif group == ring_group:
+            summary["ring"] += 1
+            summary["ring_from_tangents"] += from_tangents
+            one_send = sum(not _is_zero(s) for s in input_splits) == 1
+            one_recv = sum(not _is_zero(s) for s in output_splits) == 1
+            summary["bad_splits"] += not (one_send and one_recv)
+        else:
+            summary["other"].append(f"all_to_all_single on group {group!r}")
+    return summary
+
+
+def group_names(mesh) -> tuple[str, str]:
+    return mesh.get_group("ulysses").group_name, mesh.get_group("ring").group_name
+
+
+def aot_summaries(captured: list[fx.GraphModule], mesh) -> dict:
+    forward, backward = split_forward_backward(captured)
+    names = group_names(mesh)
+    return {
+        "aot_graphs": (len(forward), len(backward)),
+        "fw": [collective_summary(g, *names) for g in forward],
+        "bw": [collective_summary(g, *names) for g in backward],
+    }
+
+
+def shared_dir(name: str) -> Path:
+    """A folder of this world that every rank sees (the same path on every rank)."""
+    folder = Path(os.environ[WORLD_DIR_ENV]) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def fresh_dynamo() -> None:
+    """Every case compiles its own model: no cache entry of an earlier case may count
+    against Dynamo's recompile limit (the Block classes of all cases share forward code)."""
+    torch._dynamo.reset()
+
+
+def error_record(exc: BaseException) -> dict:
+    return {"types": [f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__],
+            "message": str(exc)}
+
+
+# --------------------------------------------------------------------------------------------
+# attention alone: compiled vs eager CP vs the float64 reference, batch after batch
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DocsCase(AttentionCase):
+    """An :class:`AttentionCase` whose ``docs`` is a key of :data:`COMPILE_DOCS` (the
+    reference in ``checks.expected_for`` works unchanged)."""
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return COMPILE_DOCS[self.docs]
+
+
+class VarlenAttention(nn.Module):
+    """Only the library's attention call, arguments as module constants."""
+
+    def __init__(self, causal: bool, scale: float | None, window: tuple[int, int]):
+        super().__init__()
+        self.causal, self.scale, self.window = causal, scale, window
+
+    def forward(self, q, k, v, cu, max_seqlen):
+        return hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=self.causal,
+                                   softmax_scale=self.scale, window_size=self.window)
+
+
+def run_attention(batch: AttentionCase, world: World, attend: Callable) -> dict:
+    """Forward and backward of ``attend(q, k, v, cu, max_seqlen)`` on the batch's shards
+    (garbage in the pads, as in ``cp_cases``); local results and where the rows come from."""
+    cu = cu_seqlens(batch.lengths)
+    plan = hc.shard_plan(cu, world.mesh)
+    x = batch.inputs()
+    q, k, v = (shard_with_garbage_pads(plan, x[n], f"{batch.id}/{n}", world.rank).requires_grad_()
+               for n in ("q", "k", "v"))
+    out = attend(q, k, v, cu, max(batch.lengths))
+    out.backward(shard_with_garbage_pads(plan, x["dout"], f"{batch.id}/dout", world.rank))
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "global_index": plan.global_index, "local_tokens": plan.local_tokens}
+
+
+@dataclass(frozen=True)
+class CompiledAttentionCase:
+    """One compiled ``VarlenAttention`` fed the batches ``docs`` in turn (same module, so
+    the later batches show whether the compiled graph is reused); each batch also runs
+    eagerly under ``context_parallel`` for comparison."""
+
+    name: str
+    docs: tuple[str, ...]
+    heads_q: int
+    heads_kv: int
+    causal: bool
+    window: tuple[int, int] = (-1, -1)
+    scale: float | None = None
+    dynamic: bool | None = True
+    inner: str = "aot_eager"
+    eager: bool = True  # also run eager CP for comparison
+    dump: bool = False  # dump the graphs (Inductor: its caches are then bypassed)
+
+    @property
+    def id(self) -> str:
+        return f"attention-{self.name}"
+
+    def batches(self) -> list[DocsCase]:
+        return [DocsCase(docs, self.heads_q, self.heads_kv, self.causal, self.window, self.scale)
+                for docs in self.docs]
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        if self.inner == "inductor":
+            torch._inductor.config.compile_threads = 1  # no compile pool per rank on 2 cores
+        dump = shared_dir(f"dump-{self.id}") if self.dump else None
+        counter = CompileCounter(hc.backend(mesh=world.mesh, inner=self.inner,
+                                            dump_dir=str(dump) if dump else None))
+        module = VarlenAttention(self.causal, self.scale, self.window)
+        compiled = torch.compile(module, backend=counter, dynamic=self.dynamic, fullgraph=True)
+        result: dict = {"graphs_after": []}
+        for index, batch in enumerate(self.batches()):
+            got = run_attention(batch, world, compiled)
+            result["graphs_after"].append(counter.graphs)
+            if self.eager:
+                with hc.context_parallel(world.mesh):
+                    eager = run_attention(batch, world, module)
+                got.update({f"eager_{n}": eager[n] for n in ("out", "dq", "dk", "dv")})
+            result.update({f"{index}/{n}": value for n, value in got.items()})
+        if dump is not None:
+            mine = dump / f"rank{world.rank}"
+            result["texts"] = {str(p.relative_to(mine)): p.read_text() for p in mine.rglob("*.*")}
+            result["group_names"] = group_names(world.mesh)
+        return result
+
+
+def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
+    cases = [
+        # the same compiled graph for every batch: other documents with the same local token
+        # count, then another count and document count, then single-document batches
+        CompiledAttentionCase("gqa-causal-batches", ("mixed", "mixed-permuted", "four", "one-97",
+                                                     "one-50"), 4, 2, True),
+        CompiledAttentionCase("mqa-full-window-scale", ("mixed",), 4, 1, False, (3, 5), 0.3,
+                              dynamic=None),
+    ]
+    if mesh == (2, 2):
+        cases += [
+            CompiledAttentionCase("mha-causal-window", ("three",), 4, 4, True, (4, 0), dynamic=None),
+            # dynamic=None: the first batch compiles static; the second changes the local
+            # token count, the document count and max_seqlen at once (Dynamo's automatic
+            # dynamic recompiles once with all of them dynamic); no compile after that
+            CompiledAttentionCase("dynamic-none-batches", ("four", "mixed", "mixed-permuted",
+                                                           "even", "three"), 4, 2, True,
+                                  dynamic=None, eager=False),
+        ]
+    return cases
+
+
+# --------------------------------------------------------------------------------------------
+# a model of several marked attention layers: fullgraph, graphs, dumps, params' gradients
+# --------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """Projections around the library's attention call, with a residual; subclassed per
+    case (marks are class attributes, so every case marks a class of its own)."""
+
+    def __init__(self, heads_q: int, heads_kv: int, causal: bool):
+        super().__init__()
+        self.heads_q, self.heads_kv, self.causal = heads_q, heads_kv, causal
+        self.qkv = nn.Linear(MODEL_DIM, (heads_q + 2 * heads_kv) * HEAD_DIM)
+        self.o = nn.Linear(heads_q * HEAD_DIM, MODEL_DIM)
+
+    def forward(self, x, cu, max_seqlen):
+        q, k, v = self.qkv(x).split(
+            [self.heads_q * HEAD_DIM, self.heads_kv * HEAD_DIM, self.heads_kv * HEAD_DIM], -1)
+        q = q.reshape(-1, self.heads_q, HEAD_DIM)
+        k = k.reshape(-1, self.heads_kv, HEAD_DIM)
+        v = v.reshape(-1, self.heads_kv, HEAD_DIM)
+        out = self.attend(q, k, v, cu, max_seqlen)
+        return x + self.o(out.reshape(-1, self.heads_q * HEAD_DIM))
+
+    def attend(self, q, k, v, cu, max_seqlen):
+        return hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=self.causal)
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x, cu, max_seqlen):
+        for layer in self.layers:
+            x = layer(x, cu, max_seqlen)
+        return x
+
+
+def fresh_class(base: type, name: str, **attributes) -> type:
+    return type(name, (base,), {"__module__": __name__, **attributes})
+
+
+def init_parameters(model: nn.Module, name: str) -> nn.Module:
+    """Deterministic parameters, the same in every process (and in the parent's reference)."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            fan_in = p.shape[-1] if p.dim() > 1 else 4
+            p.copy_(seeded(f"{name}/{pname}", *p.shape) * fan_in**-0.5)
+    return model
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """``layers`` marked blocks (one marked class), compiled with ``fullgraph=True`` and a
+    dump folder; the AOT graphs captured; compared with the same model under eager CP."""
+
+    docs: str = "mixed"
+    layers: int = 3
+    heads_q: int = 4
+    heads_kv: int = 2
+    causal: bool = True
+
+    @property
+    def id(self) -> str:
+        return f"model-{self.layers}-layers-{self.docs}-h{self.heads_q}.{self.heads_kv}"
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return COMPILE_DOCS[self.docs]
+
+    def build(self, block_class: type) -> nn.Module:
+        blocks = [block_class(self.heads_q, self.heads_kv, self.causal) for _ in range(self.layers)]
+        return init_parameters(Stack(blocks), self.id)
+
+    def inputs(self) -> dict[str, Tensor]:
+        tokens = sum(self.lengths)
+        return {"x": seeded(f"{self.id}/x", tokens, MODEL_DIM),
+                "dout": seeded(f"{self.id}/dout", tokens, MODEL_DIM)}
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        block = hc.attention(fresh_class(Block, "MarkedBlock"))
+        model = self.build(block)
+        cu = cu_seqlens(self.lengths)
+        plan = hc.shard_plan(cu, world.mesh)
+        x = self.inputs()
+        dout = plan.shard(x["dout"])  # zero at the pads: they are no part of the loss
+        x_local = shard_with_garbage_pads(plan, x["x"], f"{self.id}/x", world.rank)
+
+        def forward_backward(fn) -> dict:
+            model.zero_grad()
+            leaf = x_local.clone().requires_grad_()
+            out = fn(leaf, cu, max(self.lengths))
+            (out * dout).sum().backward()
+            grads = {f"grad/{n}": p.grad.clone() for n, p in model.named_parameters()}
+            return {"out": out.detach(), "dx": leaf.grad, **grads}
+
+        with hc.context_parallel(world.mesh):
+            eager = forward_backward(model)
+        dump = shared_dir(f"dump-{self.id}")
+        counter = CompileCounter(hc.backend(mesh=world.mesh, inner="aot_eager", dump_dir=str(dump)))
+        with capture_aot_graphs() as captured:
+            compiled = forward_backward(torch.compile(model, backend=counter, fullgraph=True))
+        dist.barrier()  # every rank's dump is written
+        mine = dump / f"rank{world.rank}" / "graph_0"
+        return {
+            **compiled,
+            **{f"eager_{n}": t for n, t in eager.items()},
+            "unsharded_out": plan.unshard(compiled["out"]),
+            "global_index": plan.global_index,
+            "graphs": counter.graphs,
+            **aot_summaries(captured, world.mesh),
+            "dumped": sorted(str(p.relative_to(dump)) for p in dump.rglob("*") if p.is_file()),
+            "texts": {p.name: p.read_text() for p in mine.glob("*")},
+            "group_names": group_names(world.mesh),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# a model written against torch's own varlen_attn (no hcp call in it), the lse used
+# --------------------------------------------------------------------------------------------
+
+class TorchVarlenAttention(nn.Module):
+    """Plain PyTorch: ``torch.nn.attention.varlen.varlen_attn`` (which has no CPU kernel),
+    returning the output and the logsumexp."""
+
+    def __init__(self, window: tuple[int, int] = (-1, 0), scale: float | None = None):
+        super().__init__()
+        self.window, self.scale = window, scale
+
+    def forward(self, q, k, v, cu, max_seqlen):
+        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, return_aux=AuxRequest(lse=True),
+                           scale=self.scale, window_size=self.window, enable_gqa=True)
+
+
+@dataclass(frozen=True)
+class TorchVarlenCase:
+    """Compiled with ``backend="hcp"`` (the entry point), ``options={"mesh", "inner"}``.
+    varlen_attn's ``window_size=(-1, 0)`` is causal; ``(W, 0)`` a causal sliding window."""
+
+    docs: str = "mixed"
+    heads_q: int = 4
+    heads_kv: int = 2
+    window: tuple[int, int] = (-1, 0)
+    scale: float | None = None
+
+    @property
+    def id(self) -> str:
+        return f"torch-varlen-{self.docs}-h{self.heads_q}.{self.heads_kv}-w{self.window[0]}.{self.window[1]}"
+
+    def reference_case(self) -> DocsCase:
+        """The same attention in ``varlen_attention``'s terms (for the float64 reference)."""
+        causal = self.window[1] == 0
+        window = (-1, -1) if self.window == (-1, 0) else self.window
+        return DocsCase(self.docs, self.heads_q, self.heads_kv, causal, window, self.scale)
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        batch = self.reference_case()
+        module = TorchVarlenAttention(self.window, self.scale)
+        compiled = torch.compile(module, backend="hcp", fullgraph=True,
+                                 options={"mesh": world.mesh, "inner": "aot_eager"})
+        lse = {}
+
+        def attend(q, k, v, cu, max_seqlen):
+            out, lse["lse"] = compiled(q, k, v, cu, max_seqlen)
+            return out
+
+        with capture_aot_graphs() as captured:
+            got = run_attention(batch, world, attend)
+        return {**got, "lse": lse["lse"], **aot_summaries(captured, world.mesh)}
+
+
+# --------------------------------------------------------------------------------------------
+# the decorator's scoping and explain() on the real mesh
+# --------------------------------------------------------------------------------------------
+
+class Inner(nn.Module):
+    """An attention module inside a block (for marks on the enclosing block)."""
+
+    def forward(self, q, k, v, cu, max_seqlen):
+        return hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True)
+
+
+class TwoKinds(nn.Module):
+    """``marked`` layers of a marked class, then one layer of an unmarked class."""
+
+    def __init__(self, marked: type, unmarked: type, layers: int = 2):
+        super().__init__()
+        self.marked = nn.ModuleList(marked(4, 2, True) for _ in range(layers))
+        self.unmarked = unmarked(4, 2, True)
+
+    def forward(self, x, cu, max_seqlen):
+        for layer in self.marked:
+            x = layer(x, cu, max_seqlen)
+        return self.unmarked(x, cu, max_seqlen)
+
+
+@dataclass(frozen=True)
+class ExplainCase:
+    """``hc.explain`` on this mesh: two marked layers and an unmarked one; nothing runs."""
+
+    docs: str = "mixed"
+
+    @property
+    def id(self) -> str:
+        return f"explain-marked-{self.docs}"
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        marked = hc.attention(kernel="torch")(fresh_class(Block, "ExplainMarked"))
+        model = init_parameters(TwoKinds(marked, fresh_class(Block, "ExplainUnmarked")), self.id)
+        cu = cu_seqlens(COMPILE_DOCS[self.docs])
+        plan = hc.shard_plan(cu, world.mesh)
+        x = plan.shard(seeded(f"{self.id}/x", int(cu[-1]), MODEL_DIM)).requires_grad_()
+        explanation = hc.explain(model, x, cu, max(COMPILE_DOCS[self.docs]), mesh=world.mesh)
+        graph = explanation.graphs[0]
+        return {
+            "graphs": len(explanation.graphs),
+            "tables": explanation.tables,
+            "text": str(explanation),
+            "paths": [r.match.module_path for r in graph.rewritten],
+            "kernels": [r.kernel for r in graph.rewritten],
+            "local_tokens": [r.local_tokens for r in graph.rewritten],
+            "checked": [r.checked for r in graph.rewritten],
+            "after": graph.after,
+            "before": graph.before,
+            "x_grad_is_none": x.grad is None,
+            "params_grad_none": all(p.grad is None for p in model.parameters()),
+            "plan_local_tokens": plan.local_tokens,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# errors: at compile time, and a batch whose cu_seqlens does not fit the shards
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HeadsNotDivisibleCase:
+    """3 query heads on ulysses=2: the backend refuses while compiling, on every rank."""
+
+    @property
+    def id(self) -> str:
+        return "error-heads-not-divisible-by-ulysses"
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        batch = DocsCase("three", 3, 1, True)
+        compiled = torch.compile(VarlenAttention(True, None, (-1, -1)), fullgraph=True,
+                                 backend=hc.backend(mesh=world.mesh, inner="aot_eager"))
+        return run_attention(batch, world, compiled)
+
+
+class SeparateCu(nn.Module):
+    def forward(self, q, k, v, cu_q, cu_k, max_seqlen):
+        return hc.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen, max_seqlen, causal=True)
+
+
+def _other_batch(lengths: tuple[int, ...], rank_count: int) -> tuple[int, ...]:
+    """Same number of documents, more tokens: a different local token count on every mesh."""
+    return (*lengths[:-1], lengths[-1] + 8 * rank_count)
+
+
+@dataclass(frozen=True)
+class BadBatchCase:
+    """One compiled graph (dynamic shapes), a valid batch first; then batches whose
+    cu_seqlens does not describe the shards: on one rank only, on every rank, cu_seqlens_k
+    different on one rank. Each must raise on every rank (the device-side check, agreed over
+    the mesh), none may hang; then a valid batch runs again. Returns each phase's outcome."""
+
+    phases: tuple[str, ...] = ("one-rank-cu", "every-rank-cu", "one-rank-cu-k")
+    batch: ClassVar[DocsCase] = DocsCase("four", 4, 2, True)
+
+    @property
+    def id(self) -> str:
+        return "error-bad-batches-" + "-".join(self.phases)
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        batch = self.batch
+        lengths = batch.lengths
+        cu = cu_seqlens(lengths)
+        plan = hc.shard_plan(cu, world.mesh)
+        x = batch.inputs()
+        q, k, v = (plan.shard(x[n]) for n in "qkv")
+        counter = CompileCounter(hc.backend(mesh=world.mesh, inner="aot_eager"))
+        compiled = torch.compile(SeparateCu(), backend=counter, dynamic=True, fullgraph=True)
+        longest = max(lengths)
+        other = cu_seqlens(_other_batch(lengths, world.ulysses * world.ring))
+        bad_rank = world.ulysses * world.ring - 1
+        calls = {
+            "one-rank-cu": lambda: compiled(q, k, v, *((other, other.clone()) if world.rank == bad_rank
+                                                      else (cu, cu.clone())), longest),
+            "every-rank-cu": lambda: compiled(q, k, v, other, other.clone(), longest),
+            "one-rank-cu-k": lambda: compiled(q, k, v, cu, other if world.rank == bad_rank else cu.clone(), longest),
+        }
+        result: dict = {"first": compiled(q, k, v, cu, cu.clone(), longest).detach()}
+        for phase in self.phases:
+            try:
+                calls[phase]()
+                result[phase] = {"types": [], "message": "returned normally"}
+            except Exception as exc:  # noqa: BLE001 - the outcome is the result
+                result[phase] = error_record(exc)
+        result["after"] = compiled(q, k, v, cu, cu.clone(), longest).detach()
+        result["graphs"] = counter.graphs
+        result["global_index"] = plan.global_index
+        return result
+
+
+# --------------------------------------------------------------------------------------------
+# the suites
+# --------------------------------------------------------------------------------------------
+
+def model_cases(mesh: tuple[int, int]) -> list[ModelCase]:
+    return [ModelCase()]
+
+
+def torch_varlen_cases(mesh: tuple[int, int]) -> list[TorchVarlenCase]:
+    cases = [TorchVarlenCase()]
+    if mesh == (2, 2):
+        cases.append(TorchVarlenCase("three", 4, 1, window=(5, 0), scale=0.4))
+    return cases
+
+
+def explain_cases(mesh: tuple[int, int]) -> list[ExplainCase]:
+    return [ExplainCase()]
+
+
+def error_cases(mesh: tuple[int, int]) -> list:
+    if mesh == ERROR_MESH:
+        return [HeadsNotDivisibleCase(), BadBatchCase()]
+    return [BadBatchCase(("one-rank-cu",))]
+
+
+def suite(mesh: tuple[int, int]) -> list:
+    """Every compiled-path case run in the aot_eager world of ``mesh``, in order (the error
+    cases last: a hang there must not cost the others their results)."""
+    return [*explain_cases(mesh), *attention_cases(mesh), *model_cases(mesh),
+            *torch_varlen_cases(mesh), *error_cases(mesh)]
+
+
+INDUCTOR_CASE = CompiledAttentionCase("inductor-gqa-causal", ("mixed", "mixed-permuted"), 4, 2,
+                                      True, inner="inductor", dump=True)
+
+
+def inductor_suite(mesh: tuple[int, int]) -> list:
+    return [INDUCTOR_CASE]
+
+
+# --------------------------------------------------------------------------------------------
+# parsing the dumped report (used by the tests)
+# --------------------------------------------------------------------------------------------
+
+def table_counts(markdown: str) -> dict[str, int]:
+    """Sum of the collectives the matches.md table announces, over its rows."""
+    totals = {"fw_all_to_all": 0, "fw_ring": 0, "fw_all_reduce": 0, "bw_all_to_all": 0, "bw_ring": 0}
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    for line in lines[2:]:
+        row = dict(zip(header, (cell.strip() for cell in line.strip("|").split("|"))))
+        for prefix, column in (("fw", "collectives fwd"), ("bw", "collectives bwd")):
+            for count, kind in re.findall(r"(\d+) (all_to_all|ring|all_reduce)", row[column]):
+                totals[f"{prefix}_{kind}"] += int(count)
+    return totals
+
+
+A2A_CALL = re.compile(
+    r"_c10d_functional\.all_to_all_single\.default\((\w+), \[([^\]]*)\], \[([^\]]*)\], '([^']+)'\)")
+
+
+def text_collectives(code: str, ulysses_group: str, ring_group: str) -> dict[str, int]:
+    """Collectives in a dumped graph's code (``print_readable`` text), by kind."""
+    counts = {"ulysses": 0, "ring": 0, "other_group": 0,
+              "all_reduce": code.count("_c10d_functional.all_reduce.default("),
+              "wait_tensor": code.count("_c10d_functional.wait_tensor.default(")}
+    for _, output_splits, input_splits, group in A2A_CALL.findall(code):
+        key = {ulysses_group: "ulysses", ring_group: "ring"}.get(group, "other_group")
+        counts[key] += 1
+    return counts

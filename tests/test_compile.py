@@ -1,0 +1,404 @@
+"""The compiled path, ``torch.compile(model, backend="hcp")`` (DESIGN §1, §5, §6), on real
+multi-process meshes: every case of ``compile_cases`` runs in one gloo world per mesh (inner
+compiler ``aot_eager``), plus one world with an Inductor-compiled run.
+
+Checked: compiled results against the independent float64 reference and against eager CP
+(forward and backward, pads exactly zero); a model of several marked layers compiles to one
+graph with ``fullgraph=True``; a model written against torch's own ``varlen_attn`` (no CPU
+kernel) compiles and runs, its logsumexp output rewired; the collectives of the AOT forward and
+backward graphs (Ulysses all-to-alls, ring transfers, the layout check's all-reduces, each
+waited, no q/k/v re-exchange in the backward); the dump folder and its report; ``explain`` and
+the decorator's scoping on the mesh; recompilation; errors at compile time and for a batch
+that does not fit the shards (every rank raises, none hangs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from attention_reference import document_mask, reference_attention
+from checks import assert_matches, expected_for
+from compile_cases import (
+    COMPILE_MESHES, ERROR_MESH, INDUCTOR_CASE, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
+    INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, HeadsNotDivisibleCase,
+    ModelCase, TorchVarlenCase, attention_cases, error_cases, explain_cases, fresh_class,
+    model_cases, table_counts, text_collectives, torch_varlen_cases,
+)
+from cp_cases import cu_seqlens, mesh_id
+
+# compiled vs eager CP: the same kernels and collectives (aot_eager ran bit-identical when
+# this was written; Inductor may fuse and reorder the elementwise merge)
+EAGER_TOL = {"atol": 1e-6, "rtol": 1e-6}
+DUMP_FILES = ("before_rewrite.py", "after_rewrite.py", "aot_forward.py", "aot_backward.py", "matches.md")
+RESULTS = ("out", "dq", "dk", "dv")
+
+
+def compile_world(cp_world, mesh):
+    return cp_world(mesh, suite=SUITE, deadline_s=WORLD_DEADLINE_S)
+
+
+def local_rows(global_tensor: torch.Tensor, global_index: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """The rows of a global tensor that a rank holds (dim 0), ``fill`` at its pads."""
+    pads = (global_index < 0).reshape(-1, *([1] * (global_tensor.dim() - 1)))
+    return global_tensor[global_index.clamp(min=0)].masked_fill(pads, fill)
+
+
+def params(cases_of, ids_of=lambda case: case.id, meshes=COMPILE_MESHES):
+    return [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{ids_of(case)}")
+            for mesh in meshes for case in cases_of(mesh)]
+
+
+def expected_collectives(mesh, layers: int, lse_layers: int = 0) -> dict:
+    """Per AOT graph, for ``layers`` attention layers sharing one cu_seqlens (DESIGN §3-5):
+    forward 3 Ulysses all-to-alls per layer (q, kv in; out back; +1 for a used lse) and
+    R-1 KV transfers, 2 all-reduces for the layout check; backward 3 Ulysses all-to-alls
+    (dout in; dq, dkv back) and R dKV transfers. No Ulysses exchange with ulysses=1, no ring
+    transfer with ring=1."""
+    ulysses, ring = mesh
+    return {
+        "fw": {"ulysses": (3 * layers + lse_layers) if ulysses > 1 else 0,
+               "ring": (ring - 1) * layers, "all_reduce": 2},
+        "bw": {"ulysses": 3 * layers if ulysses > 1 else 0,
+               "ring": ring * layers if ring > 1 else 0, "all_reduce": 0},
+    }
+
+
+def assert_well_formed(summary: dict, what: str) -> None:
+    """Every collective waited, splits as their kind requires, nothing unexpected."""
+    assert summary["unwaited"] == 0, f"{what}: {summary['unwaited']} collectives without a wait_tensor"
+    assert summary["bad_splits"] == 0, f"{what}: {summary['bad_splits']} exchanges with wrong splits"
+    assert summary["other"] == [], f"{what}: unexpected collectives {summary['other']}"
+
+
+# --------------------------------------------------------------------------------------------
+# attention alone: compiled == eager CP == float64 reference
+# --------------------------------------------------------------------------------------------
+
+BATCHES = [pytest.param(mesh, case, index, id=f"{mesh_id(mesh)}-{case.id}-{index}-{docs}")
+           for mesh in COMPILE_MESHES for case in attention_cases(mesh)
+           for index, docs in enumerate(case.docs)]
+
+
+@pytest.mark.parametrize("mesh, case, index", BATCHES)
+def test_compiled_attention_matches_reference_and_eager_cp(cp_world, mesh, case, index):
+    batch = case.batches()[index]
+    reference = expected_for(batch)
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        global_index = result[f"{index}/global_index"]
+        for name in RESULTS:
+            got = result[f"{index}/{name}"]
+            assert_matches(got, local_rows(reference[name], global_index), f"rank {rank} {name}")
+            assert (got[global_index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
+            if case.eager:
+                torch.testing.assert_close(got, result[f"{index}/eager_{name}"], **EAGER_TOL,
+                                           msg=lambda m: f"rank {rank} {name} vs eager CP: {m}")
+
+
+@pytest.mark.parametrize("mesh", COMPILE_MESHES, ids=mesh_id)
+def test_dynamic_shapes_reuse_one_graph_for_new_batches(cp_world, mesh):
+    """dynamic=True: other documents with the same local token count, then another token
+    count and document count, run on the first graph; a batch of a single document may
+    compile once more (Dynamo specializes the size-1 document-length tensor), and the next
+    single-document batch reuses that graph."""
+    (case,) = [c for c in attention_cases(mesh) if c.name == "gqa-causal-batches"]
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        tokens = [result[f"{i}/local_tokens"] for i in range(len(case.docs))]
+        assert tokens[0] == tokens[1] != tokens[2], f"rank {rank}: premise of the batches: {tokens}"
+        graphs = result["graphs_after"]
+        assert graphs[:3] == [1, 1, 1], f"rank {rank}: graphs compiled after each batch {graphs}"
+        assert graphs[3] <= 2 and graphs[4] == graphs[3], f"rank {rank}: graphs compiled {graphs}"
+
+
+def test_automatic_dynamic_recompiles_once(cp_world):
+    """dynamic=None: the first graph is static; the second batch changes the local token
+    count, the document count and max_seqlen together, which compiles once more with all of
+    them dynamic; no batch after that compiles again."""
+    (case,) = [c for c in attention_cases((2, 2)) if c.name == "dynamic-none-batches"]
+    for rank, result in enumerate(compile_world(cp_world, (2, 2)).values(case.id)):
+        assert result["graphs_after"] == [1, 2, 2, 2, 2], f"rank {rank}: {result['graphs_after']}"
+
+
+# --------------------------------------------------------------------------------------------
+# a model of several marked layers
+# --------------------------------------------------------------------------------------------
+
+MODELS = params(model_cases)
+
+
+def _reference_attend(self, q, k, v, cu, max_seqlen):
+    return reference_attention(q, k, v, cu.tolist(), cu.tolist(), causal=self.causal)
+
+
+@functools.cache
+def model_reference(case: ModelCase) -> dict[str, torch.Tensor]:
+    """The model in float64 on the whole batch, its attention the float64 reference."""
+    model = case.build(fresh_class(Block, "ReferenceBlock", attend=_reference_attend)).double()
+    inputs = case.inputs()
+    x = inputs["x"].double().requires_grad_()
+    out = model(x, cu_seqlens(case.lengths), max(case.lengths))
+    (out * inputs["dout"].double()).sum().backward()
+    grads = {f"grad/{n}": p.grad for n, p in model.named_parameters()}
+    return {"out": out.detach(), "dx": x.grad, **grads}
+
+
+@pytest.mark.parametrize("mesh, case", MODELS)
+def test_model_of_marked_layers_compiles_to_one_graph(cp_world, mesh, case):
+    """fullgraph=True (a graph break would raise) and one graph, one forward and one
+    backward AOT graph, on every rank."""
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        assert result["graphs"] == 1, f"rank {rank}: Dynamo compiled {result['graphs']} graphs"
+        assert result["aot_graphs"] == (1, 1), f"rank {rank}: AOT (fw, bw) {result['aot_graphs']}"
+
+
+@pytest.mark.parametrize("mesh, case", MODELS)
+def test_model_compiled_equals_eager_cp(cp_world, mesh, case):
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        for name in [n for n in result if n == "out" or n == "dx" or n.startswith("grad/")]:
+            torch.testing.assert_close(result[name], result[f"eager_{name}"], **EAGER_TOL,
+                                       msg=lambda m: f"rank {rank} {name} vs eager CP: {m}")
+
+
+@pytest.mark.parametrize("mesh, case", MODELS)
+def test_model_compiled_matches_float64_reference(cp_world, mesh, case):
+    """Output rows, input gradient (zero at the pads, whose garbage must not leak into any
+    layer) and the parameters' gradients summed over the ranks."""
+    reference = model_reference(case)
+    results = compile_world(cp_world, mesh).values(case.id)
+    for rank, result in enumerate(results):
+        index = result["global_index"]
+        real = index >= 0
+        assert_matches(result["out"][real], reference["out"][index[real]], f"rank {rank} out")
+        assert_matches(result["dx"], local_rows(reference["dx"], index), f"rank {rank} dx")
+        assert (result["dx"][~real] == 0).all(), f"rank {rank}: dx is not zero at the pads"
+        assert_matches(result["unsharded_out"], reference["out"], f"rank {rank} unshard(out)")
+    for name in [n for n in reference if n.startswith("grad/")]:
+        summed = torch.stack([r[name] for r in results]).sum(0)
+        assert_matches(summed, reference[name], f"{name} summed over ranks")
+
+
+@pytest.mark.parametrize("mesh, case", MODELS)
+def test_forward_graph_collectives(cp_world, mesh, case):
+    """Per layer 3 Ulysses all-to-alls (equal splits) and R-1 ring transfers (one
+    non-zero split), plus the layout check's 2 all-reduces once; each waited."""
+    expected = expected_collectives(mesh, case.layers)["fw"]
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        (forward,) = result["fw"]
+        assert_well_formed(forward, f"rank {rank} forward")
+        got = {k: forward[k] for k in expected}
+        assert got == expected, f"rank {rank}: forward graph collectives {got}, expected {expected}"
+
+
+@pytest.mark.parametrize("mesh, case", MODELS)
+def test_backward_graph_collectives_and_no_qkv_reexchange(cp_world, mesh, case):
+    """Per layer 3 Ulysses all-to-alls (dout in, dq and dkv back) and R dKV transfers; every
+    one of them carries data derived from the incoming gradients (tangents), so none
+    re-exchanges q, k or v."""
+    expected = expected_collectives(mesh, case.layers)["bw"]
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        (backward,) = result["bw"]
+        assert_well_formed(backward, f"rank {rank} backward")
+        got = {k: backward[k] for k in expected}
+        assert got == expected, f"rank {rank}: backward graph collectives {got}, expected {expected}"
+        assert backward["ulysses_from_tangents"] == backward["ulysses"], (
+            f"rank {rank}: {backward['ulysses'] - backward['ulysses_from_tangents']} Ulysses "
+            "exchanges in the backward carry only forward data (a q/k/v re-exchange)")
+        assert backward["ring_from_tangents"] == backward["ring"], (
+            f"rank {rank}: ring transfers in the backward that carry no gradient")
+
+
+@pytest.mark.parametrize("mesh, case", MODELS)
+def test_report_table_counts_the_graphs_collectives(cp_world, mesh, case):
+    """matches.md announces, summed over its rows, the collectives the AOT graphs hold."""
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        (forward,), (backward,) = result["fw"], result["bw"]
+        in_graphs = {"fw_all_to_all": forward["ulysses"], "fw_ring": forward["ring"],
+                     "fw_all_reduce": forward["all_reduce"], "bw_all_to_all": backward["ulysses"],
+                     "bw_ring": backward["ring"]}
+        announced = table_counts(result["texts"]["matches.md"])
+        assert announced == in_graphs, f"rank {rank}: table {announced}, graphs {in_graphs}"
+
+
+@pytest.mark.parametrize("mesh, case", MODELS)
+def test_dump_dir_holds_every_ranks_graph_files(cp_world, mesh, case):
+    """dump_dir/rank<R>/graph_0/ has the code before and after the rewrite, the AOT forward
+    and backward graphs and the table, for every rank; their content is the rewrite's."""
+    results = compile_world(cp_world, mesh).values(case.id)
+    size = mesh[0] * mesh[1]
+    expected = sorted(f"rank{r}/graph_0/{name}" for r in range(size) for name in DUMP_FILES)
+    layers = case.layers
+    for rank, result in enumerate(results):
+        assert result["dumped"] == expected, f"rank {rank} sees {result['dumped']}"
+        texts = result["texts"]
+        assert texts["before_rewrite.py"].count("torch.ops.hcp.varlen_attention(") == layers
+        assert "torch.ops.hcp.varlen_attention(" not in texts["after_rewrite.py"]
+        assert texts["after_rewrite.py"].count("hierarchical_varlen_attention(") == layers
+        assert texts["after_rewrite.py"].count("check_layout(") == 1  # one cu_seqlens
+        rows = [line for line in texts["matches.md"].splitlines() if line.startswith("| layers.")]
+        assert [row.split("|")[1].strip() for row in rows] == [f"layers.{i}" for i in range(layers)]
+        for graph, summary in (("aot_forward.py", result["fw"][0]), ("aot_backward.py", result["bw"][0])):
+            counted = text_collectives(texts[graph], *result["group_names"])
+            assert counted["other_group"] == 0
+            assert (counted["ulysses"], counted["ring"], counted["all_reduce"]) == (
+                summary["ulysses"], summary["ring"], summary["all_reduce"]), f"rank {rank} {graph}"
+
+
+# --------------------------------------------------------------------------------------------
+# torch's own varlen_attn, the logsumexp output
+# --------------------------------------------------------------------------------------------
+
+def reference_lse(q: torch.Tensor, k: torch.Tensor, lengths, *, causal: bool,
+                  window: tuple[int, int], scale: float | None) -> torch.Tensor:
+    """Float64 logsumexp of the scaled scores over each query's visible keys, ``[Hq, T]``;
+    -inf for a query that sees no key."""
+    q, k = q.double(), k.double()
+    heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    lse = torch.full((heads_q, q.shape[0]), float("-inf"), dtype=torch.float64)
+    cu = cu_seqlens(lengths).tolist()
+    for start, end in zip(cu, cu[1:]):
+        mask = document_mask(end - start, end - start, causal, window)
+        for h in range(heads_q):
+            scores = q[start:end, h] @ k[start:end, h // (heads_q // heads_kv)].T * scale
+            lse[h, start:end] = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=1)
+    return lse
+
+
+TORCH_VARLEN = params(torch_varlen_cases)
+
+
+@pytest.mark.parametrize("mesh, case", TORCH_VARLEN)
+def test_torch_varlen_attn_model_matches_reference(cp_world, mesh, case):
+    """varlen_attn has no CPU kernel; compiled with backend="hcp" it runs as hierarchical
+    CP: output, gradients and the lse shard against the float64 reference."""
+    batch = case.reference_case()
+    reference = expected_for(batch)
+    x = batch.inputs()
+    lse = reference_lse(x["q"], x["k"], batch.lengths, **batch.mask_args)
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        index = result["global_index"]
+        for name in RESULTS:
+            got = result[name]
+            assert_matches(got, local_rows(reference[name], index), f"rank {rank} {name}")
+            assert (got[index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
+        got_lse = result["lse"]
+        assert got_lse.shape == (batch.heads_q, index.numel()), f"rank {rank}: lse {got_lse.shape}"
+        assert_matches(got_lse[:, index >= 0], lse[:, index[index >= 0]], f"rank {rank} lse")
+        assert torch.isneginf(got_lse[:, index < 0]).all(), f"rank {rank}: lse at the pads is not -inf"
+
+
+@pytest.mark.parametrize("mesh, case", TORCH_VARLEN)
+def test_used_lse_adds_one_ulysses_exchange(cp_world, mesh, case):
+    """The lse comes back through one more Ulysses all-to-all in the forward; the backward
+    is unchanged (the lse has no gradient)."""
+    expected = expected_collectives(mesh, layers=1, lse_layers=1)
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        (forward,), (backward,) = result["fw"], result["bw"]
+        assert_well_formed(forward, f"rank {rank} forward")
+        assert_well_formed(backward, f"rank {rank} backward")
+        for graph, summary in (("fw", forward), ("bw", backward)):
+            got = {k: summary[k] for k in ("ulysses", "all_reduce")}
+            want = {k: expected[graph][k] for k in ("ulysses", "all_reduce")}
+            assert got == want, f"rank {rank} {graph}: {got}, expected {want}"
+
+
+# --------------------------------------------------------------------------------------------
+# explain() and the decorator's scoping on the mesh
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh, case", params(explain_cases))
+def test_explain_reports_only_marked_layers_without_running(cp_world, mesh, case):
+    ulysses, ring = mesh
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        assert result["graphs"] == 1
+        assert result["paths"] == ["marked.0", "marked.1"], f"rank {rank}: {result['paths']}"
+        assert result["kernels"] == ["torch", "torch"]
+        assert result["local_tokens"] == [result["plan_local_tokens"]] * 2
+        assert result["checked"] == [True, False]  # one layout check for the shared cu_seqlens
+        # the unmarked layer keeps its single-device call; the marked ones are rewritten
+        assert result["before"].count("torch.ops.hcp.varlen_attention(") == 3
+        assert result["after"].count("torch.ops.hcp.varlen_attention(") == 1
+        assert result["after"].count("hierarchical_varlen_attention(") == 2
+        assert result["x_grad_is_none"] and result["params_grad_none"], "explain ran the model"
+        (table,) = result["tables"]
+        assert f"{ulysses} x {ring}" in table and "unmarked" not in table
+        assert result["text"].startswith("graph 0: 2 attention node(s) rewritten\n")
+        expected = expected_collectives(mesh, layers=1)
+        assert (f"{expected['fw']['ulysses']} all_to_all, {expected['fw']['ring']} ring, "
+                "2 all_reduce (check)") in table
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------
+
+def test_heads_not_divisible_by_ulysses_fails_at_compile_time_on_every_rank(cp_world):
+    case = HeadsNotDivisibleCase()
+    for rank, record in enumerate(compile_world(cp_world, ERROR_MESH).per_rank(case.id)):
+        assert record.raised_instance_of(RuntimeError), f"rank {rank}: {record.describe()}"
+        for part in ("UnsupportedAttention", "3 query heads cannot be split over ulysses=2",
+                     "choose a mesh whose ulysses size divides the number of query heads"):
+            assert part in record.message, f"rank {rank}: {part!r} not in {record.message!r}"
+
+
+BAD_BATCHES = [pytest.param(mesh, case, phase, id=f"{mesh_id(mesh)}-{phase}")
+               for mesh in COMPILE_MESHES for case in error_cases(mesh)
+               if isinstance(case, BadBatchCase) for phase in case.phases]
+
+
+@pytest.mark.parametrize("mesh, case, phase", BAD_BATCHES)
+def test_batch_not_fitting_the_shards_raises_on_every_rank(cp_world, mesh, case, phase):
+    """The compiled layout check is agreed over the mesh: one rank's (or every rank's)
+    wrong cu_seqlens makes every rank raise, no rank hangs, and the same compiled graph
+    then runs a valid batch again, with no recompilation."""
+    expected_out = expected_for(BadBatchCase.batch)["out"]
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        outcome = result[phase]
+        assert "builtins.RuntimeError" in outcome["types"], f"rank {rank}: {outcome}"
+        assert "cu_seqlens does not describe the batch" in outcome["message"], f"rank {rank}: {outcome}"
+        assert result["graphs"] == 1, f"rank {rank}: compiled {result['graphs']} graphs"
+        assert_matches(result["first"], local_rows(expected_out, result["global_index"]),
+                       f"rank {rank} out of the valid batch")
+        torch.testing.assert_close(result["after"], result["first"], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# one Inductor-compiled run
+# --------------------------------------------------------------------------------------------
+
+def inductor_world(cp_world):
+    return cp_world(INDUCTOR_MESH, suite=INDUCTOR_SUITE, deadline_s=INDUCTOR_DEADLINE_S)
+
+
+@pytest.mark.parametrize("index", range(len(INDUCTOR_CASE.docs)),
+                         ids=lambda i: f"{mesh_id(INDUCTOR_MESH)}-{INDUCTOR_CASE.docs[i]}")
+def test_inductor_compiled_matches_reference_and_eager_cp(cp_world, index):
+    batch = INDUCTOR_CASE.batches()[index]
+    reference = expected_for(batch)
+    for rank, result in enumerate(inductor_world(cp_world).values(INDUCTOR_CASE.id)):
+        global_index = result[f"{index}/global_index"]
+        for name in RESULTS:
+            got = result[f"{index}/{name}"]
+            assert_matches(got, local_rows(reference[name], global_index), f"rank {rank} {name}")
+            assert (got[global_index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
+            torch.testing.assert_close(got, result[f"{index}/eager_{name}"], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"rank {rank} {name} vs eager CP: {m}")
+        assert result["graphs_after"] == [1, 1], f"rank {rank}: {result['graphs_after']}"
+
+
+def test_inductor_graphs_hold_the_rewritten_collectives(cp_world):
+    """With Inductor the rewrite runs as its pre-grad pass: the graphs Inductor compiles
+    (dumped) hold the Ulysses and ring exchanges of one layer."""
+    expected = expected_collectives(INDUCTOR_MESH, layers=1)
+    for rank, result in enumerate(inductor_world(cp_world).values(INDUCTOR_CASE.id)):
+        texts = result["texts"]
+        assert {"graph_0/before_rewrite.py", "graph_0/after_rewrite.py", "graph_0/matches.md",
+                "graph_0/aot_forward.py", "graph_0/aot_backward.py"} <= set(texts), sorted(texts)
+        assert "hierarchical_varlen_attention(" in texts["graph_0/after_rewrite.py"]
+        for graph, name in (("fw", "graph_0/aot_forward.py"), ("bw", "graph_0/aot_backward.py")):
+            counted = text_collectives(texts[name], *result["group_names"])
+            got = {k: counted[k] for k in ("ulysses", "ring", "all_reduce")}
+            assert got == expected[graph], f"rank {rank} {name}: {got}, expected {expected[graph]}"
+            assert counted["other_group"] == 0
