@@ -15,9 +15,10 @@ import torch
 from torch import fx
 
 from hcp_compile.marking import AttentionMark, mark_of
+from hcp_compile.validation import InputError
 
 
-class UnsupportedAttention(ValueError):
+class UnsupportedAttention(InputError):
     """A matched attention node uses a feature hierarchical CP cannot reproduce."""
 
 

@@ -24,7 +24,7 @@ from checks import assert_matches, expected_for
 from compile_cases import (
     COMPILE_MESHES, ERROR_MESH, INDUCTOR_CASE, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
     INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, HeadsNotDivisibleCase,
-    ModelCase, TorchVarlenCase, attention_cases, error_cases, explain_cases, fresh_class,
+    ModelCase, attention_cases, error_cases, explain_cases, fresh_class,
     model_cases, table_counts, text_collectives, torch_varlen_cases,
 )
 from cp_cases import cu_seqlens, mesh_id
@@ -55,14 +55,16 @@ def expected_collectives(mesh, layers: int, lse_layers: int = 0) -> dict:
     """Per AOT graph, for ``layers`` attention layers sharing one cu_seqlens (DESIGN §3-5):
     forward 3 Ulysses all-to-alls per layer (q, kv in; out back; +1 for a used lse) and
     R-1 KV transfers, 2 all-reduces for the layout check; backward 3 Ulysses all-to-alls
-    (dout in; dq, dkv back) and R dKV transfers. No Ulysses exchange with ulysses=1, no ring
-    transfer with ring=1."""
+    (dout in; dq, dkv back) and 2R-1 ring transfers (the KV again, R-1 hops, and the dKV
+    accumulator, R hops; the backward's KV transfers are not merged with the forward's, so
+    no rank keeps the other ranks' KV alive until the backward). No Ulysses exchange with
+    ulysses=1, no ring transfer with ring=1."""
     ulysses, ring = mesh
     return {
         "fw": {"ulysses": (3 * layers + lse_layers) if ulysses > 1 else 0,
                "ring": (ring - 1) * layers, "all_reduce": 2},
         "bw": {"ulysses": 3 * layers if ulysses > 1 else 0,
-               "ring": ring * layers if ring > 1 else 0, "all_reduce": 0},
+               "ring": (2 * ring - 1) * layers if ring > 1 else 0, "all_reduce": 0},
     }
 
 
@@ -193,9 +195,9 @@ def test_forward_graph_collectives(cp_world, mesh, case):
 
 @pytest.mark.parametrize("mesh, case", MODELS)
 def test_backward_graph_collectives_and_no_qkv_reexchange(cp_world, mesh, case):
-    """Per layer 3 Ulysses all-to-alls (dout in, dq and dkv back) and R dKV transfers; every
-    one of them carries data derived from the incoming gradients (tangents), so none
-    re-exchanges q, k or v."""
+    """Per layer 3 Ulysses all-to-alls (dout in, dq and dkv back) and 2R-1 ring transfers;
+    every one of them carries data derived from the incoming gradients (tangents): no
+    Ulysses exchange re-sends q, k or v, and no transfer was moved out of the backward."""
     expected = expected_collectives(mesh, case.layers)["bw"]
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
         (backward,) = result["bw"]

@@ -1,0 +1,663 @@
+"""The passes of the ``hcp`` backend in one process (DESIGN §5): matching attention nodes in
+Dynamo graphs (``find_attention``), the decorator's scoping, the rewrite and its report, the
+backend's options and errors, ``explain`` and the dump folder.
+
+Graphs are captured from Dynamo on fake tensors (no kernel runs, so ops without a CPU kernel
+such as ``varlen_attn`` and ``aten._flash_attention_forward`` trace too). What needs process
+groups runs on a world of one rank (gloo, mesh 1 x 1) set up for this module and torn down
+after it; the rewrite's structure for larger meshes is checked with stand-in groups, since
+the rewrite only reads their names and sizes.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import operator
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention.varlen import AuxRequest, varlen_attn
+from torch.utils._pytree import tree_map_only
+
+import hcp_compile as hc
+from attention_reference import reference_attention, reference_with_grads
+from checks import assert_matches
+from cp_cases import HEAD_DIM, cu_seqlens, seeded
+from hcp_compile.compiled import check_layout, hierarchical_varlen_attention
+from hcp_compile.marking import AttentionMark
+from hcp_compile.mesh import CPGroups, resolve_groups
+from hcp_compile.passes import report
+from hcp_compile.passes.hierarchical_cp import HierarchicalCPPass
+from hcp_compile.passes.match import (
+    AttentionCall, AttentionMatch, UnsupportedAttention, find_attention, readable_module_path,
+)
+from hcp_compile.passes.rewrite import RewriteConfig, rewrite_attention
+
+BACKEND_MODULE = importlib.import_module("hcp_compile.backend")  # hc.backend is the function
+DUMP_FILES = {"before_rewrite.py", "after_rewrite.py", "aot_forward.py", "aot_backward.py", "matches.md"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-rank gloo world and its 1 x 1 mesh, for this module only (other modules test
+    behaviour before init_process_group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield hc.make_mesh(1, 1, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def stand_in_groups(ulysses: int, ring: int) -> CPGroups:
+    """Groups of a larger mesh for the rewrite, which reads only names and sizes."""
+    return CPGroups(SimpleNamespace(group_name="ulysses-group"), SimpleNamespace(group_name="ring-group"),
+                    ulysses, ring, 0, 0, "cpu")
+
+
+def capture(fn, *args) -> list[fx.GraphModule]:
+    """The graphs Dynamo captures from ``fn(*args)`` (on fake copies of the tensors)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = tree_map_only(torch.Tensor, mode.from_tensor, args)
+        torch.compile(fn, backend=backend, fullgraph=True)(*fake)
+    return graphs
+
+
+def placeholders(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    return {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+
+
+def calls_to(graph: fx.Graph, target) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def qkv(tokens: int = 12, heads_q: int = 4, heads_kv: int = 2, name: str = "passes"):
+    return (seeded(f"{name}/q", tokens, heads_q, HEAD_DIM), seeded(f"{name}/k", tokens, heads_kv, HEAD_DIM),
+            seeded(f"{name}/v", tokens, heads_kv, HEAD_DIM))
+
+
+CU = cu_seqlens((5, 0, 7))  # 12 tokens
+
+
+# --------------------------------------------------------------------------------------------
+# find_attention: every supported op read into one AttentionCall
+# --------------------------------------------------------------------------------------------
+
+class HcpAttention(nn.Module):
+    def forward(self, q, k, v, cu_q, cu_k):
+        return hc.varlen_attention(q, k, v, cu_q, cu_k, 9, 8, causal=True, softmax_scale=0.3,
+                                   window_size=(4, 0))
+
+
+class Holder(nn.Module):
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.attn = attention
+
+    def forward(self, q, k, v, cu_q, cu_k):
+        return self.attn(q, k, v, cu_q, cu_k)
+
+
+class Layers(nn.Module):
+    """``layers.1.attn`` is the attention (``layers.0`` is never called)."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Identity(), Holder(attention)])
+
+    def forward(self, q, k, v, cu_q, cu_k):
+        return self.layers[1](q, k, v, cu_q, cu_k)
+
+
+def test_matches_hcp_varlen_attention():
+    q, k, v = qkv()
+    (gm,) = capture(Layers(HcpAttention()), q, k, v, CU, CU.clone())
+    (match,) = find_attention(gm.graph)
+    inputs = placeholders(gm)
+    call = match.call
+    assert isinstance(match, AttentionMatch) and isinstance(call, AttentionCall)
+    assert match.op == "hcp::varlen_attention"
+    assert match.node.target in (torch.ops.hcp.varlen_attention, torch.ops.hcp.varlen_attention.default)
+    assert (call.q, call.k, call.v) == (inputs["l_q_"], inputs["l_k_"], inputs["l_v_"])
+    assert (call.cu_seqlens_q, call.cu_seqlens_k) == (inputs["l_cu_q_"], inputs["l_cu_k_"])
+    assert (call.max_seqlen_q, call.max_seqlen_k) == (9, 8)
+    assert (call.causal, call.scale, call.window) == (True, 0.3, (4, 0))
+    assert (call.out_index, call.lse_index) == (0, 1)
+    assert match.module_path == "layers.1.attn"
+    assert match.mark is None
+
+
+class TorchVarlen(nn.Module):
+    def __init__(self, window=(-1, 0), scale=None, same_cu=False, lse=False):
+        super().__init__()
+        self.window, self.scale, self.same_cu, self.lse = window, scale, same_cu, lse
+
+    def forward(self, q, k, v, cu):
+        aux = AuxRequest(lse=True) if self.lse else None
+        return varlen_attn(q, k, v, cu, None if self.same_cu else cu, 7, 7, return_aux=aux,
+                           scale=self.scale, window_size=self.window, enable_gqa=True)
+
+
+@pytest.mark.parametrize("window, causal, expected_window", [
+    ((-1, 0), True, (-1, -1)),  # varlen_attn's spelling of causal attention
+    ((-1, -1), False, (-1, -1)),
+    ((3, 0), False, (3, 0)),  # a causal sliding window, as a window
+    ((2, 5), False, (2, 5)),
+])
+def test_matches_torch_varlen_attn(window, causal, expected_window):
+    q, k, v = qkv()
+    (gm,) = capture(TorchVarlen(window), q, k, v, CU)
+    (match,) = find_attention(gm.graph)
+    call = match.call
+    assert match.op == "torch_attn::_varlen_attn"
+    assert (call.causal, call.window) == (causal, expected_window)
+    assert call.scale is None  # 1/sqrt(head dim), filled in by the rewrite
+    assert call.q is placeholders(gm)["l_q_"] and call.cu_seqlens_q is placeholders(gm)["l_cu_"]
+    assert (call.max_seqlen_q, call.max_seqlen_k, call.out_index, call.lse_index) == (7, 7, 0, 1)
+
+
+def test_torch_varlen_attn_without_cu_seq_k_uses_cu_seq_q():
+    q, k, v = qkv()
+    (gm,) = capture(TorchVarlen(scale=0.25, same_cu=True), q, k, v, CU)
+    (match,) = find_attention(gm.graph)
+    assert match.call.cu_seqlens_k is match.call.cu_seqlens_q
+    assert match.call.scale == 0.25
+
+
+def flash_varlen(q, k, v, cu):
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 7, 7, 0.0, True, False, scale=0.3,
+                                                  window_size_left=4, window_size_right=0)
+    return out[0], out[1]
+
+
+def flash_dense(q, k, v):
+    return torch.ops.aten._flash_attention_forward(q, k, v, None, None, 7, 7, 0.0, True, False)[0]
+
+
+def test_matches_aten_flash_attention_with_cum_seq_q():
+    q, k, v = qkv(heads_kv=4)
+    (gm,) = capture(flash_varlen, q, k, v, CU)
+    (match,) = find_attention(gm.graph)
+    call = match.call
+    assert match.op == "aten::_flash_attention_forward"
+    assert (call.q, call.cu_seqlens_q, call.cu_seqlens_k) == (
+        placeholders(gm)["l_q_"], placeholders(gm)["l_cu_"], placeholders(gm)["l_cu_"])
+    assert (call.causal, call.scale, call.window, call.max_seqlen_q) == (True, 0.3, (4, 0), 7)
+    assert match.module_path == ""
+
+
+def test_dense_aten_flash_attention_is_not_matched():
+    """Without cum_seq_q it is (batch, seq) attention: no documents to lay out."""
+    q, k, v = (t.unsqueeze(0) for t in qkv(heads_kv=4))
+    (gm,) = capture(flash_dense, q, k, v)
+    assert any(n.op == "call_function" and "flash" in str(n.target) for n in gm.graph.nodes)
+    assert find_attention(gm.graph) == []
+
+
+def _with_argument(gm: fx.GraphModule, position: int, value) -> fx.Graph:
+    """The captured graph with one positional argument of the attention op replaced."""
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    args = list(node.args)
+    args[position] = value
+    node.args = tuple(args)
+    return gm.graph
+
+
+@pytest.mark.parametrize("position, value, name", [
+    (7, 0.1, "dropout_p"),
+    (9, True, "return_debug_mask"),
+])
+def test_unsupported_aten_flash_arguments_are_named(position, value, name):
+    q, k, v = qkv(heads_kv=4)
+    (gm,) = capture(flash_varlen, q, k, v, CU)
+    with pytest.raises(UnsupportedAttention, match=f"argument {name}="):
+        find_attention(_with_argument(gm, position, value))
+
+
+@pytest.mark.parametrize("position, name", [(11, "seqused_k"), (12, "block_table")])
+def test_unsupported_torch_varlen_arguments_are_named(position, name):
+    """varlen_attn's paged-KV and seqused_k inputs (written into the captured node: on CPU
+    they do not trace) are refused by name."""
+    q, k, v = qkv()
+    (gm,) = capture(TorchVarlen(), q, k, v, CU)
+    with pytest.raises(UnsupportedAttention, match=f"argument {name}=") as raised:
+        find_attention(_with_argument(gm, position, placeholders(gm)["l_cu_"]))
+    assert isinstance(raised.value, ValueError)
+    assert "is not supported under hierarchical context parallelism" in str(raised.value)
+
+
+@pytest.mark.parametrize("dynamo_path, readable", [
+    ("L['self'].layers[0].attn", "layers.0.attn"),
+    ("L['self']._modules['layers']._modules['0']._modules['attn']", "layers.0.attn"),
+    ("L['self'].blocks['first'].mixer", "blocks.first.mixer"),
+    ("L['self']", ""),
+    ("L['model'].encoder", "encoder"),
+])
+def test_readable_module_path(dynamo_path, readable):
+    assert readable_module_path(dynamo_path) == readable
+
+
+# --------------------------------------------------------------------------------------------
+# the decorator's scoping (marks are class attributes: every test defines its own classes)
+# --------------------------------------------------------------------------------------------
+
+class Plain(nn.Module):
+    def forward(self, q, k, v, cu):
+        return hc.varlen_attention(q, k, v, cu, cu, 7, 7, causal=True)
+
+
+class Two(nn.Module):
+    def __init__(self, first: nn.Module, second: nn.Module):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, q, k, v, cu):
+        return self.first(q, k, v, cu) + self.second(q, k, v, cu)
+
+
+def matched_paths(model: nn.Module) -> list[tuple[str, AttentionMark | None]]:
+    q, k, v = qkv()
+    (gm,) = capture(model, q, k, v, CU)
+    return [(m.module_path, m.mark) for m in find_attention(gm.graph)]
+
+
+def test_without_marks_every_attention_is_matched():
+    class A(Plain): ...
+    class B(Plain): ...
+    assert matched_paths(Two(A(), B())) == [("first", None), ("second", None)]
+
+
+def test_marked_class_scopes_the_rewrite_to_it():
+    @hc.attention
+    class Marked(Plain): ...
+
+    class Unmarked(Plain): ...
+
+    assert matched_paths(Two(Unmarked(), Marked())) == [("second", AttentionMark())]
+
+
+def test_marked_class_with_options():
+    @hc.attention(kernel="torch")
+    class Marked(Plain): ...
+
+    class Unmarked(Plain): ...
+
+    assert matched_paths(Two(Marked(), Unmarked())) == [("first", AttentionMark(kernel="torch"))]
+
+
+def test_marked_instance_marks_only_that_instance():
+    class Shared(Plain): ...
+
+    model = Two(Shared(), Shared())
+    second = model.second
+    assert hc.attention(second, kernel="torch") is second
+    assert type(model.first) is Shared and isinstance(second, Shared) and type(second) is not Shared
+    assert type(second).__name__ == "Shared" and type(second).__qualname__ == Shared.__qualname__
+    assert matched_paths(model) == [("second", AttentionMark(kernel="torch"))]
+
+
+def test_attention_inside_a_marked_block_counts_as_marked_and_the_innermost_mark_wins():
+    class Inner(Plain): ...
+
+    @hc.attention(kernel="flash")
+    class Block(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args):
+            return self.inner(*args)
+
+    class Unmarked(Plain): ...
+
+    assert matched_paths(Two(Block(Inner()), Unmarked())) == [("first.inner", AttentionMark(kernel="flash"))]
+    marked_inner = hc.attention(kernel="torch")(type("MarkedInner", (Plain,), {}))
+    assert matched_paths(Two(Block(marked_inner()), Unmarked())) == [
+        ("first.inner", AttentionMark(kernel="torch"))]
+
+
+def test_invalid_marks_raise():
+    with pytest.raises(hc.InputError, match="kernel=...\\): expected one of"):
+        hc.attention(kernel="fast")
+    with pytest.raises(TypeError, match="expected an nn.Module subclass or instance, got int"):
+        hc.attention(42)
+
+
+# --------------------------------------------------------------------------------------------
+# the rewrite and its report
+# --------------------------------------------------------------------------------------------
+
+class ThreeCalls(nn.Module):
+    """Two calls on one cu_seqlens, one with the lse used, one on another cu_seqlens."""
+
+    def forward(self, q, k, v, cu, other_cu):
+        a = hc.varlen_attention(q, k, v, cu, cu, 7, 7, causal=True)
+        b, lse = varlen_attn(q, k, v, cu, cu, 7, 7, return_aux=AuxRequest(lse=True), enable_gqa=True)
+        c = hc.varlen_attention(q, k, v, other_cu, other_cu, 12, 12, causal=False, window_size=(2, 3))
+        return a + b + c, lse
+
+
+def rewritten_three_calls(groups: CPGroups, kernel: str = "auto"):
+    q, k, v = qkv()
+    (gm,) = capture(ThreeCalls(), q, k, v, CU, cu_seqlens((12,)))
+    done = rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(groups, kernel, True))
+    return gm, done
+
+
+def test_rewrite_replaces_every_match_and_checks_each_cu_seqlens_once():
+    gm, done = rewritten_three_calls(stand_in_groups(2, 2))
+    graph = gm.graph
+    assert find_attention(graph) == []  # no matched op is left
+    attention = calls_to(graph, hierarchical_varlen_attention)
+    checks = calls_to(graph, check_layout)
+    assert len(attention) == 3 and len(checks) == 2
+    inputs = placeholders(gm)
+    assert [c.args[0] for c in checks] == [inputs["l_cu_"], inputs["l_other_cu_"]]
+    assert all(c.kwargs == {"ulysses_group": "ulysses-group", "ring_group": "ring-group", "agree": True}
+               for c in checks)
+    scale = HEAD_DIM**-0.5
+    assert [(a.kwargs["causal"], a.kwargs["scale"], a.kwargs["window"], a.kwargs["return_lse"])
+            for a in attention] == [(True, scale, (-1, -1), False), (False, scale, (-1, -1), True),
+                                    (False, scale, (2, 3), False)]
+    assert all(a.kwargs["kernel"] == "torch" and a.kwargs["ulysses_group"] == "ulysses-group"
+               and a.kwargs["ring_group"] == "ring-group" for a in attention)
+    assert [a.args[4] for a in attention] == [7, 7, 12]
+    assert [(r.heads_q, r.heads_kv, r.head_dim, r.dtype, r.local_tokens) for r in done] == [
+        (4, 2, HEAD_DIM, torch.float32, 12)] * 3
+    assert [(r.returns_lse, r.checked, r.kernel) for r in done] == [
+        (False, True, "torch"), (True, False, "torch"), (False, True, "torch")]
+    # the lse is rewired: the graph's second output reads the rewritten node's second output
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    lse = output.args[0][1]
+    assert lse.target is operator.getitem and lse.args == (attention[1], 1)
+
+
+def test_report_table_rows_and_collectives():
+    _, done = rewritten_three_calls(stand_in_groups(2, 2))
+    table = report.table(done, stand_in_groups(2, 2), agree=True)
+    lines = table.splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == list(report.HEADERS)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [row[1] for row in rows] == ["hcp::varlen_attention", "torch_attn::_varlen_attn",
+                                        "hcp::varlen_attention"]
+    assert all(row[2:7] == ["4/2", str(HEAD_DIM), "float32", "2 x 2", "torch"] for row in rows)
+    assert [row[7] for row in rows] == ["3 all_to_all, 1 ring, 2 all_reduce (check)",
+                                        "4 all_to_all, 1 ring",
+                                        "3 all_to_all, 1 ring, 2 all_reduce (check)"]
+    assert all(row[8] == "3 all_to_all, 3 ring" and row[11] == "2" for row in rows)
+    assert report.table([], stand_in_groups(2, 2), agree=True) == "no attention node with cu_seqlens was found"
+
+
+@pytest.mark.parametrize("ulysses, ring", [(1, 1), (1, 4), (4, 1), (2, 3)])
+def test_report_collective_counts(ulysses, ring):
+    _, done = rewritten_three_calls(stand_in_groups(ulysses, ring))
+    counts = report.collectives(done[1], stand_in_groups(ulysses, ring), agree=False)
+    assert counts == report.Collectives(
+        forward_all_to_all=4 if ulysses > 1 else 0, forward_ring=ring - 1, forward_all_reduce=0,
+        backward_all_to_all=3 if ulysses > 1 else 0, backward_ring=2 * ring - 1 if ring > 1 else 0)
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, ulysses, message", [
+    (3, 1, 2, "3 query heads cannot be split over ulysses=2 ranks; choose a mesh whose ulysses "
+              "size divides the number of query heads"),
+    (6, 3, 2, "3 key/value heads must divide or be divisible by ulysses=2; choose another ulysses size"),
+    (12, 3, 4, "3 key/value heads must divide or be divisible by ulysses=4"),
+])
+def test_rewrite_refuses_head_counts_the_mesh_cannot_split(heads_q, heads_kv, ulysses, message):
+    q, k, v = qkv(heads_q=heads_q, heads_kv=heads_kv)
+    (gm,) = capture(Layers(HcpAttention()), q, k, v, CU, CU)
+    with pytest.raises(UnsupportedAttention, match="hcp::varlen_attention at layers.1.attn") as raised:
+        rewrite_attention(gm.graph, find_attention(gm.graph),
+                          RewriteConfig(stand_in_groups(ulysses, 1), "auto", True))
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("ulysses, heads_kv", [(4, 1), (4, 2), (2, 4), (8, 2)])
+def test_rewrite_accepts_kv_heads_that_divide_or_are_divisible_by_ulysses(ulysses, heads_kv):
+    q, k, v = qkv(heads_q=8, heads_kv=heads_kv)
+    (gm,) = capture(Layers(HcpAttention()), q, k, v, CU, CU)
+    (done,) = rewrite_attention(gm.graph, find_attention(gm.graph),
+                                RewriteConfig(stand_in_groups(ulysses, 2), "auto", True))
+    assert (done.heads_q, done.heads_kv) == (8, heads_kv)
+
+
+def test_rewrite_refuses_outputs_other_than_out_and_lse():
+    def uses_third_output(q, k, v, cu):
+        outputs = torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, 7, 7, True, None, [-1, 0], True)
+        return outputs[0], outputs[2]
+
+    q, k, v = qkv()
+    (gm,) = capture(uses_third_output, q, k, v, CU)
+    with pytest.raises(UnsupportedAttention, match="output 2 of the op is used"):
+        rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "auto", True))
+
+
+def test_mark_kernel_overrides_the_backend_kernel():
+    @hc.attention(kernel="torch")
+    class Marked(Plain): ...
+
+    q, k, v = qkv()
+    (gm,) = capture(Two(Marked(), Marked()), q, k, v, CU)
+    # the backend asks for flash, which cannot run on CPU; the marks' "torch" wins
+    done = rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "flash", True))
+    assert [r.kernel for r in done] == ["torch", "torch"]
+    (gm,) = capture(Two(Plain(), Plain()), q, k, v, CU)
+    with pytest.raises(hc.InputError, match="kernel='flash' needs CUDA"):
+        rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "flash", True))
+
+
+def test_pass_uuid_is_stable_and_keyed_by_options_and_marks(mesh):
+    groups = resolve_groups(mesh)
+
+    def uuid(kernel="auto", agree=True):
+        return HierarchicalCPPass(RewriteConfig(groups, kernel, agree)).uuid()
+
+    gc.collect()  # the marks are weakly held: no marked class of another test may vanish now
+    gc.disable()
+    try:
+        first = uuid()
+        assert uuid() == first
+        assert len({first, uuid(kernel="torch"), uuid(agree=False)}) == 3
+        newly_marked = hc.attention(type("NewlyMarked", (Plain,), {}))
+        assert uuid() != first
+        del newly_marked
+    finally:
+        gc.enable()
+
+
+# --------------------------------------------------------------------------------------------
+# the backend's options, entry point and errors
+# --------------------------------------------------------------------------------------------
+
+def test_backend_entry_point_is_registered():
+    assert torch._dynamo.lookup_backend("hcp") is BACKEND_MODULE.hcp
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"meshh": None}, "options: unknown ['meshh'] for the hcp backend; expected some of"),
+    ({"inner": "tvm"}, "inner: expected one of ('inductor', 'aot_eager', 'eager'), got 'tvm'"),
+    ({"kernel": "fast"}, "kernel: expected one of"),
+])
+def test_invalid_backend_options_raise(options, message):
+    with pytest.raises(hc.InputError) as raised:
+        hc.backend(**options)
+    assert message in str(raised.value)
+
+
+def test_unknown_option_through_torch_compile_names_it():
+    q, k, v = qkv()
+    compiled = torch.compile(Plain(), backend="hcp", options={"inner": "aot_eager", "dump": "/tmp"})
+    with pytest.raises(RuntimeError, match=r"InputError: options: unknown \['dump'\]"):
+        compiled(q, k, v, CU)
+
+
+def test_no_mesh_without_torch_distributed_raises(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(hc.InputError, match="no mesh was given and torch.distributed is not initialized"):
+        BACKEND_MODULE.default_mesh()
+
+
+def test_default_mesh_needs_local_world_size_to_divide_the_world(mesh, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(hc.InputError, match="LOCAL_WORLD_SIZE=3 does not divide the world size 1"):
+        BACKEND_MODULE.default_mesh()
+
+
+# --------------------------------------------------------------------------------------------
+# explain, compile and dump on a 1 x 1 mesh
+# --------------------------------------------------------------------------------------------
+
+class TorchVarlenBlock(nn.Module):
+    """A layer written against torch only (varlen_attn has no CPU kernel)."""
+
+    def __init__(self, lse: bool):
+        super().__init__()
+        self.lse = lse
+        self.qkv = nn.Linear(16, 8 * HEAD_DIM)
+
+    def forward(self, x, cu, max_seqlen):
+        q, k, v = self.qkv(x).split([4 * HEAD_DIM, 2 * HEAD_DIM, 2 * HEAD_DIM], -1)
+        q, k, v = q.reshape(-1, 4, HEAD_DIM), k.reshape(-1, 2, HEAD_DIM), v.reshape(-1, 2, HEAD_DIM)
+        if self.lse:
+            out, lse = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, return_aux=AuxRequest(lse=True),
+                                   window_size=(-1, 0), enable_gqa=True)
+            return out.reshape(x.shape[0], -1)[:, :16] + lse.t().sum(1, keepdim=True)
+        out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, window_size=(-1, 0), enable_gqa=True)
+        return out.reshape(x.shape[0], -1)[:, :16]
+
+
+class TorchVarlenModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([TorchVarlenBlock(lse=False), TorchVarlenBlock(lse=True)])
+
+    def forward(self, x, cu, max_seqlen):
+        for block in self.blocks:
+            x = x + block(x, cu, max_seqlen)
+        return x
+
+
+def test_explain_reports_without_running_the_model(mesh):
+    """The model cannot run on CPU (varlen_attn has no CPU kernel), yet explain reports."""
+    model = TorchVarlenModel()
+    x = torch.randn(12, 16, requires_grad=True)
+    explanation = hc.explain(model, x, CU, 7, mesh=mesh)
+    (graph,) = explanation.graphs
+    assert [r.match.module_path for r in graph.rewritten] == ["blocks.0", "blocks.1"]
+    assert [r.match.op for r in graph.rewritten] == ["torch_attn::_varlen_attn"] * 2
+    assert [(r.returns_lse, r.checked, r.local_tokens) for r in graph.rewritten] == [
+        (False, True, 12), (True, False, 12)]
+    assert graph.before.count("torch.ops.torch_attn._varlen_attn(") == 2
+    assert "torch_attn" not in graph.after and graph.after.count("hierarchical_varlen_attention(") == 2
+    (table,) = explanation.tables
+    assert "| blocks.0 " in table and "| blocks.1 " in table and "1 x 1" in table
+    assert str(explanation).startswith("graph 0: 2 attention node(s) rewritten\n|")
+    assert x.grad is None and all(p.grad is None for p in model.parameters())
+    with pytest.raises(hc.InputError, match="unknown"):
+        hc.explain(model, x, CU, 7, mesh=mesh, bogus=True)
+
+
+def test_explain_of_a_model_without_attention(mesh):
+    explanation = hc.explain(nn.Linear(16, 16), torch.randn(12, 16), mesh=mesh)
+    assert [g.rewritten for g in explanation.graphs] == [[]]
+    assert explanation.tables == ["no attention node with cu_seqlens was found"]
+
+
+def test_torch_varlen_attn_compiles_and_matches_reference_on_one_rank(mesh):
+    """End to end on a 1 x 1 mesh: the plan still pads documents to even lengths; out, lse
+    and gradients against the float64 reference; explain first must not change the compile."""
+    lengths = (5, 0, 7, 1)
+    cu = cu_seqlens(lengths)
+    q, k, v = qkv(13, name="one-rank")
+    dout = seeded("one-rank/dout", 13, 4, HEAD_DIM)
+    plan = hc.shard_plan(cu, mesh)
+    shards = [plan.shard(t).requires_grad_() for t in (q, k, v)]
+    module = TorchVarlen(lse=True)
+    hc.explain(module, *shards, cu, mesh=mesh)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return hc.backend(mesh=mesh, inner="aot_eager")(gm, example_inputs)
+
+    out, lse = torch.compile(module, backend=counting, fullgraph=True)(*shards, cu)
+    out.backward(plan.shard(dout))
+    assert len(graphs) == 1
+    expected = reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=True)
+    index = plan.global_index
+    for name, got in zip(("out", "dq", "dk", "dv"), (out.detach(), *(s.grad for s in shards))):
+        assert_matches(got[index >= 0], expected[name][index[index >= 0]], name)
+        assert (got[index < 0] == 0).all(), f"{name} at the pads"
+    assert torch.isneginf(lse[:, index < 0]).all()
+    assert torch.isfinite(lse[:, index >= 0]).all()
+
+
+class GraphBreak(nn.Module):
+    def forward(self, q, k, v, cu):
+        a = hc.varlen_attention(q, k, v, cu, cu, 7, 7, causal=True)
+        torch._dynamo.graph_break()
+        return hc.varlen_attention(a, k, v, cu, cu, 7, 7, causal=False)
+
+
+def test_dump_dir_writes_every_graphs_files(mesh, tmp_path):
+    cu = cu_seqlens((5, 7))
+    plan = hc.shard_plan(cu, mesh)
+    shards = [plan.shard(t).requires_grad_() for t in qkv(12, name="dump")]
+    compiled = torch.compile(GraphBreak(), backend=hc.backend(mesh=mesh, inner="aot_eager", dump_dir=str(tmp_path)))
+    compiled(*shards, cu).sum().backward()
+    folders = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*"))
+    assert folders == ["rank0/graph_0", "rank0/graph_1"]
+    for folder in folders:
+        files = {p.name for p in (tmp_path / folder).iterdir()}
+        assert files == DUMP_FILES, f"{folder}: {sorted(files)}"
+        texts = {name: (tmp_path / folder / name).read_text() for name in files}
+        assert "torch.ops.hcp.varlen_attention(" in texts["before_rewrite.py"]
+        assert "hierarchical_varlen_attention(" in texts["after_rewrite.py"]
+        assert "torch.ops.hcp.block_forward" in texts["aot_forward.py"]
+        assert "torch.ops.hcp.block_backward" in texts["aot_backward.py"]
+        assert "| hcp::varlen_attention " in texts["matches.md"]
+
+
+def test_dump_dir_from_the_environment(mesh, tmp_path, monkeypatch):
+    monkeypatch.setenv("HCP_DUMP_DIR", str(tmp_path))
+    cu = cu_seqlens((5, 7))
+    plan = hc.shard_plan(cu, mesh)
+    shards = [plan.shard(t) for t in qkv(12, name="dump-env")]
+    torch.compile(Plain(), backend=hc.backend(mesh=mesh, inner="eager"))(*shards, cu)
+    written = {p.name for p in (tmp_path / "rank0" / "graph_0").iterdir()}
+    assert {"before_rewrite.py", "after_rewrite.py", "matches.md", "aot_forward.py"} <= written
+    assert "no AOT graphs" in (tmp_path / "rank0" / "graph_0" / "aot_forward.py").read_text()
+
+
+def test_another_backend_inside_context_parallel_refuses_instead_of_skipping_cp(mesh):
+    """Traced, varlen_attention stays the single-device op for the hcp backend to rewrite; a
+    graph compiled with another backend would run it on local shards as if they were the
+    whole batch, so the op raises when it runs inside context_parallel."""
+    cu = cu_seqlens((5, 7))
+    q, k, v = qkv(12, name="other-backend")
+    compiled = torch.compile(Plain(), backend="aot_eager")
+    expected = reference_attention(q.double(), k.double(), v.double(), cu.tolist(), cu.tolist(), causal=True)
+    assert_matches(compiled(q, k, v, cu), expected, "outside context_parallel")
+    with hc.context_parallel(mesh), pytest.raises(hc.InputError, match="backend='hcp'"):
+        compiled(q, k, v, cu)
