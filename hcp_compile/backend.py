@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import fx
 
 from .kernels import KERNEL_CHOICES
+from .kernels.cost import estimate_block_runtime_ms
 from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
 from .validation import InputError
 
@@ -161,6 +162,10 @@ def _inductor(gm, example_inputs, rewrite, groups: CPGroups, dump) -> Callable:
     overlap = getattr(inductor_config, "aten_distributed_optimizations", None)
     if groups.device_type == "cuda" and hasattr(overlap, "enable_overlap_scheduling"):
         patches["aten_distributed_optimizations.enable_overlap_scheduling"] = True
+        if hasattr(overlap, "custom_runtime_estimation"):
+            patches["aten_distributed_optimizations.custom_runtime_estimation"] = (
+                estimate_block_runtime_ms
+            )
         if hasattr(overlap, "enable_fusion_regions"):
             # torch 2.11's fusion-region estimate fails on these graphs ("last_output_node is
             # None"); it only refines the cost estimate, the overlap scheduling stays on

@@ -1,0 +1,66 @@
+"""What one attention block costs, for FLOP counters and Inductor's overlap scheduler.
+
+The scheduler hides collectives only behind nodes it counts as compute, which are the ops with
+a ``torch.utils.flop_counter`` formula; without one, the blocks of the ring would look free and
+the ring transfers would be placed next to other work instead of next to them. A block's real
+work depends on the document boundaries, which a graph does not know: the formulas give the
+bound that every query sees at most ``max_seqlen_k`` keys (half of them on a causal diagonal).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import register_flop_formula
+
+# what the flash kernels reach on an H200 for fwd+bwd (DESIGN §7): turns FLOPs into time
+ATTENTION_FLOPS_PER_S = 318e12
+
+
+def block_flops(
+    q_shape: torch.Size, k_shape: torch.Size, max_seqlen_k: int | torch.SymInt | None, causal: bool,
+    backward: bool,
+) -> int:
+    """Upper bound of the FLOPs of one block (q ``[Tq, H, D]``, k ``[Tk, Hkv, D]``)."""
+    tokens_q, heads, dim = (_hint(s) for s in q_shape)
+    keys = _hint(k_shape[0])
+    if max_seqlen_k is not None:
+        keys = min(keys, _hint(max_seqlen_k))
+    flops = 4 * tokens_q * keys * heads * dim  # q k^T and p v
+    if causal:
+        flops //= 2
+    return flops * 5 // 2 if backward else flops  # the backward runs five such products
+
+
+@register_flop_formula(torch.ops.hcp.block_forward)
+def _block_forward_flops(q_shape, k_shape, v_shape, cu_q_shape, cu_k_shape, max_q, max_k,
+                         causal, *args, **kwargs) -> int:
+    return block_flops(q_shape, k_shape, max_k, causal, backward=False)
+
+
+@register_flop_formula(torch.ops.hcp.block_backward)
+def _block_backward_flops(dout_shape, q_shape, k_shape, v_shape, output_shape, lse_shape,
+                          cu_q_shape, cu_k_shape, max_q, max_k, causal, *args, **kwargs) -> int:
+    return block_flops(q_shape, k_shape, max_k, causal, backward=True)
+
+
+def _hint(size: int | torch.SymInt) -> int:
+    """A size as an int, without adding a guard for a symbolic one."""
+    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
+
+
+def estimate_block_runtime_ms(node: fx.Node, override_size: int | None = None) -> float | None:
+    """Inductor's ``custom_runtime_estimation`` hook: the time of a block node from its FLOP
+    bound, None for every other node (Inductor's own estimate). It also keeps the scheduler
+    from benchmarking a block on random ``cu_seqlens``, which would read out of bounds."""
+    target = getattr(node.target, "overloadpacket", node.target)
+    if target not in (torch.ops.hcp.block_forward, torch.ops.hcp.block_backward):
+        return None
+    backward = target is torch.ops.hcp.block_backward
+    first = 1 if backward else 0  # block_backward takes dout first
+    q, k = node.args[first].meta["val"], node.args[first + 1].meta["val"]
+    tensors = 6 if backward else 3  # (dout,) q, k, v (, out, lse); then cu_q, cu_k, max_q
+    max_k, causal = node.args[tensors + 3], node.args[tensors + 4]
+    if isinstance(max_k, fx.Node):
+        max_k = max_k.meta.get("val")
+    return block_flops(q.shape, k.shape, max_k, bool(causal), backward) / ATTENTION_FLOPS_PER_S * 1e3
