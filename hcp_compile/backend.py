@@ -16,6 +16,8 @@ from torch import fx
 from .kernels import KERNEL_CHOICES
 from .kernels.cost import estimate_block_runtime_ms
 from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
+from .passes.hierarchical_cp import GraphDump, HierarchicalCPPass
+from .passes.rewrite import RewriteConfig
 from .validation import InputError
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -38,7 +40,7 @@ class BackendOptions:
         ranks fail together on one rank's bad input (two tiny collectives per batch).
     """
 
-    mesh: Any = None
+    mesh: MeshLike | None = None
     inner: str = "inductor"
     kernel: str = "auto"
     dump_dir: str | None = None
@@ -69,12 +71,9 @@ class HcpBackend:
         self.options = options
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        from hcp_compile.passes.hierarchical_cp import GraphDump, HierarchicalCPPass
-        from hcp_compile.passes.rewrite import RewriteConfig
-
         options = self.options
         groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
-        dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV), GraphDump)
+        dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV))
         rewrite = HierarchicalCPPass(
             RewriteConfig(groups, options.kernel, options.agree_across_ranks), dump
         )
@@ -123,15 +122,16 @@ def default_mesh():
     return _default_mesh(world, local, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
 
 
-def _graph_dump(folder: str | None, dump_type):
+def _graph_dump(folder: str | None) -> GraphDump | None:
+    """The next free ``graph_<N>`` folder of this rank under ``folder``."""
     if not folder:
         return None
     root = Path(folder) / f"rank{dist.get_rank() if dist.is_initialized() else 0}"
     index = len(list(root.glob("graph_*"))) if root.exists() else 0
-    return dump_type(root / f"graph_{index}")
+    return GraphDump(root / f"graph_{index}")
 
 
-def _dumping(compiler: Callable, dump, name_for: Callable[[dict], str]) -> Callable:
+def _dumping(compiler: Callable, dump: GraphDump, name_for: Callable[[dict], str]) -> Callable:
     def compile_and_dump(gm: fx.GraphModule, example_inputs, *args, **kwargs):
         dump.write(name_for(kwargs), gm.print_readable(print_output=False))
         return compiler(gm, example_inputs, *args, **kwargs)
@@ -139,7 +139,7 @@ def _dumping(compiler: Callable, dump, name_for: Callable[[dict], str]) -> Calla
     return compile_and_dump
 
 
-def _aot_eager(dump) -> Callable:
+def _aot_eager(dump: GraphDump | None) -> Callable:
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
@@ -154,7 +154,10 @@ def _aot_eager(dump) -> Callable:
     )
 
 
-def _inductor(gm, example_inputs, rewrite, groups: CPGroups, dump) -> Callable:
+def _inductor(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], rewrite: HierarchicalCPPass,
+    groups: CPGroups, dump: GraphDump | None,
+) -> Callable:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -12,6 +10,8 @@ from torch.utils._pytree import tree_map_only
 
 from .backend import default_mesh, parse_options
 from .mesh import CPGroups, resolve_groups
+from .passes.hierarchical_cp import GraphRecord, HierarchicalCPPass
+from .passes.rewrite import RewriteConfig
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class Explanation:
     """The rewrite of every graph Dynamo captured: per graph, its code before and after the
     rewrite and the table of matched nodes (``str()`` prints the tables)."""
 
-    graphs: list[Any]  # hcp_compile.passes.hierarchical_cp.GraphRecord, one per graph
+    graphs: list[GraphRecord]  # one per graph Dynamo captured
     tables: list[str]
 
     def __str__(self) -> str:
@@ -33,9 +33,6 @@ def explain(model: nn.Module, *args, **options) -> Explanation:
     """Trace ``model(*args)`` as ``torch.compile(model, backend="hcp", options=options)``
     would, and report the rewrite. The model runs on fake tensors only: nothing is computed
     and no collective is issued. ``args`` are this rank's inputs, as for the compiled model."""
-    from hcp_compile.passes.hierarchical_cp import HierarchicalCPPass
-    from hcp_compile.passes.rewrite import RewriteConfig
-
     parsed = parse_options(options)
     groups: CPGroups = resolve_groups(parsed.mesh if parsed.mesh is not None else default_mesh())
     config = RewriteConfig(groups, parsed.kernel, parsed.agree_across_ranks)

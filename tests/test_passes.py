@@ -215,6 +215,53 @@ def test_dense_aten_flash_attention_is_not_matched():
     assert find_attention(gm.graph) == []
 
 
+def _flash_attn_varlen_forward_op():
+    """flash_attn's varlen forward op (flash_attn 2.7's schema), or a CPU stand-in with that
+    schema where the package is not installed: the pass matches the op by name."""
+    if hasattr(torch.ops.flash_attn, "_flash_attn_varlen_forward"):
+        return torch.ops.flash_attn._flash_attn_varlen_forward
+
+    @torch.library.custom_op("flash_attn::_flash_attn_varlen_forward", mutates_args=())
+    def stand_in(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+        softmax_scale: float, causal: bool, window_size_left: int = -1,
+        window_size_right: int = -1, softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False,
+        block_table: torch.Tensor | None = None, leftpad_k: torch.Tensor | None = None,
+        seqused_k: torch.Tensor | None = None, zero_tensors: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise AssertionError("only traced on fake tensors here")
+
+    @stand_in.register_fake
+    def _(q, k, v, cu_seqlens_q, *args, **kwargs):
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        return torch.empty_like(q), lse, q.new_empty(0), q.new_empty(2, dtype=torch.int64)
+
+    return torch.ops.flash_attn._flash_attn_varlen_forward
+
+
+def test_matches_flash_attn_varlen_forward():
+    op = _flash_attn_varlen_forward_op()
+
+    def attention(q, k, v, cu):
+        out, lse, _, _ = op(q, k, v, cu, cu, 7, 7, 0.0, 0.3, True, 4, 0)
+        return out, lse
+
+    q, k, v = qkv()
+    (gm,) = capture(attention, q, k, v, CU)
+    (match,) = find_attention(gm.graph)
+    call = match.call
+    assert match.op == "flash_attn::_flash_attn_varlen_forward"
+    assert (call.q, call.k, call.cu_seqlens_q) == (
+        placeholders(gm)["l_q_"], placeholders(gm)["l_k_"], placeholders(gm)["l_cu_"])
+    assert (call.causal, call.scale, call.window, call.out_index, call.lse_index) == (True, 0.3, (4, 0), 0, 1)
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    node.kwargs = {**node.kwargs, "softcap": 30.0}
+    with pytest.raises(UnsupportedAttention, match="argument softcap="):
+        find_attention(gm.graph)
+
+
 def _with_argument(gm: fx.GraphModule, position: int, value) -> fx.Graph:
     """The captured graph with one positional argument of the attention op replaced."""
     (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
