@@ -49,11 +49,11 @@ class HierarchicalCPPass(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         record = self.record
-        record.before = graph.python_code("self").src
+        record.before = _readable(graph)
         record.rewritten = rewrite_attention(graph, find_attention(graph), self.config)
         if graph.owning_module is not None:
             graph.owning_module.recompile()
-        record.after = graph.python_code("self").src
+        record.after = _readable(graph)
         if self.dump is not None:
             self.dump.write("before_rewrite.py", record.before)
             self.dump.write("after_rewrite.py", record.after)
@@ -74,6 +74,17 @@ class HierarchicalCPPass(CustomGraphPass):
         )
         facts = repr((mesh, self.config.kernel, self.config.agree_across_ranks, marks_digest()))
         return hashlib.sha256((get_hash_for_files(tuple(sources)).hex() + facts).encode()).hexdigest()
+
+
+def _readable(graph: fx.Graph) -> str:
+    """The graph's code, followed by the bodies of its nested regions (checkpoints)."""
+    parts = [graph.python_code("self").src]
+    root = graph.owning_module
+    if root is not None:
+        parts += [f"\n# body of {name}:{module.graph.python_code('self').src}"
+                  for name, module in root.named_modules()
+                  if module is not root and isinstance(module, fx.GraphModule)]
+    return "".join(parts)
 
 
 @dataclass(frozen=True)

@@ -152,9 +152,41 @@ def op_name(target: Any) -> str | None:
     return overload._schema.name if overload is not None else None
 
 
+# higher-order ops whose body AOTAutograd traces by running it, so a rewrite inside it works
+REWRITABLE_REGIONS = ("tag_activation_checkpoint",)
+
+
 def find_attention(graph: fx.Graph) -> list[AttentionMatch]:
-    """Every attention node with ``cu_seqlens`` in ``graph``. When any node lies inside a
-    module marked with ``@hcp_compile.attention``, only nodes inside marked modules count."""
+    """Every attention node with ``cu_seqlens`` in ``graph`` and in the bodies of its
+    activation-checkpoint regions. When any node lies inside a module marked with
+    ``@hcp_compile.attention``, only nodes inside marked modules count.
+
+    Raises :class:`UnsupportedAttention` for such a node inside any other nested graph (the
+    body of an ``autograd.Function`` such as flash_attn's, ...): it cannot be rewritten
+    there, and left alone it would attend over this rank's shard as if it were the whole
+    batch."""
+    found, unreachable = _matches(graph), []
+    for name, module, region in _nested_graphs(graph):
+        nested = _matches(module.graph)
+        if region in REWRITABLE_REGIONS:
+            found += nested
+        else:
+            unreachable += [(name, region, m) for m in nested]
+    marked = any(m.mark is not None for m in found + [m for *_, m in unreachable])
+    in_scope = [(name, region, m) for name, region, m in unreachable if m.mark is not None or not marked]
+    if in_scope:
+        where = ", ".join(f"{m.op} in {region} body {name!r} ({m.module_path or 'top level'})"
+                          for name, region, m in in_scope)
+        raise UnsupportedAttention(
+            f"{where}: attention inside this higher-order region (an autograd.Function such "
+            "as flash_attn_varlen_func, ...) cannot be rewritten for context parallelism; "
+            "call it outside that region, or through hcp_compile.varlen_attention or "
+            "torch.nn.attention.varlen.varlen_attn (activation checkpointing is supported)"
+        )
+    return [m for m in found if m.mark is not None] if marked else found
+
+
+def _matches(graph: fx.Graph) -> list[AttentionMatch]:
     found = []
     for node in graph.nodes:
         if node.op != "call_function":
@@ -168,9 +200,24 @@ def find_attention(graph: fx.Graph) -> list[AttentionMatch]:
             continue
         path, mark = _innermost_module(node)
         found.append(AttentionMatch(node, name, call, path, mark))
-    if any(m.mark is not None for m in found):
-        return [m for m in found if m.mark is not None]
     return found
+
+
+def _nested_graphs(graph: fx.Graph) -> list[tuple[str, fx.GraphModule, str]]:
+    """``(name, body, region)`` for every graph nested in ``graph``'s module, ``region``
+    being the name of the higher-order op that runs it directly from ``graph`` ("nested"
+    for one nested deeper)."""
+    root = graph.owning_module
+    if root is None:
+        return []
+    regions = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            for user in node.users:
+                regions[node.target] = getattr(user.target, "__name__", str(user.target))
+    return [(name, module, regions.get(name, "nested"))
+            for name, module in root.named_modules()
+            if module is not root and isinstance(module, fx.GraphModule)]
 
 
 def _overload(target: Any) -> torch._ops.OpOverload | None:

@@ -45,11 +45,15 @@ class Rewritten:
 
 
 def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: RewriteConfig) -> list[Rewritten]:
+    """Rewrite every match, in ``graph`` or in the nested graph (checkpoint body) it is in."""
     checked: set[tuple[fx.Node, fx.Node, str]] = set()
     done = []
     for match in matches:
-        done.append(_rewrite_one(graph, match, config, checked))
-    graph.lint()
+        done.append(_rewrite_one(match.node.graph, match, config, checked))
+    for touched in {id(m.node.graph): m.node.graph for m in matches}.values():
+        touched.lint()
+        if touched is not graph and touched.owning_module is not None:
+            touched.owning_module.recompile()
     return done
 
 

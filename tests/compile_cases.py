@@ -20,6 +20,7 @@ from typing import Callable, ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import Tensor, fx, nn
 from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
@@ -325,6 +326,11 @@ class Block(nn.Module):
         return hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=self.causal)
 
 
+def _checkpointed_attend(self, q, k, v, cu, max_seqlen):
+    return torch.utils.checkpoint.checkpoint(Block.attend, self, q, k, v, cu, max_seqlen,
+                                             use_reentrant=False)
+
+
 class Stack(nn.Module):
     def __init__(self, layers: list[nn.Module]):
         super().__init__()
@@ -359,10 +365,12 @@ class ModelCase:
     heads_q: int = 4
     heads_kv: int = 2
     causal: bool = True
+    checkpointed: bool = False  # each attention call inside torch.utils.checkpoint
 
     @property
     def id(self) -> str:
-        return f"model-{self.layers}-layers-{self.docs}-h{self.heads_q}.{self.heads_kv}"
+        suffix = "-checkpointed" if self.checkpointed else ""
+        return f"model-{self.layers}-layers-{self.docs}-h{self.heads_q}.{self.heads_kv}{suffix}"
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -379,7 +387,8 @@ class ModelCase:
 
     def run(self, world: World) -> dict:
         fresh_dynamo()
-        block = hc.attention(fresh_class(Block, "MarkedBlock"))
+        attend = {"attend": _checkpointed_attend} if self.checkpointed else {}
+        block = hc.attention(fresh_class(Block, "MarkedBlock", **attend))
         model = self.build(block)
         cu = cu_seqlens(self.lengths)
         plan = hc.shard_plan(cu, world.mesh)
@@ -612,7 +621,10 @@ class BadBatchCase:
 # --------------------------------------------------------------------------------------------
 
 def model_cases(mesh: tuple[int, int]) -> list[ModelCase]:
-    return [ModelCase()]
+    cases = [ModelCase()]
+    if mesh == (2, 2):
+        cases.append(ModelCase(layers=2, checkpointed=True))
+    return cases
 
 
 def torch_varlen_cases(mesh: tuple[int, int]) -> list[TorchVarlenCase]:

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention.varlen import AuxRequest, varlen_attn
@@ -708,3 +709,34 @@ def test_another_backend_inside_context_parallel_refuses_instead_of_skipping_cp(
     assert_matches(compiled(q, k, v, cu), expected, "outside context_parallel")
     with hc.context_parallel(mesh), pytest.raises(hc.InputError, match="backend='hcp'"):
         compiled(q, k, v, cu)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """Attention wrapped in an autograd.Function, as flash_attn_varlen_func does."""
+
+    @staticmethod
+    def forward(ctx, q, cu):
+        return hc.varlen_attention(q, q, q, cu, cu, 7, 7, causal=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def test_attention_inside_an_autograd_function_is_refused_not_left_single_device():
+    q, _, _ = qkv(heads_q=2, heads_kv=2)
+    (gm,) = capture(lambda q, cu: _AttentionFunction.apply(q, cu), q.requires_grad_(), CU)
+    with pytest.raises(UnsupportedAttention, match="cannot be rewritten for context parallelism"):
+        find_attention(gm.graph)
+
+
+def test_attention_inside_a_checkpoint_region_is_matched():
+    def attend(q, cu):
+        return hc.varlen_attention(q, q, q, cu, cu, 7, 7, causal=True)
+
+    q, _, _ = qkv(heads_q=2, heads_kv=2)
+    checkpointed = lambda q, cu: torch.utils.checkpoint.checkpoint(attend, q, cu, use_reentrant=False)
+    (gm,) = capture(checkpointed, q.requires_grad_(), CU)
+    (match,) = find_attention(gm.graph)
+    assert match.node.graph is not gm.graph  # found in the checkpoint body
+    assert match.op == "hcp::varlen_attention"
