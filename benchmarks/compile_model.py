@@ -29,7 +29,7 @@ import hcp_compile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from packed_model import PackedTransformer  # noqa: E402
 
-from cp_throughput import packed_lengths  # noqa: E402
+from cp_throughput import add_run_args, packed_lengths  # noqa: E402
 
 
 def step(model, inputs, grad) -> torch.Tensor:
@@ -105,16 +105,11 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ulysses", type=int, required=True)
-    parser.add_argument("--ring", type=int, required=True)
-    parser.add_argument("--tokens", type=int, default=128 * 1024)
-    parser.add_argument("--docs", type=int, default=25)
+    add_run_args(parser)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the traces")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -70,17 +70,22 @@ def profile_one_step(fn, inputs: list[torch.Tensor], out_dir: str) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """The mesh, batch and timing options of both GPU benchmarks."""
     parser.add_argument("--ulysses", type=int, required=True)
     parser.add_argument("--ring", type=int, required=True)
     parser.add_argument("--tokens", type=int, default=128 * 1024)
     parser.add_argument("--docs", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(parser)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", metavar="DIR", help="also trace one CP iteration into DIR")
     args = parser.parse_args()
 

@@ -7,7 +7,7 @@ import functools
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,10 @@ from torch import fx
 from .kernels import KERNEL_CHOICES
 from .kernels.cost import estimate_block_runtime_ms
 from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
-from .passes.hierarchical_cp import GraphDump, HierarchicalCPPass
-from .passes.rewrite import RewriteConfig
 from .validation import InputError
+
+if TYPE_CHECKING:
+    from .passes.hierarchical_cp import GraphDump, HierarchicalCPPass
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 DUMP_ENV = "HCP_DUMP_DIR"
@@ -71,6 +72,11 @@ class HcpBackend:
         self.options = options
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        # imported on first compile: the pass is an Inductor CustomGraphPass, and importing
+        # torch._inductor would add about a second to every `import hcp_compile`
+        from .passes.hierarchical_cp import HierarchicalCPPass
+        from .passes.rewrite import RewriteConfig
+
         options = self.options
         groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
         dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV))
@@ -124,6 +130,8 @@ def default_mesh():
 
 def _graph_dump(folder: str | None) -> GraphDump | None:
     """The next free ``graph_<N>`` folder of this rank under ``folder``."""
+    from .passes.hierarchical_cp import GraphDump
+
     if not folder:
         return None
     root = Path(folder) / f"rank{dist.get_rank() if dist.is_initialized() else 0}"

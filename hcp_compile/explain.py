@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -10,8 +12,9 @@ from torch.utils._pytree import tree_map_only
 
 from .backend import default_mesh, parse_options
 from .mesh import CPGroups, resolve_groups
-from .passes.hierarchical_cp import GraphRecord, HierarchicalCPPass
-from .passes.rewrite import RewriteConfig
+
+if TYPE_CHECKING:
+    from .passes.hierarchical_cp import GraphRecord
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ def explain(model: nn.Module, *args, **options) -> Explanation:
     """Trace ``model(*args)`` as ``torch.compile(model, backend="hcp", options=options)``
     would, and report the rewrite. The model runs on fake tensors only: nothing is computed
     and no collective is issued. ``args`` are this rank's inputs, as for the compiled model."""
+    from .passes.hierarchical_cp import HierarchicalCPPass  # see HcpBackend.__call__
+    from .passes.rewrite import RewriteConfig
+
     parsed = parse_options(options)
     groups: CPGroups = resolve_groups(parsed.mesh if parsed.mesh is not None else default_mesh())
     config = RewriteConfig(groups, parsed.kernel, parsed.agree_across_ranks)
