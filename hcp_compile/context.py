@@ -145,17 +145,8 @@ class ContextParallel:
                 f"{max_k} and {max_q}"
             )
         validation.check_max_seqlen(max_q, facts.values, "max_seqlen_q")
-        heads_q, heads_kv, ulysses = q.shape[1], k.shape[1], groups.ulysses_size
-        if heads_q % ulysses:
-            raise InputError(
-                f"q: {heads_q} query heads cannot be split over ulysses={ulysses} ranks; use a "
-                "ulysses size that divides the number of query heads"
-            )
-        if heads_kv % ulysses and ulysses % heads_kv:
-            raise InputError(
-                f"k: {heads_kv} key/value heads must divide or be divisible by ulysses="
-                f"{ulysses}; choose another ulysses size"
-            )
+        ulysses = groups.ulysses_size
+        validation.check_head_split(q.shape[1], k.shape[1], ulysses)
         local = facts.stream_length // ulysses
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.shape[0] != local:
@@ -165,11 +156,9 @@ class ContextParallel:
                     "local shard from hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)"
                 )
         kernel = resolve_kernel(self.options.kernel, q)
-        if kernel == "flash" and window != (-1, -1):
-            raise InputError(
-                "window_size: the flash kernel cannot apply a sliding window under context "
-                "parallelism; use context_parallel(mesh, kernel='torch') or no window"
-            )
+        validation.check_kernel_window(
+            kernel, window, "use context_parallel(mesh, kernel='torch') or no window"
+        )
         return kernel
 
 

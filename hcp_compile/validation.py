@@ -106,3 +106,26 @@ def check_max_seqlen(max_seqlen: int, cu_values: Tensor, name: str) -> None:
             f"{name}: got {max_seqlen!r} but the longest document in cu_seqlens has {longest} "
             f"tokens; pass the longest document length (or larger)"
         )
+
+
+def check_head_split(heads_q: int, heads_kv: int, ulysses: int) -> None:
+    """The Ulysses exchange splits the query heads evenly and splits (or repeats) KV heads."""
+    if heads_q % ulysses:
+        raise InputError(
+            f"q: {heads_q} query heads cannot be split over ulysses={ulysses} ranks; choose a "
+            "mesh whose ulysses size divides the number of query heads"
+        )
+    if heads_kv % ulysses and ulysses % heads_kv:
+        raise InputError(
+            f"k: {heads_kv} key/value heads must divide or be divisible by ulysses={ulysses}; "
+            "choose another ulysses size"
+        )
+
+
+def check_kernel_window(kernel: str, window: tuple[int, int], fix: str) -> None:
+    """The flash kernel's masks are local to a block, so it cannot window a ring step."""
+    if kernel == "flash" and window != (-1, -1):
+        raise InputError(
+            "window_size: the flash kernel cannot apply a sliding window under context "
+            f"parallelism; {fix}"
+        )

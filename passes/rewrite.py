@@ -17,7 +17,9 @@ from torch import fx
 
 from hcp_compile.compiled import check_layout, hierarchical_varlen_attention
 from hcp_compile.kernels import resolve_kernel
+from hcp_compile.kernels.cost import size_hint
 from hcp_compile.mesh import CPGroups
+from hcp_compile.validation import InputError, check_head_split, check_kernel_window
 
 from .match import AttentionMatch, UnsupportedAttention
 
@@ -122,30 +124,22 @@ def _rewrite_one(
     graph.erase_node(node)
     return Rewritten(
         match, kernel, heads_q, heads_kv, head_dim, q_value.dtype,
-        int(local_tokens.node.hint) if isinstance(local_tokens, torch.SymInt) else int(local_tokens),
+        size_hint(local_tokens),
         returns_lse, is_checked,
     )
 
 
 def _check_static(match: AttentionMatch, heads_q: int, heads_kv: int, kernel: str, groups: CPGroups) -> None:
-    where = f"{match.op} at {match.module_path or 'top level'}"
-    ulysses = groups.ulysses_size
-    if heads_q % ulysses:
-        raise UnsupportedAttention(
-            f"{where}: {heads_q} query heads cannot be split over ulysses={ulysses} ranks; "
-            "choose a mesh whose ulysses size divides the number of query heads"
+    """The eager path's checks that the graph alone can answer, raised at compile time."""
+    try:
+        check_head_split(heads_q, heads_kv, groups.ulysses_size)
+        check_kernel_window(
+            kernel, match.call.window,
+            "mark the module with @hcp_compile.attention(kernel='torch') or compile with "
+            "options={'kernel': 'torch'}",
         )
-    if heads_kv % ulysses and ulysses % heads_kv:
-        raise UnsupportedAttention(
-            f"{where}: {heads_kv} key/value heads must divide or be divisible by "
-            f"ulysses={ulysses}; choose another ulysses size"
-        )
-    if kernel == "flash" and match.call.window != (-1, -1):
-        raise UnsupportedAttention(
-            f"{where}: the flash kernel cannot apply a sliding window under context "
-            "parallelism; mark the module with @hcp_compile.attention(kernel='torch') or "
-            "compile with options={'kernel': 'torch'}"
-        )
+    except InputError as error:
+        raise UnsupportedAttention(f"{match.op} at {match.module_path or 'top level'}: {error}") from None
 
 
 def _output_users(node: fx.Node) -> dict[int, list[fx.Node]]:

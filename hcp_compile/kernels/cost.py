@@ -22,10 +22,10 @@ def block_flops(
     backward: bool,
 ) -> int:
     """Upper bound of the FLOPs of one block (q ``[Tq, H, D]``, k ``[Tk, Hkv, D]``)."""
-    tokens_q, heads, dim = (_hint(s) for s in q_shape)
-    keys = _hint(k_shape[0])
+    tokens_q, heads, dim = (size_hint(s) for s in q_shape)
+    keys = size_hint(k_shape[0])
     if max_seqlen_k is not None:
-        keys = min(keys, _hint(max_seqlen_k))
+        keys = min(keys, size_hint(max_seqlen_k))
     flops = 4 * tokens_q * keys * heads * dim  # q k^T and p v
     if causal:
         flops //= 2
@@ -44,7 +44,7 @@ def _block_backward_flops(dout_shape, q_shape, k_shape, v_shape, output_shape, l
     return block_flops(q_shape, k_shape, max_k, causal, backward=True)
 
 
-def _hint(size: int | torch.SymInt) -> int:
+def size_hint(size: int | torch.SymInt) -> int:
     """A size as an int, without adding a guard for a symbolic one."""
     return size.node.hint if isinstance(size, torch.SymInt) else int(size)
 
