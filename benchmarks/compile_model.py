@@ -1,7 +1,9 @@
 """A 4-layer packed-sequence transformer on 2 GPUs: eager hcp vs ``torch.compile(backend="hcp")``.
 
-    torchrun --nproc-per-node 2 benchmarks/compile_model.py --ulysses 2 --ring 1 --out DIR
-    torchrun --nproc-per-node 2 benchmarks/compile_model.py --ulysses 1 --ring 2 --out DIR
+    torchrun --nproc-per-node 2 -m benchmarks.compile_model --ulysses 2 --ring 1 --out DIR
+    torchrun --nproc-per-node 2 -m benchmarks.compile_model --ulysses 1 --ring 2 --out DIR
+
+(from the repository root, whose ``examples`` folder holds the model).
 
 The same model (``examples/packed_model.py``, bf16) runs fwd+bwd on each rank's shard of one
 packed batch, first eagerly inside ``context_parallel``, then compiled with the ``hcp`` backend
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,11 +26,8 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import hcp_compile
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from packed_model import PackedTransformer  # noqa: E402
-
-from cp_throughput import add_run_args, packed_lengths  # noqa: E402
+from benchmarks.common import add_run_args, packed_lengths
+from examples.packed_model import PackedTransformer
 
 
 def step(model, inputs, grad) -> torch.Tensor:

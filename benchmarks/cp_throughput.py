@@ -1,8 +1,8 @@
 """Throughput of eager hierarchical CP attention against single-device attention.
 
-Launch one process per device:
-    torchrun --nproc-per-node 2 benchmarks/cp_throughput.py --ulysses 2 --ring 1
-    torchrun --nproc-per-node 2 benchmarks/cp_throughput.py --ulysses 1 --ring 2
+Launch one process per device, from the repository root:
+    torchrun --nproc-per-node 2 -m benchmarks.cp_throughput --ulysses 2 --ring 1
+    torchrun --nproc-per-node 2 -m benchmarks.cp_throughput --ulysses 1 --ring 2
 Every rank first times single-device attention on the whole packed batch (the baseline, run
 side by side on each device), then the CP run on its shard; fwd+bwd, causal, CUDA events.
 TFLOP/s count only the real (causal) attention work of the batch.
@@ -18,15 +18,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import hcp_compile
-
-
-def packed_lengths(tokens: int, docs: int, seed: int) -> list[int]:
-    """``docs`` random document lengths (odd ones included) that sum to ``tokens``."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = torch.rand(docs, generator=gen) + 0.05
-    lengths = (weights / weights.sum() * tokens).floor().long()
-    lengths[0] += tokens - int(lengths.sum())
-    return lengths.tolist()
+from benchmarks.common import add_run_args, packed_lengths
 
 
 def causal_flops(lengths: list[int], heads: int, head_dim: int) -> float:
@@ -68,16 +60,6 @@ def profile_one_step(fn, inputs: list[torch.Tensor], out_dir: str) -> None:
     prof.export_chrome_trace(os.path.join(out_dir, f"trace_rank{dist.get_rank()}.json"))
     if dist.get_rank() == 0:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-
-
-def add_run_args(parser: argparse.ArgumentParser) -> None:
-    """The mesh, batch and timing options of both GPU benchmarks."""
-    parser.add_argument("--ulysses", type=int, required=True)
-    parser.add_argument("--ring", type=int, required=True)
-    parser.add_argument("--tokens", type=int, default=128 * 1024)
-    parser.add_argument("--docs", type=int, default=25)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
 
 
 def main() -> None:

@@ -7,8 +7,12 @@ from .explain import Explanation, explain
 from .marking import AttentionMark, attention
 from .mesh import make_mesh
 from .ops import varlen_attention
+from .packing import cu_seqlens_from_position_ids
 from .plan import ShardPlan, shard_plan
 from .validation import InputError
+from .hf import register_when_imported as _register_with_transformers
+
+_register_with_transformers()  # attn_implementation="hcp", without importing transformers
 
 __all__ = [
     "AttentionMark",
@@ -21,6 +25,7 @@ __all__ = [
     "InputError",
     "ShardPlan",
     "context_parallel",
+    "cu_seqlens_from_position_ids",
     "make_mesh",
     "shard_plan",
     "varlen_attention",

@@ -1,4 +1,5 @@
-"""The context-parallel device mesh: ``("ring", "ulysses")``, Ulysses ranks contiguous."""
+"""The context-parallel device mesh: ``("ring", "ulysses")``, Ulysses ranks contiguous,
+optionally with a leading ``"data"`` dim of data-parallel replicas."""
 
 from __future__ import annotations
 
@@ -9,18 +10,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .validation import InputError
+
 MESH_DIM_NAMES = ("ring", "ulysses")
+DATA_DIM_NAME = "data"  # the data-parallel dim of a 3-D mesh (make_mesh(..., data=D))
+_ACCEPTED_DIM_SETS = (set(MESH_DIM_NAMES), {DATA_DIM_NAME, *MESH_DIM_NAMES})
 
 MeshLike = Union[DeviceMesh, tuple[dist.ProcessGroup, dist.ProcessGroup]]
 
 
-def make_mesh(ulysses: int, ring: int, device_type: str | None = None) -> DeviceMesh:
-    """A 2-D mesh with dims ``("ring", "ulysses")`` over all ranks.
+def make_mesh(
+    ulysses: int, ring: int, device_type: str | None = None, *, data: int = 1
+) -> DeviceMesh:
+    """A mesh with dims ``("ring", "ulysses")`` over all ranks, or ``("data", "ring",
+    "ulysses")`` with ``data`` > 1 data-parallel replicas of that context-parallel mesh.
 
-    Global rank ``r * ulysses + a`` is ring rank ``r``, Ulysses rank ``a``: the Ulysses group
-    is contiguous ranks, so with one process per GPU it stays inside a node.
+    Global rank ``(d * ring + r) * ulysses + a`` is data replica ``d``, ring rank ``r``,
+    Ulysses rank ``a``: the Ulysses group is contiguous ranks, so with one process per GPU it
+    stays inside a node, and so are the ranks of one replica.
     """
-    for name, value in (("ulysses", ulysses), ("ring", ring)):
+    for name, value in (("ulysses", ulysses), ("ring", ring), ("data", data)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"make_mesh: {name} must be a positive int, got {value!r}")
     if not dist.is_initialized():
@@ -29,15 +38,29 @@ def make_mesh(ulysses: int, ring: int, device_type: str | None = None) -> Device
             "torch.distributed.init_process_group (or launch with torchrun) first"
         )
     world = dist.get_world_size()
-    if world != ulysses * ring:
-        raise ValueError(
+    if world != data * ulysses * ring:
+        raise ValueError(_world_size_error(world, ulysses, ring, data))
+    if device_type is None:
+        device_type = _device_type(dist.group.WORLD)
+    if data == 1:
+        return init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=MESH_DIM_NAMES)
+    return init_device_mesh(
+        device_type, (data, ring, ulysses), mesh_dim_names=(DATA_DIM_NAME, *MESH_DIM_NAMES)
+    )
+
+
+def _world_size_error(world: int, ulysses: int, ring: int, data: int) -> str:
+    if data == 1:
+        return (
             f"make_mesh: world size is {world} but ulysses * ring = {ulysses} * {ring} = "
             f"{ulysses * ring}; choose ulysses and ring whose product is the world size, or "
             "build a 2-D DeviceMesh with dims ('ring', 'ulysses') over a subset yourself"
         )
-    if device_type is None:
-        device_type = _device_type(dist.group.WORLD)
-    return init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=MESH_DIM_NAMES)
+    return (
+        f"make_mesh: world size is {world} but data * ulysses * ring = {data} * {ulysses} * "
+        f"{ring} = {data * ulysses * ring}; choose data, ulysses and ring whose product is the "
+        "world size"
+    )
 
 
 @dataclass(frozen=True)
@@ -52,19 +75,20 @@ class CPGroups:
     ring_rank: int
     device_type: str
 
-    @property
-    def size(self) -> int:
-        return self.ulysses_size * self.ring_size
-
 
 def resolve_groups(mesh: MeshLike) -> CPGroups:
-    """Accept a ``("ring", "ulysses")`` DeviceMesh or a pair ``(ulysses_group, ring_group)``."""
+    """Accept a ``("ring", "ulysses")`` DeviceMesh (also ``mesh["ring", "ulysses"]`` of a
+    larger one), a ``("data", "ring", "ulysses")`` DeviceMesh (context parallelism runs over
+    its ``ring`` and ``ulysses`` dims, inside this rank's data replica) or a pair
+    ``(ulysses_group, ring_group)``."""
     if isinstance(mesh, DeviceMesh):
         names = mesh.mesh_dim_names
-        if mesh.ndim != 2 or names is None or set(names) != set(MESH_DIM_NAMES):
+        if names is None or set(names) not in _ACCEPTED_DIM_SETS:
             raise ValueError(
-                f"mesh: expected a 2-D DeviceMesh with dims {MESH_DIM_NAMES}, got dims "
-                f"{names} of shape {tuple(mesh.shape)}; build it with hcp_compile.make_mesh"
+                f"mesh: expected a DeviceMesh with dims {MESH_DIM_NAMES} or "
+                f"{(DATA_DIM_NAME, *MESH_DIM_NAMES)}, got dims {names} of shape "
+                f"{tuple(mesh.shape)}; build it with hcp_compile.make_mesh, or pass the "
+                "submesh mesh['ring', 'ulysses'] of a larger mesh"
             )
         ulysses_group, ring_group = mesh.get_group("ulysses"), mesh.get_group("ring")
         device_type = mesh.device_type
@@ -91,23 +115,36 @@ def resolve_groups(mesh: MeshLike) -> CPGroups:
     )
 
 
-def agree_on_error(groups: CPGroups, error: Exception | None) -> None:
-    """Raise on every rank of the mesh if any rank found its input invalid.
+def agree_on_error(groups: CPGroups, error: Exception | None, batch: int | None = None) -> None:
+    """Raise on every rank of the mesh if any rank found its input invalid, or (``batch``: a
+    fingerprint of the batch each rank was given) if the ranks were given different batches.
 
     Called after local validation and before the first data collective, so that one rank's
     bad input makes all ranks raise instead of leaving the others waiting in a collective.
-    The flag travels as a CPU tensor where the groups' backend takes one (gloo, or a
+    The values travel as a CPU tensor where the groups' backend takes one (gloo, or a
     ``"cpu:gloo,cuda:nccl"`` process group), so no GPU work is waited for.
     """
-    flag = torch.tensor([error is not None], dtype=torch.int32, device=_flag_device(groups))
+    fingerprint = 0 if batch is None else batch
+    flags = torch.tensor(
+        [error is not None, fingerprint, -fingerprint], dtype=torch.int64,
+        device=_flag_device(groups),
+    )
     for group in (groups.ulysses_group, groups.ring_group):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     if error is not None:
         raise error
-    if int(flag.item()):
+    rejected, highest, negated_lowest = flags.tolist()
+    if rejected:
         raise RuntimeError(
             "another rank of the context-parallel mesh rejected its input (see that rank's "
             "error); all ranks stop here instead of waiting in a collective"
+        )
+    if highest != -negated_lowest:
+        raise InputError(
+            "cu_seqlens: the ranks of the context-parallel mesh were given different batches "
+            "(their cu_seqlens differ); every rank must pass the same global cu_seqlens, the "
+            "one its shards were cut from (check the data loader: all ranks of a "
+            "context-parallel group read the same batch)"
         )
 
 

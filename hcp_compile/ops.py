@@ -21,13 +21,16 @@ def varlen_attention_op(
     """Single-device varlen attention: ``(out [Tq, Hq, D], lse [Hq, Tq])``, lse in fp32
     (float64 for float64 inputs).
 
-    ``lse`` is returned for inspection and is not differentiable."""
+    ``lse`` is returned for inspection and is not differentiable. The inputs are checked
+    here, in the op, because a graph compiled by another backend calls it directly: there a
+    shard of a context-parallel batch would otherwise attend over the wrong tokens."""
     if active_context() is not None:
         raise validation.InputError(
             "varlen_attention: a graph compiled with a backend other than 'hcp' ran inside "
             "hcp_compile.context_parallel, so its attention would ignore the other ranks' "
             "tokens; compile with backend='hcp' (options={'mesh': mesh}) or run eagerly"
         )
+    _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return KERNELS[resolve_kernel(kernel, q)].forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
         window_left, window_right, None, None,
@@ -74,6 +77,11 @@ def varlen_attention(
     ``window_size=(left, right)`` limits each query to keys at most ``left`` positions before
     and ``right`` after it (-1: unlimited).
     """
+    if not torch.compiler.is_compiling():
+        _check_argument_types(
+            {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
+            {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k},
+        )
     window = validation.check_window(window_size)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     # traced, the call stays the single-device op, which the ``hcp`` backend rewrites; the
@@ -84,8 +92,6 @@ def varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             causal=causal, scale=scale, window=window,
         )
-    if not torch.compiler.is_compiling():
-        _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out, _ = torch.ops.hcp.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
         window[0], window[1], "auto",
@@ -93,7 +99,24 @@ def varlen_attention(
     return out
 
 
+def _check_argument_types(tensors: dict[str, object], ints: dict[str, object]) -> None:
+    """The Python types, which the op's schema would reject with a dispatcher error or
+    coerce (a float ``max_seqlen`` becomes an int); the values are checked by the op (one
+    device) or by ``context_parallel``."""
+    for name, value in tensors.items():
+        if not isinstance(value, Tensor):
+            raise validation.InputError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    for name, value in ints.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise validation.InputError(
+                f"{name}: got {value!r}; expected an int, the longest document length (or larger)"
+            )
+
+
 def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
+    """Shapes, dtypes, ``cu_seqlens`` against the token counts, ``max_seqlen`` against the
+    longest document (the flash kernel sizes its grid by it). ``cu_seqlens`` is read on the
+    host once per tensor version, so the layers of a model that share it wait only once."""
     validation.check_qkv(q, k, v)
     for name, cu, tensor_name, tokens, max_len, max_name in (
         ("cu_seqlens_q", cu_q, "q", q.shape[0], max_q, "max_seqlen_q"),

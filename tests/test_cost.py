@@ -1,26 +1,36 @@
-"""The cost model of the attention blocks: FLOP formulas (what torch's FlopCounterMode and
-Inductor's overlap scheduler see) and the runtime hook for the scheduler."""
+"""The cost model of the attention blocks: the FLOP formulas (what torch's FlopCounterMode and
+Inductor's overlap scheduler see) and the runtime hook for the scheduler.
 
+The formulas are checked against counts made without them: the matmuls of a tiny block
+counted by hand, and torch's own counts of the same attention written as dense
+``scaled_dot_product_attention`` (the bound the formulas give is exact when every document is
+``max_seqlen`` long)."""
+
+from __future__ import annotations
+
+import pytest
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 import hcp_compile  # noqa: F401  (registers the ops)
 from hcp_compile.kernels.cost import ATTENTION_FLOPS_PER_S, estimate_block_runtime_ms
+from cp_cases import cu_seqlens, seeded
 
-TOKENS, HEADS, KV_HEADS, DIM = 20, 4, 2, 8
-CU = torch.tensor([0, 8, 20], dtype=torch.int32)
+DIM = 8
 
 
-def inputs():
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(TOKENS, HEADS, DIM, generator=generator)
-    kv = torch.randn(TOKENS, KV_HEADS, DIM, generator=generator)
-    return q, kv, kv.clone(), CU
+def block_inputs(lengths: tuple[int, ...], heads_q: int, heads_kv: int, dim: int = DIM):
+    tokens = sum(lengths)
+    return (seeded("cost/q", tokens, heads_q, dim), seeded("cost/k", tokens, heads_kv, dim),
+            seeded("cost/v", tokens, heads_kv, dim), cu_seqlens(lengths))
 
 
 def forward(q, k, v, cu, max_k: int, causal: bool):
-    return torch.ops.hcp.block_forward(q, k, v, cu, cu, max_k, max_k, causal, 0.3, -1, -1, None, None, "torch")
+    return torch.ops.hcp.block_forward(q, k, v, cu, cu, max_k, max_k, causal, 0.3, -1, -1, None, None,
+                                       "torch")
 
 
 def backward(q, k, v, cu, max_k: int, causal: bool):
@@ -29,27 +39,67 @@ def backward(q, k, v, cu, max_k: int, causal: bool):
                                         -1, -1, None, None, "torch")
 
 
-def expected_flops(max_k: int, causal: bool, backward: bool) -> int:
-    # every query sees at most min(keys, max_seqlen_k) keys; two products of D per pair
-    pairs = TOKENS * min(TOKENS, max_k) * HEADS
-    flops = 2 * 2 * pairs * DIM // (2 if causal else 1)
-    return flops * 5 // 2 if backward else flops
+def counted(fn, *args) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn(*args)
+    return counter.get_total_flops()
 
 
-def test_flop_counter_counts_the_blocks():
-    for max_k in (12, 40):
-        for causal in (True, False):
-            with FlopCounterMode(display=False) as counter:
-                forward(*inputs(), max_k, causal)
-            assert counter.get_total_flops() == expected_flops(max_k, causal, backward=False)
-            with FlopCounterMode(display=False) as counter:
-                backward(*inputs(), max_k, causal)
-            total = expected_flops(max_k, causal, False) + expected_flops(max_k, causal, True)
-            assert counter.get_total_flops() == total
+def forward_and_backward_flops(inputs, max_k: int, causal: bool) -> tuple[int, int]:
+    forward_flops = counted(forward, *inputs, max_k, causal)
+    return forward_flops, counted(backward, *inputs, max_k, causal) - forward_flops
 
 
-def test_runtime_hook_estimates_blocks_only():
-    graph = make_fx(lambda q, k, v, cu: backward(q, k, v, cu, 12, True), tracing_mode="fake")(*inputs())
+@pytest.mark.parametrize("causal, expected", [(False, (1152, 2880)), (True, (576, 1440))])
+def test_a_tiny_block_counts_its_matmuls(causal, expected):
+    """One document of 6 tokens, 2 query heads sharing 1 KV head, head dim 4. Per head,
+    each product of 6 x 6 x 4 multiply-adds is 288 FLOPs. The forward runs two (S = Q K^T,
+    O = P V): 2 * 288 * 2 heads = 1152. The backward runs five (S again, dV = P^T dO,
+    dP = dO V^T, dQ = dS K, dK = dS^T Q): 2880. Causal counts half of each."""
+    inputs = block_inputs((6,), heads_q=2, heads_kv=1, dim=4)
+    assert forward_and_backward_flops(inputs, max_k=6, causal=causal) == expected
+
+
+def dense_sdpa_forward_flops(docs: int, length: int, heads_q: int, heads_kv: int) -> int:
+    """What FlopCounterMode counts for sdpa over the documents as a batch: on the meta device
+    sdpa runs its math path, so the count is that of its real matmuls."""
+    q = torch.empty(docs, heads_q, length, DIM, device="meta")
+    k = v = torch.empty(docs, heads_kv, length, DIM, device="meta")
+    return counted(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+SDPA_CASES = [pytest.param(1, 16, 4, 4, id="one-doc-mha"), pytest.param(3, 8, 4, 2, id="three-docs-gqa"),
+              pytest.param(5, 4, 2, 1, id="five-docs-mqa")]
+
+
+@pytest.mark.parametrize("docs, length, heads_q, heads_kv", SDPA_CASES)
+def test_equal_documents_count_as_dense_sdpa_over_them(docs, length, heads_q, heads_kv):
+    inputs = block_inputs((length,) * docs, heads_q, heads_kv)
+    forward_flops, backward_flops = forward_and_backward_flops(inputs, max_k=length, causal=False)
+    q_shape, kv_shape = (docs, heads_q, length, DIM), (docs, heads_kv, length, DIM)
+    assert forward_flops == dense_sdpa_forward_flops(docs, length, heads_q, heads_kv)
+    assert forward_flops == flop_counter.sdpa_flop_count(q_shape, kv_shape, kv_shape)
+    # torch's formula for its fused kernels' backward, which recompute the scores as ours do
+    assert backward_flops == flop_counter.sdpa_backward_flop_count(q_shape, q_shape, kv_shape, kv_shape)
+
+
+def test_the_bound_follows_max_seqlen_k_not_the_keys_of_the_block():
+    """Two documents of 8 and 12 tokens: each query sees at most max_seqlen_k = 12 keys, fewer
+    than the 20 of the block, and the count is that of 20 queries against 12 keys each."""
+    inputs = block_inputs((8, 12), heads_q=4, heads_kv=2)
+    one_doc_of_12 = forward_and_backward_flops(block_inputs((12,), heads_q=4, heads_kv=2), 12, False)
+    assert forward_and_backward_flops(inputs, max_k=12, causal=False) == tuple(
+        flops * 20 // 12 for flops in one_doc_of_12)
+    # a max_seqlen_k beyond the block's keys is capped by them
+    assert forward_and_backward_flops(inputs, max_k=40, causal=False) == tuple(
+        flops * 20 * 20 // (12 * 12) for flops in one_doc_of_12)
+
+
+def test_runtime_hook_estimates_blocks_only_from_their_flops():
+    """The hook reads a block's shapes, max_seqlen_k and causal from its graph node; what the
+    FLOP counter counts for the same calls, at ATTENTION_FLOPS_PER_S, is its estimate."""
+    inputs = block_inputs((8, 12), heads_q=4, heads_kv=2)
+    graph = make_fx(lambda q, k, v, cu: backward(q, k, v, cu, 12, True), tracing_mode="fake")(*inputs)
     estimates = {}
     for node in graph.graph.nodes:
         target = getattr(node.target, "overloadpacket", None)
@@ -58,7 +108,8 @@ def test_runtime_hook_estimates_blocks_only():
             estimates[target] = estimate
         else:
             assert estimate is None, f"{node.format_node()} got an estimate"
+    forward_flops, backward_flops = forward_and_backward_flops(inputs, max_k=12, causal=True)
     assert estimates == {
-        torch.ops.hcp.block_forward: expected_flops(12, True, False) / ATTENTION_FLOPS_PER_S * 1e3,
-        torch.ops.hcp.block_backward: expected_flops(12, True, True) / ATTENTION_FLOPS_PER_S * 1e3,
+        torch.ops.hcp.block_forward: forward_flops / ATTENTION_FLOPS_PER_S * 1e3,
+        torch.ops.hcp.block_backward: backward_flops / ATTENTION_FLOPS_PER_S * 1e3,
     }

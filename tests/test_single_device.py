@@ -1,5 +1,8 @@
-"""``hcp_compile.varlen_attention`` with no CP active, its input validation, and ``opcheck`` of
-the custom ops ``torch.ops.hcp.varlen_attention`` / ``block_forward`` / ``block_backward``."""
+"""``hcp_compile.varlen_attention`` with no CP active: results, the isolation of documents
+(a non-finite value stays in its document), input validation (also by the op itself, as a
+graph compiled by another backend calls it), the ``hcp`` backend's compile-time errors as the
+user sees them, and ``opcheck`` of the custom ops ``torch.ops.hcp.varlen_attention`` /
+``block_forward`` / ``block_backward``. Random inputs: ``test_fuzz_single_device.py``."""
 
 from __future__ import annotations
 
@@ -7,11 +10,12 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+import torch.distributed as dist
+from torch import fx
 
 import hcp_compile as hc
 from hcp_compile.kernels import torch_kernel
+from hcp_compile.passes.match import UnsupportedAttention
 from attention_reference import reference_with_grads
 from checks import assert_matches, expected_for
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded
@@ -54,24 +58,6 @@ def test_cross_attention_with_different_query_and_key_documents(heads):
     assert_all_match(got, expected)
 
 
-@settings(max_examples=25, deadline=None)
-@given(
-    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=5).filter(any).map(tuple),
-    heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
-    causal=st.booleans(),
-    window=st.tuples(st.integers(-1, 6), st.integers(-1, 6)),
-    seed=st.integers(0, 2**16),
-)
-def test_matches_reference_on_random_documents(lengths, heads, causal, window, seed):
-    cu, tokens = cu_seqlens(lengths), sum(lengths)
-    q, dout = (seeded(f"{seed}/{n}", tokens, heads[0], HEAD_DIM) for n in ("q", "dout"))
-    k, v = (seeded(f"{seed}/{n}", tokens, heads[1], HEAD_DIM) for n in ("k", "v"))
-    got = attention_with_grads(q, k, v, dout, cu, cu, causal=causal, window_size=window)
-    expected = reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=causal,
-                                    window=window)
-    assert_all_match(got, expected)
-
-
 @pytest.mark.parametrize("query_block", [1, 5, 16])
 @pytest.mark.parametrize("case", [c for c in attention_cases() if c.docs in ("mixed", "long")][:16],
                          ids=lambda c: c.id)
@@ -92,6 +78,72 @@ def test_torch_kernel_query_blocks_in_cross_attention(monkeypatch, query_block):
 
 
 # --------------------------------------------------------------------------------------------
+# isolation: a non-finite value in one document never reaches another document's results
+# --------------------------------------------------------------------------------------------
+
+ISOLATION_DOCS = (5, 0, 9, 3)  # fewer tokens than QUERY_BLOCK: one block holds every document
+POISONED = slice(5, 14)  # the tokens of document 2
+POISONED_ROW = 8
+
+
+def poisoned(x: torch.Tensor, value: float) -> torch.Tensor:
+    x = x.clone()
+    x[POISONED_ROW, 0, 0] = value
+    return x
+
+
+def outside_poisoned(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t[: POISONED.start], t[POISONED.stop :]])
+
+
+def isolation_inputs(heads: tuple[int, int]) -> dict[str, torch.Tensor]:
+    tokens = sum(ISOLATION_DOCS)
+    return {"q": seeded("isolation/q", tokens, heads[0], HEAD_DIM),
+            "k": seeded("isolation/k", tokens, heads[1], HEAD_DIM),
+            "v": seeded("isolation/v", tokens, heads[1], HEAD_DIM),
+            "dout": seeded("isolation/dout", tokens, heads[0], HEAD_DIM)}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("tensor", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_non_finite_value_stays_in_its_document(heads, causal, tensor, value):
+    """The documents share one block of the plain kernel, whose einsums also multiply the
+    masked pairs (by zero, which makes NaN of a NaN); the other documents' results must be
+    those of clean inputs, and the poisoned document's must show the value."""
+    clean, cu = isolation_inputs(heads), cu_seqlens(ISOLATION_DOCS)
+    expected = reference_with_grads(clean["q"], clean["k"], clean["v"], clean["dout"], cu.tolist(),
+                                    cu.tolist(), causal=causal)
+    x = {**clean, tensor: poisoned(clean[tensor], value)}
+    got = attention_with_grads(x["q"], x["k"], x["v"], x["dout"], cu, cu, causal=causal)
+    for name in ("out", "dq", "dk", "dv"):
+        assert_matches(outside_poisoned(got[name]), outside_poisoned(expected[name]), name)
+    in_document = [torch.isfinite(got[name][POISONED]).all() for name in ("out", "dq", "dk", "dv")]
+    assert not all(in_document), "the poisoned document's results hid its value"
+
+
+@pytest.mark.parametrize("tensor", ["q", "k", "v", "dout"])
+def test_block_ops_keep_a_non_finite_value_in_its_segment(tensor):
+    """The ring's view: block_forward/backward on segments with global positions (a window),
+    the poisoned results compared with the same ops on clean inputs."""
+    x, cu = isolation_inputs((4, 2)), cu_seqlens(ISOLATION_DOCS)
+    positions = torch.arange(sum(ISOLATION_DOCS))
+    args = (cu, cu, 9, 9, False, 0.35, 6, 2, positions, positions, "torch")
+
+    def forward_backward(x: dict) -> list[torch.Tensor]:
+        out, lse = torch.ops.hcp.block_forward(x["q"], x["k"], x["v"], *args)
+        grads = torch.ops.hcp.block_backward(x["dout"], x["q"], x["k"], x["v"], out, lse, *args)
+        return [out, lse.t(), *grads]
+
+    clean = forward_backward(x)
+    got = forward_backward({**x, tensor: poisoned(x[tensor], float("nan"))})
+    for name, g, c in zip(("out", "lse", "dq", "dk", "dv"), got, clean):
+        torch.testing.assert_close(outside_poisoned(g), outside_poisoned(c), atol=1e-6, rtol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------------------------
 # input validation (no CP)
 # --------------------------------------------------------------------------------------------
 
@@ -102,10 +154,10 @@ KV = seeded("errors/kv", 14, 2, HEAD_DIM)
 INT32 = torch.int32
 
 
-def call(**overrides):
+def call(attention=hc.varlen_attention, **overrides):
     args = {"q": Q, "k": KV, "v": KV, "cu_seqlens_q": CU, "cu_seqlens_k": CU,
             "max_seqlen_q": 9, "max_seqlen_k": 9, "causal": True}
-    return hc.varlen_attention(**{**args, **overrides})
+    return attention(**{**args, **overrides})
 
 
 INVALID_CALLS = {
@@ -143,6 +195,37 @@ def test_invalid_input_raises_input_error_naming_the_argument(overrides, match):
         call(**overrides)
 
 
+# what a graph compiled by another backend hands the op: no wrapper checks ran before it
+OP_ONLY_INVALID_CALLS = {
+    "q-is-a-shard": ({"q": Q[:10]}, "cu_seqlens_q: last entry is 14 but q has 10 tokens"),
+    "k-v-are-shards": ({"k": KV[:12], "v": KV[:12]}, "cu_seqlens_k: last entry is 14 but k has 12 tokens"),
+    "max-seqlen-q-too-small": ({"max_seqlen_q": 4}, "max_seqlen_q: got 4 but the longest"),
+    "max-seqlen-k-too-small": ({"max_seqlen_k": 8}, "max_seqlen_k: got 8 but the longest"),
+    "cu-q-int64": ({"cu_seqlens_q": CU.long()}, "cu_seqlens_q: expected dtype torch.int32"),
+    "cu-k-int64": ({"cu_seqlens_k": CU.long()}, "cu_seqlens_k: expected dtype torch.int32"),
+}
+
+
+@pytest.mark.parametrize("overrides, match", OP_ONLY_INVALID_CALLS.values(), ids=OP_ONLY_INVALID_CALLS.keys())
+def test_op_checks_its_inputs_in_a_graph_compiled_by_another_backend(overrides, match):
+    def attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        return hc.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   causal=causal)
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    with pytest.raises(hc.InputError, match=re.escape(match)):
+        call(**overrides, attention=compiled)
+
+
+@pytest.mark.parametrize("overrides, match", OP_ONLY_INVALID_CALLS.values(), ids=OP_ONLY_INVALID_CALLS.keys())
+def test_op_called_directly_checks_its_inputs(overrides, match):
+    args = {"q": Q, "k": KV, "v": KV, "cu_seqlens_q": CU, "cu_seqlens_k": CU, "max_seqlen_q": 9,
+            "max_seqlen_k": 9, "causal": True, "softmax_scale": 0.3, "window_left": -1,
+            "window_right": -1, "kernel": "torch"}
+    with pytest.raises(hc.InputError, match=re.escape(match)):
+        torch.ops.hcp.varlen_attention(**{**args, **overrides})
+
+
 def test_unknown_kernel_is_rejected():
     with pytest.raises(hc.InputError, match="kernel: expected one of"):
         torch.ops.hcp.varlen_attention(Q, KV, KV, CU, CU, 9, 9, True, 0.3, -1, -1, "fast")
@@ -167,6 +250,49 @@ def test_make_mesh_rejects_bad_sizes_and_missing_process_group():
 def test_shard_plan_rejects_something_that_is_not_a_mesh():
     with pytest.raises(TypeError, match="mesh: expected a DeviceMesh"):
         hc.shard_plan(CU, "not a mesh")
+
+
+# --------------------------------------------------------------------------------------------
+# errors of the hcp backend at compile time reach the user as themselves
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo world and its 1 x 1 mesh, for one test only (the tests above need
+    torch.distributed uninitialized)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield hc.make_mesh(1, 1, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def flash_attention_with_dropout(q, k, v, cu):
+    """Varlen attention whose dropout hierarchical CP cannot reproduce."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 9, 9, 0.1, True, False)[0]
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+def test_unsupported_argument_reaches_the_user_as_the_input_error(one_rank_mesh, inner):
+    compiled = torch.compile(flash_attention_with_dropout, backend="hcp",
+                             options={"mesh": one_rank_mesh, "inner": inner})
+    with pytest.raises(hc.InputError, match="argument dropout_p=0.1 is not supported") as raised:
+        compiled(Q, KV, KV, CU)
+    assert type(raised.value) is UnsupportedAttention, f"got {type(raised.value).__mro__}"
+
+
+def test_unknown_option_reaches_the_user_as_the_input_error():
+    compiled = torch.compile(flash_attention_with_dropout, backend="hcp", options={"dump": "/tmp"})
+    with pytest.raises(hc.InputError, match=re.escape("options: unknown ['dump'] for the hcp backend")) as raised:
+        compiled(Q, KV, KV, CU)
+    assert type(raised.value) is hc.InputError
+
+
+def test_backend_called_without_dynamo_raises_an_input_error_chaining_the_original():
+    with pytest.raises(hc.InputError, match="options: unknown") as raised:
+        torch._dynamo.lookup_backend("hcp")(fx.symbolic_trace(lambda x: x), [], {"dump": "/tmp"})
+    assert type(raised.value.__cause__) is hc.InputError
+    assert raised.value.args == raised.value.__cause__.args
 
 
 # --------------------------------------------------------------------------------------------

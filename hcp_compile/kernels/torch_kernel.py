@@ -10,6 +10,11 @@ Masking: a query sees a key of the same segment (``cu_seqlens``), that is not ma
 ``causal`` or the window. Positions come from ``q_positions``/``k_positions`` when given (ring
 steps pass global positions inside the document); otherwise they are the offsets inside the
 segment, aligned bottom-right as flash attention does when a segment has more keys than queries.
+
+Isolation: a block's einsums run over every (query, key) pair of the block, masked ones
+included, and a masked pair still multiplies a zero by its operands: 0 * NaN = NaN. So when
+any operand holds a non-finite value (one host read per call), the blocks are cut at segment
+boundaries and no document's values enter another document's results.
 """
 
 from __future__ import annotations
@@ -45,9 +50,31 @@ def _segments(cu: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     return seg, row - cu[seg], (cu[1:] - cu[:-1])[seg]
 
 
+def _query_ranges(starts_q: list[int], q_rows: int, per_segment: bool) -> Iterator[tuple[int, int]]:
+    """Query row ranges of at most ``QUERY_BLOCK`` rows; with ``per_segment`` none of them
+    spans two segments."""
+    bounds = starts_q if per_segment else [0, q_rows]
+    for start, stop in zip(bounds, bounds[1:]):
+        for q0 in range(start, stop, QUERY_BLOCK):
+            yield q0, min(q0 + QUERY_BLOCK, stop)
+
+
+def _all_finite(*tensors: Tensor, lse: Tensor | None = None) -> bool:
+    """Whether every value is finite, in one host read; ``lse`` may also be -inf (a row with
+    no visible key), never NaN or +inf. A tensor's sum stands for its values (ten times
+    cheaper than ``isfinite(t).all()``): a NaN or inf anywhere makes it non-finite, and a sum
+    that overflows from finite values only sends the call down the isolated path, which is
+    as right, just slower."""
+    flags = [torch.isfinite(t.sum(dtype=accumulate_dtype(t.dtype))) for t in tensors]
+    if lse is not None:
+        flags.append((lse < float("inf")).all())
+    return bool(torch.stack(flags).all())
+
+
 def _blocks(
     q_rows: int, k_rows: int, cu_q: Tensor, cu_k: Tensor, causal: bool,
     window_left: int, window_right: int, q_positions: Tensor | None, k_positions: Tensor | None,
+    per_segment: bool,
 ) -> Iterator[_Block]:
     seg_q, off_q, len_q = _segments(cu_q, q_rows)
     seg_k, off_k, _ = _segments(cu_k, k_rows)
@@ -56,8 +83,7 @@ def _blocks(
         q_positions = off_q + len_k_of_q - len_q
         k_positions = off_k
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
-    for q0 in range(0, q_rows, QUERY_BLOCK):
-        q1 = min(q0 + QUERY_BLOCK, q_rows)
+    for q0, q1 in _query_ranges(starts_q, q_rows, per_segment):
         # the segments holding rows q0 and q1 - 1 (empty segments are skipped over)
         first, last = bisect_right(starts_q, q0) - 1, bisect_right(starts_q, q1 - 1) - 1
         k0, k1 = starts_k[first], starts_k[last + 1]
@@ -95,8 +121,9 @@ def forward(
     acc = accumulate_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+    isolate = not _all_finite(q, k, v)
     for b in _blocks(q.shape[0], k.shape[0], cu_q, cu_k, causal, window_left, window_right,
-                     q_positions, k_positions):
+                     q_positions, k_positions, isolate):
         s = _scores(q[b.q0 : b.q1], k[b.k0 : b.k1], scale, b.mask)
         block_lse = torch.logsumexp(s, dim=-1)
         p = _probabilities(s, block_lse)
@@ -117,8 +144,9 @@ def backward(
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    isolate = not _all_finite(dout, q, k, v, out, lse=lse)
     for b in _blocks(q.shape[0], k.shape[0], cu_q, cu_k, causal, window_left, window_right,
-                     q_positions, k_positions):
+                     q_positions, k_positions, isolate):
         rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
         q_b, k_b, v_b = q[rows].to(acc), k[keys].to(acc), v[keys].to(acc)
         s = _scores(q_b, k_b, scale, b.mask)
