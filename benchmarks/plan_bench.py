@@ -1,15 +1,16 @@
-"""How long planning a packed batch takes: ~1M tokens in 100K documents (DESIGN §2 asks for
-milliseconds).
+"""How long planning a packed batch takes: ~1M tokens in 100K documents (docs/design.md §2
+asks for milliseconds).
 
-    python benchmarks/plan_bench.py
-    python benchmarks/plan_bench.py --meshes 2x2 8x4 8x8 --repeats 11
+    python -m benchmarks.plan_bench
+    python -m benchmarks.plan_bench --meshes 2x2 8x4 8x8 --repeats 11
 
-A real 32-rank mesh cannot be built on one machine, so for each ``ULYSSESxRING`` mesh this
-times, for one rank, the layout math that ``ShardPlan.__init__`` runs
-(``hcp_compile.layout.rank_layout``: every ring rank's stream, the unshard index and this
-rank's slice), and the ring schedule that ``context_parallel``
-builds on the first attention call of a batch (``hcp_compile.schedule.build_schedule``,
-causal). ``shard_plan`` itself is timed end to end on a real 1-process gloo mesh (1x1).
+A real 32-rank mesh cannot be built on one machine, so for each ``ULYSSESxRING`` mesh and
+placement this times the placement itself (``hcp_compile.layout.batch_layout``: the rule and
+the sizes of every rank, what eager attention and a compiled graph compute per batch), one
+rank's tokens (``layout.rank_tokens``, what ``ShardPlan`` adds for its own rank) and the ring
+schedule that ``context_parallel`` builds on the first attention call of a batch
+(``hcp_compile.schedule.build_schedule``, causal). ``shard_plan`` itself is timed end to end on
+a real 1-process gloo mesh (1x1).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tabulate import tabulate
 
 import hcp_compile
 from hcp_compile import layout
+from hcp_compile.placements import PLACEMENTS
 from hcp_compile.schedule import build_schedule
 from hcp_compile.validation import check_cu_seqlens
 
@@ -62,17 +64,27 @@ def median_ms(fn: Callable[[torch.Tensor], object], cu: torch.Tensor, repeats: i
     return 1e3 * statistics.median(times)
 
 
-def plan_layout(cu: torch.Tensor, ulysses: int, ring: int) -> layout.RankLayout:
-    """What ``ShardPlan.__init__`` computes, for rank (ring 0, ulysses 0)."""
-    return layout.rank_layout(check_cu_seqlens(cu), ring, ulysses, 0, 0)
+def placement(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> layout.BatchLayout:
+    """The batch's layout, as every path derives it per batch."""
+    return layout.batch_layout(check_cu_seqlens(cu), ulysses, ring, PLACEMENTS[rule])
 
 
-def ring_schedule(cu: torch.Tensor, ulysses: int, ring: int, max_seqlen: int) -> object:
-    """The causal ring schedule of ring rank 0, as ``context_parallel`` builds it per batch."""
-    stream_length = layout.stream_length_for(check_cu_seqlens(cu), ring, ulysses)
+def rank_sizes(batch: layout.BatchLayout) -> layout.RankSizes:
+    return layout.rank_sizes(layout.rank_size_values(batch, 0, 0).tolist(), 0)
+
+
+def own_tokens(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> layout.StreamTokens:
+    """Rank (ring 0, ulysses 0)'s tokens: the layout, then where its tokens come from."""
+    batch = placement(cu, ulysses, ring, rule)
+    return layout.rank_tokens(batch, rank_sizes(batch), 0)
+
+
+def ring_schedule(cu: torch.Tensor, ulysses: int, ring: int, rule: str, max_seqlen: int) -> object:
+    """The causal schedule of rank (0, 0), as ``context_parallel`` builds it per batch."""
+    batch = placement(cu, ulysses, ring, rule)
     return build_schedule(
-        cu, max_seqlen, 0, ring, ulysses, stream_length, causal=True, scale=1.0,
-        window=(-1, -1), kernel="torch", skip_outside_window=True,
+        batch, rank_sizes(batch), max_seqlen, 0, causal=True, scale=1.0, window=(-1, -1),
+        kernel="torch", skip_outside_window=True,
     )
 
 
@@ -86,11 +98,14 @@ def mesh_rows(cu: torch.Tensor, meshes: list[str], repeats: int) -> list[list]:
     rows = []
     for text in meshes:
         ulysses, ring = parse_mesh(text)
-        rows.append([
-            f"{ulysses}x{ring}", ulysses * ring, plan_layout(cu, ulysses, ring).local_tokens,
-            median_ms(lambda c: plan_layout(c, ulysses, ring), cu, repeats),
-            median_ms(lambda c: ring_schedule(c, ulysses, ring, max_seqlen), cu, repeats),
-        ])
+        for rule in PLACEMENTS:
+            rows.append([
+                f"{ulysses}x{ring}", ulysses * ring, rule,
+                int(placement(cu, ulysses, ring, rule).local_tokens),
+                median_ms(lambda c: placement(c, ulysses, ring, rule), cu, repeats),
+                median_ms(lambda c: own_tokens(c, ulysses, ring, rule), cu, repeats),
+                median_ms(lambda c: ring_schedule(c, ulysses, ring, rule, max_seqlen), cu, repeats),
+            ])
     return rows
 
 
@@ -112,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{int(cu[-1]):,} tokens in {args.docs:,} documents, {torch.get_num_threads()} CPU "
           f"threads, torch {torch.__version__}, median of {args.repeats}\n")
     rows = mesh_rows(cu, args.meshes, args.repeats)
-    headers = ["mesh AxR", "ranks", "local tokens", "plan layout, one rank (ms)",
-               "ring schedule, one rank (ms)"]
+    headers = ["mesh AxR", "ranks", "placement", "local tokens", "placement (ms)",
+               "+ one rank's tokens (ms)", "+ ring schedule (ms)"]
     print(tabulate(rows, headers=headers, floatfmt=".1f", intfmt=","))
     end_to_end = shard_plan_ms(cu, args.repeats)
     print(f"\nshard_plan() end to end, real 1x1 gloo mesh: {end_to_end:.1f} ms")

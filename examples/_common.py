@@ -1,7 +1,7 @@
 """Helpers shared by ``examples/cp_attention.py`` and ``scripts/gpu_check.py``.
 
 Launching (``torchrun`` or a self-spawned group of processes), a packed batch of documents,
-attention with and without context parallelism, and the comparison against DESIGN §6.
+attention with and without context parallelism, and the comparison against docs/design.md §6.
 Not part of the library: the example keeps its own plumbing here so the script it shows stays
 about the API.
 """
@@ -35,7 +35,7 @@ GRADIENTS = ("out", "dq", "dk", "dv")
 
 
 def tolerance(dtype: torch.dtype, gqa: bool) -> float:
-    """atol = rtol against single-device attention (DESIGN §6)."""
+    """atol = rtol against single-device attention (docs/design.md §6)."""
     if dtype == torch.bfloat16:
         return 3.5e-2 if gqa else 2.5e-2
     if dtype == torch.float16:
@@ -81,18 +81,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker: WorkerFn, args: argparse.Namespace) -> int:
-    """Run ``worker`` on ``ulysses * ring`` processes and return the exit code.
+def launch(worker: WorkerFn, args: argparse.Namespace, data: int = 1) -> int:
+    """Run ``worker`` on ``data * ulysses * ring`` processes and return the exit code.
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) this process is one of them; otherwise it
     spawns them itself on a free local port. ``worker`` returns whether its checks passed.
+    ``data``: data-parallel replicas of the context-parallel mesh.
     """
-    world = args.ulysses * args.ring
+    world = data * args.ulysses * args.ring
     if under_torchrun():
         env_world = int(os.environ["WORLD_SIZE"])
         if env_world != world:
+            replicas = f"--data {data} x " if data > 1 else ""
             raise SystemExit(
-                f"torchrun started {env_world} processes but --ulysses {args.ulysses} x "
+                f"torchrun started {env_world} processes but {replicas}--ulysses {args.ulysses} x "
                 f"--ring {args.ring} = {world}; make --nproc-per-node (x nodes) equal their product"
             )
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
@@ -226,7 +228,7 @@ def context_parallel(
 
     Collective: every rank of ``mesh`` must call it."""
     q, k, v = (plan.shard(t, PAD_FILL).requires_grad_() for t in (batch.q, batch.k, batch.v))
-    with hcp_compile.context_parallel(mesh, kernel=kernel):
+    with hcp_compile.context_parallel(mesh, kernel=kernel, placement=plan.placement):
         out = hcp_compile.varlen_attention(
             q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
             causal=causal,

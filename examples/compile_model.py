@@ -71,7 +71,8 @@ def worker(me: Worker, args: argparse.Namespace) -> bool:
         dist.all_reduce(grad)
 
     report = hcp_compile.explain(
-        model, plan.shard(x.to(dtype)), plan.position_ids, cu_seqlens, max_seqlen, mesh=mesh
+        model, plan.shard(x.to(dtype)), plan.position_ids, cu_seqlens, max_seqlen, mesh=mesh,
+        plan=plan,
     )
     if me.rank != 0:
         return True

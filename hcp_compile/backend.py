@@ -3,11 +3,12 @@ CP (the pass in :mod:`hcp_compile.passes`), then compile with an inner compiler.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,17 @@ from torch import fx
 from .kernels import KERNEL_CHOICES
 from .kernels.cost import estimate_block_runtime_ms
 from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
+from .placements import DEFAULT_PLACEMENT, check_placement
 from .validation import InputError
 
 if TYPE_CHECKING:
     from .passes.hierarchical_cp import GraphDump, HierarchicalCPPass
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+# torch 2.11's overlap scheduler counts every compute node's FLOPs on real tensors made from
+# its shapes, which fails for the sizes the rewritten graph reads from the batch; later
+# versions estimate them (measured on 2.11 and 2.14, docs/design.md §5)
+_OVERLAP_SCHEDULING_TAKES_BATCH_SIZES = torch.__version__ >= "2.12"
 DUMP_ENV = "HCP_DUMP_DIR"
 
 
@@ -34,6 +40,8 @@ class BackendOptions:
         else the whole world), ring across nodes.
     inner: the compiler of the rewritten graph: ``"inductor"``, ``"aot_eager"`` or ``"eager"``.
     kernel: the attention kernel, as in ``context_parallel`` (a module's mark overrides it).
+    placement: the token layout rule, as given to ``shard_plan`` (``"balanced"`` or
+        ``"zigzag"``).
     dump_dir: write every compiled graph's files under ``dump_dir/rank<R>/graph_<N>/``
         (default: the ``HCP_DUMP_DIR`` environment variable; caches are bypassed while dumping,
         so every graph is traced and written).
@@ -44,10 +52,12 @@ class BackendOptions:
     mesh: MeshLike | None = None
     inner: str = "inductor"
     kernel: str = "auto"
+    placement: str = DEFAULT_PLACEMENT
     dump_dir: str | None = None
     agree_across_ranks: bool = True
 
     def __post_init__(self) -> None:
+        check_placement(self.placement)
         if self.inner not in INNER_COMPILERS:
             raise InputError(f"inner: expected one of {INNER_COMPILERS}, got {self.inner!r}")
         if self.kernel not in KERNEL_CHOICES:
@@ -65,12 +75,62 @@ def parse_options(options: dict[str, Any] | None) -> BackendOptions:
     return BackendOptions(**options)
 
 
+def _input_errors_reach_the_user(compile_fn: Callable) -> Callable:
+    """Make an :class:`InputError` raised while compiling reach the caller of the compiled
+    model as that very error, so ``except hcp_compile.InputError`` catches it.
+
+    Dynamo (``OutputGraph._call_user_compiler``, torch 2.11 to 2.14) wraps what a backend
+    raises in ``BackendCompilerFailed``, a RuntimeError raised ``from None``, except
+    ``ShortenTraceback`` and its subclasses, which pass every layer as they are; its outermost
+    frame then raises their ``remove_dynamo_frames()``. So the error leaves the backend in a
+    :class:`_Carrier`, which is both, and whose ``remove_dynamo_frames()`` is the original.
+    Called without Dynamo, the carrier is itself an instance of the original's class."""
+
+    @functools.wraps(compile_fn)
+    def compile_passing_input_errors(*args, **kwargs):
+        try:
+            return compile_fn(*args, **kwargs)
+        except InputError as error:
+            if isinstance(error, _Carrier):  # from a decorated call inside (hcp -> HcpBackend)
+                raise
+            raise _carrier_of(error) from error
+
+    return compile_passing_input_errors
+
+
+class _Carrier:
+    """Mixed into a copy of an InputError together with Dynamo's ``ShortenTraceback``."""
+
+    original: InputError
+    first_useful_frame = None  # read by ShortenTraceback
+
+    def remove_dynamo_frames(self) -> InputError:
+        return self.original
+
+
+def _carrier_of(error: InputError) -> InputError:
+    cls = _carrier_class(type(error))
+    carrier = cls.__new__(cls, *error.args)  # no __init__: a subclass may define its own
+    carrier.__dict__.update(error.__dict__)
+    carrier.original = error
+    return carrier.with_traceback(error.__traceback__)
+
+
+@functools.cache
+def _carrier_class(cls: type[InputError]) -> type[InputError]:
+    from torch._dynamo.exc import ShortenTraceback  # loaded by now: Dynamo is compiling
+
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    return type(cls.__name__, (cls, _Carrier, ShortenTraceback), names)
+
+
 class HcpBackend:
     """A torch.compile backend; ``hcp_compile.backend(**options)`` returns one."""
 
     def __init__(self, options: BackendOptions):
         self.options = options
 
+    @_input_errors_reach_the_user
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         # imported on first compile: the pass is an Inductor CustomGraphPass, and importing
         # torch._inductor would add about a second to every `import hcp_compile`
@@ -81,16 +141,36 @@ class HcpBackend:
         groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
         dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV))
         rewrite = HierarchicalCPPass(
-            RewriteConfig(groups, options.kernel, options.agree_across_ranks), dump
+            RewriteConfig(groups, options.kernel, options.agree_across_ranks, options.placement),
+            dump,
         )
-        if options.inner == "inductor":
-            return _inductor(gm, example_inputs, rewrite, groups, dump)
-        rewrite(gm.graph)
-        if options.inner == "eager":
-            if dump is not None:
-                dump.write("aot_forward.py", "# inner='eager': no AOT graphs\n")
-            return gm.forward
-        return _aot_eager(dump)(gm, example_inputs)
+        with _data_dependent_sizes(example_inputs):
+            if options.inner == "inductor":
+                return _inductor(gm, example_inputs, rewrite, groups, dump)
+            rewrite(gm.graph)
+            if options.inner == "eager":
+                if dump is not None:
+                    dump.write("aot_forward.py", "# inner='eager': no AOT graphs\n")
+                return gm.forward
+            return _aot_eager(dump)(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def _data_dependent_sizes(example_inputs: Sequence[Any]) -> Iterator[None]:
+    """The rewritten graph reads its layout sizes from the batch (docs/design.md §5): let
+    AOTAutograd trace those reads as data-dependent sizes, as Dynamo itself does with
+    ``capture_scalar_outputs``."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(example_inputs)
+    saved = mode.allow_scalar_outputs if mode is not None else None
+    if mode is not None:
+        mode.allow_scalar_outputs = True
+    try:
+        yield
+    finally:
+        if mode is not None:
+            mode.allow_scalar_outputs = saved
 
 
 def backend(**options) -> HcpBackend:
@@ -99,6 +179,7 @@ def backend(**options) -> HcpBackend:
     return HcpBackend(parse_options(options))
 
 
+@_input_errors_reach_the_user
 def hcp(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None):
     """Entry point of ``backend="hcp"`` (``torch_dynamo_backends``); Dynamo passes
     ``torch.compile(..., options=...)`` as ``options``."""
@@ -171,7 +252,9 @@ def _inductor(
 
     patches: dict[str, Any] = {"pre_grad_custom_pass": rewrite}
     overlap = getattr(inductor_config, "aten_distributed_optimizations", None)
-    if groups.device_type == "cuda" and hasattr(overlap, "enable_overlap_scheduling"):
+    if groups.device_type == "cuda" and hasattr(overlap, "enable_overlap_scheduling") and (
+        _OVERLAP_SCHEDULING_TAKES_BATCH_SIZES
+    ):
         patches["aten_distributed_optimizations.enable_overlap_scheduling"] = True
         if hasattr(overlap, "custom_runtime_estimation"):
             patches["aten_distributed_optimizations.custom_runtime_estimation"] = (

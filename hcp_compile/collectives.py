@@ -14,33 +14,40 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 
-def scatter_heads(tensors: list[Tensor], group: dist.ProcessGroup, size: int) -> Tensor:
-    """Ulysses exchange in one all-to-all: ``[T_local, H_i, D]`` with all heads ->
-    ``[size * T_local, sum(H_i) / size, D]``, this rank's head slice of every tensor (in
-    order) over the whole ring stream, one contiguous tensor."""
+def scatter_heads(
+    tensors: list[Tensor], group: dist.ProcessGroup, size: int, counts: tuple[int, ...]
+) -> Tensor:
+    """Ulysses exchange in one all-to-all: ``[T_i, H_i, D]`` with all heads, ``T_i`` this
+    rank's entry of ``counts`` (the token count of every rank of the group) ->
+    ``[sum(counts), sum(H_i) / size, D]``, this rank's head slice of every tensor (in order)
+    over the tokens of every rank of the group in rank order, one contiguous tensor."""
     if size == 1:
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
     tokens, dim = tensors[0].shape[0], tensors[0].shape[2]
     widths = [t.shape[1] // size for t in tensors]
+    width = sum(widths)
     # block j of dim 0 holds the heads that go to Ulysses rank j
     send = _pack([t.reshape(tokens, size, w, dim).transpose(0, 1) for t, w in zip(tensors, widths)])
-    received = _all_to_all(send.view(-1), None, group, size)
-    # the blocks from Ulysses ranks 0..size-1, concatenated, are the ring stream
-    return _wait(received).view(size * tokens, sum(widths), dim)
+    splits = ([c * width * dim for c in counts], [tokens * width * dim] * size)
+    received = _all_to_all(send.view(-1), splits, group)
+    # the blocks from Ulysses ranks 0..size-1, concatenated, are the exchange stream
+    return _wait(received).view(sum(counts), width, dim)
 
 
 def gather_heads(
-    x: Tensor, widths: list[int], group: dist.ProcessGroup, size: int
+    x: Tensor, widths: list[int], group: dist.ProcessGroup, size: int, counts: tuple[int, ...],
+    rank: int,
 ) -> list[Tensor]:
-    """Inverse of :func:`scatter_heads` for one tensor ``[size * T_local, sum(widths), D]``
-    that holds several tensors' head slices side by side: returns ``[T_local, size * w, D]``
+    """Inverse of :func:`scatter_heads` for one tensor ``[sum(counts), sum(widths), D]`` that
+    holds several tensors' head slices side by side: returns ``[counts[rank], size * w, D]``
     for each width. A contiguous ``x`` travels as it is, with no packing copy."""
     if size == 1:
         return list(x.split(widths, dim=1))
-    stream, dim = x.shape[0], x.shape[2]
-    tokens = stream // size
-    received = _all_to_all(x.contiguous().view(-1), None, group, size)
-    received = _wait(received).view(size, tokens, sum(widths), dim)
+    width, dim = x.shape[1], x.shape[2]
+    tokens = counts[rank]
+    splits = ([tokens * width * dim] * size, [c * width * dim for c in counts])
+    received = _all_to_all(x.contiguous().view(-1), splits, group)
+    received = _wait(received).view(size, tokens, width, dim)
     return [
         part.transpose(0, 1).reshape(tokens, size * w, dim)
         for part, w in zip(received.split(widths, dim=2), widths)
@@ -81,7 +88,7 @@ def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Ten
     splits[(rank + 1) % size] = flat.numel()
     received = [0] * size
     received[(rank - 1) % size] = flat.numel()
-    return _all_to_all(flat, (received, splits), group, size)
+    return _all_to_all(flat, (received, splits), group)
 
 
 def arrived(x: Tensor, shape: torch.Size) -> Tensor:
@@ -89,15 +96,9 @@ def arrived(x: Tensor, shape: torch.Size) -> Tensor:
     return _wait(x).view(shape)
 
 
-def _all_to_all(
-    flat: Tensor, splits: tuple[list[int], list[int]] | None, group: dist.ProcessGroup,
-    size: int,
-) -> Tensor:
-    """Issue an all-to-all of a 1-D tensor (``splits``: output and input split sizes, even
-    when None); the result must go through :func:`_wait` before it is read."""
-    if splits is None:
-        even = [flat.numel() // size] * size
-        splits = (even, even)
+def _all_to_all(flat: Tensor, splits: tuple[list[int], list[int]], group: dist.ProcessGroup) -> Tensor:
+    """Issue an all-to-all of a 1-D tensor (``splits``: output and input split sizes); the
+    result must go through :func:`_wait` before it is read."""
     return torch.ops._c10d_functional.all_to_all_single(flat, *splits, group.group_name)
 
 

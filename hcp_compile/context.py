@@ -12,7 +12,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import layout, validation
 from .hierarchical import HierarchicalAttention
 from .kernels import KERNEL_CHOICES, resolve_kernel
+from .layout import RankSizes
 from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
+from .placements import DEFAULT_PLACEMENT, PLACEMENTS, check_placement, placement_rule
+from .plan import check_plan_agrees
 from .schedule import RingSchedule, build_schedule
 from .validation import InputError
 
@@ -25,22 +28,27 @@ _ACTIVE: contextvars.ContextVar["ContextParallel | None"] = contextvars.ContextV
 class CPOptions:
     """Options of hierarchical CP attention.
 
+    placement: the token layout rule, as given to ``shard_plan`` (``"balanced"``: short
+        documents whole on one rank, or ``"zigzag"``: every document round the ring).
     kernel: ``"auto"`` (flash on CUDA in fp16/bf16, else the plain-PyTorch kernel),
         ``"flash"`` or ``"torch"``.
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
         outside it (costs one small device-to-host read per new ``cu_seqlens``).
     agree_across_ranks: before the first collective of every call, all ranks agree that
-        every rank's input is valid (one all-reduce of a flag and a host read; on a process
-        group with a CPU backend, e.g. ``init_process_group("cpu:gloo,cuda:nccl")``, it
-        does not wait for the GPU). Off: checks stay local, which is cheaper, but one rank's
-        bad input can leave the other ranks waiting in a collective.
+        every rank's input is valid and that all were given the same batch (one all-reduce
+        and a host read; on a process group with a CPU backend, e.g.
+        ``init_process_group("cpu:gloo,cuda:nccl")``, it does not wait for the GPU). Off:
+        checks stay local, which is cheaper, but one rank's bad input can leave the other
+        ranks waiting in a collective.
     """
 
+    placement: str = DEFAULT_PLACEMENT
     kernel: str = "auto"
     skip_outside_window: bool = True
     agree_across_ranks: bool = True
 
     def __post_init__(self) -> None:
+        check_placement(self.placement)
         if self.kernel not in KERNEL_CHOICES:
             raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
 
@@ -50,12 +58,13 @@ def active_context() -> "ContextParallel | None":
 
 
 @dataclass(frozen=True)
-class _DocFacts:
+class _BatchFacts:
     """What the checks and the schedule need from one ``cu_seqlens`` version."""
 
     version: int
     values: Tensor  # host copy, int64
-    stream_length: int  # T_r on this mesh
+    sizes: RankSizes  # this rank's sizes under the layout
+    fingerprint: int
 
 
 class ContextParallel:
@@ -66,50 +75,60 @@ class ContextParallel:
     def __init__(self, mesh: MeshLike, options: CPOptions):
         self.groups: CPGroups = resolve_groups(mesh)
         self.options = options
-        self._doc_facts = WeakIdKeyDictionary()  # cu_seqlens tensor -> _DocFacts
+        self._facts_of = WeakIdKeyDictionary()  # cu_seqlens tensor -> _BatchFacts
         self._schedules = WeakIdKeyDictionary()  # cu_seqlens tensor -> {signature: schedule}
-        self._token: contextvars.Token | None = None
+        self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> "ContextParallel":
-        self._token = _ACTIVE.set(self)
+        self._tokens.append(_ACTIVE.set(self))
         return self
 
     def __exit__(self, *exc) -> None:
-        _ACTIVE.reset(self._token)
+        _ACTIVE.reset(self._tokens.pop())
 
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
         max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float,
         window: tuple[int, int],
     ) -> Tensor:
-        error, kernel = None, None
+        error, kernel, facts = None, None, None
         try:
+            facts = self._facts(cu_seqlens_q)
             kernel = self._check_call(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, facts
             )
         except InputError as exc:
             error = exc
         if self.options.agree_across_ranks:
-            agree_on_error(self.groups, error)
+            agree_on_error(self.groups, error, facts.fingerprint if facts is not None else None)
         elif error is not None:
             raise error
-        sched = self._schedule(q, cu_seqlens_q, max_seqlen_q, causal, scale, window, kernel)
+        sched = self._schedule(q, cu_seqlens_q, facts, max_seqlen_q, causal, scale, window, kernel)
         return HierarchicalAttention.apply(q, k, v, sched, self.groups, False)
 
-    def _facts(self, cu_seqlens: Tensor) -> _DocFacts:
-        facts = self._doc_facts.get(cu_seqlens)
+    def _facts(self, cu_seqlens: Tensor) -> _BatchFacts:
+        facts = self._facts_of.get(cu_seqlens)
         if facts is None or facts.version != cu_seqlens._version:
             values = validation.check_cu_seqlens(cu_seqlens, "cu_seqlens_q")
-            stream_length = layout.stream_length_for(
-                values, self.groups.ring_size, self.groups.ulysses_size
+            groups = self.groups
+            batch = layout.batch_layout(
+                values, groups.ulysses_size, groups.ring_size, placement_rule(self.options.placement)
             )
-            facts = _DocFacts(cu_seqlens._version, values, stream_length)
-            self._doc_facts[cu_seqlens] = facts
+            sizes = layout.rank_sizes(
+                layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank).tolist(),
+                groups.ulysses_rank,
+            )
+            fingerprint = int(validation.batch_fingerprint(values, self._placement_index()))
+            facts = _BatchFacts(cu_seqlens._version, values, sizes, fingerprint)
+            self._facts_of[cu_seqlens] = facts
         return facts
 
+    def _placement_index(self) -> int:
+        return list(PLACEMENTS).index(self.options.placement)
+
     def _schedule(
-        self, q: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool, scale: float,
-        window: tuple[int, int], kernel: str,
+        self, q: Tensor, cu_seqlens: Tensor, facts: _BatchFacts, max_seqlen: int, causal: bool,
+        scale: float, window: tuple[int, int], kernel: str,
     ) -> RingSchedule:
         """The ring schedule, cached per ``cu_seqlens`` tensor version and call signature
         (building it runs no collective, so a cache miss on one rank only is harmless)."""
@@ -119,19 +138,20 @@ class ContextParallel:
             for stale in [old for old in per_tensor if old[0] != key[0]]:
                 del per_tensor[stale]  # the tensor was written in place since
             groups = self.groups
+            batch = layout.batch_layout(
+                facts.values.to(q.device), groups.ulysses_size, groups.ring_size,
+                placement_rule(self.options.placement),
+            )
             per_tensor[key] = build_schedule(
-                cu_seqlens.to(q.device), max_seqlen, groups.ring_rank, groups.ring_size,
-                groups.ulysses_size, self._facts(cu_seqlens).stream_length, causal=causal,
-                scale=scale, window=window, kernel=kernel,
-                skip_outside_window=self.options.skip_outside_window,
+                batch, facts.sizes, max_seqlen, groups.ring_rank, causal=causal, scale=scale,
+                window=window, kernel=kernel, skip_outside_window=self.options.skip_outside_window,
             )
         return per_tensor[key]
 
-    def _check_call(self, q, k, v, cu_q, cu_k, max_q, max_k, window) -> str:
+    def _check_call(self, q, k, v, cu_q, cu_k, max_q, max_k, window, facts: _BatchFacts) -> str:
         """All checks of one call (no collective); returns the kernel to run."""
         groups = self.groups
         validation.check_qkv(q, k, v)
-        facts = self._facts(cu_q)
         if cu_k is not cu_q and not torch.equal(
             facts.values, validation.check_cu_seqlens(cu_k, "cu_seqlens_k")
         ):
@@ -147,13 +167,15 @@ class ContextParallel:
         validation.check_max_seqlen(max_q, facts.values, "max_seqlen_q")
         ulysses = groups.ulysses_size
         validation.check_head_split(q.shape[1], k.shape[1], ulysses)
-        local = facts.stream_length // ulysses
+        check_plan_agrees(cu_q, ulysses, groups.ring_size, self.options.placement)
+        local = facts.sizes.tokens
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.shape[0] != local:
                 raise InputError(
                     f"{name}: has {t.shape[0]} tokens but this cu_seqlens sharded over ulysses="
-                    f"{ulysses} x ring={groups.ring_size} gives {local} per rank; pass the "
-                    "local shard from hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)"
+                    f"{ulysses} x ring={groups.ring_size} (placement "
+                    f"{self.options.placement!r}) gives {local} per rank; pass the local shard "
+                    "from hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)"
                 )
         kernel = resolve_kernel(self.options.kernel, q)
         validation.check_kernel_window(
@@ -164,7 +186,8 @@ class ContextParallel:
 
 def context_parallel(mesh: MeshLike, **options) -> ContextParallel:
     """Context manager: inside it, ``hcp_compile.varlen_attention`` takes this rank's shards
-    (laid out by ``shard_plan`` for the same mesh) and runs hierarchical CP attention.
+    (laid out by ``shard_plan`` for the same mesh and placement) and runs hierarchical CP
+    attention.
 
     ``mesh``: a ``("ring", "ulysses")`` DeviceMesh from ``make_mesh``, or a pair
     ``(ulysses_group, ring_group)``. ``options``: the fields of :class:`CPOptions`.

@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_map_only
 
 from .backend import default_mesh, parse_options
 from .mesh import CPGroups, resolve_groups
+from .plan import ShardPlan
 
 if TYPE_CHECKING:
     from .passes.hierarchical_cp import GraphRecord
@@ -24,24 +25,32 @@ class Explanation:
 
     graphs: list[GraphRecord]  # one per graph Dynamo captured
     tables: list[str]
+    batch: str | None = None  # the shard plan's summary of the batch, when one was given
 
     def __str__(self) -> str:
         parts = []
         for index, (graph, table) in enumerate(zip(self.graphs, self.tables)):
             parts.append(f"graph {index}: {len(graph.rewritten)} attention node(s) rewritten\n{table}")
-        return "\n\n".join(parts) if parts else "Dynamo captured no graph"
+        if not parts:
+            parts.append("Dynamo captured no graph")
+        if self.batch is not None:
+            parts.append(f"the batch on every rank:\n{self.batch}")
+        return "\n\n".join(parts)
 
 
-def explain(model: nn.Module, *args, **options) -> Explanation:
+def explain(model: nn.Module, *args, plan: ShardPlan | None = None, **options) -> Explanation:
     """Trace ``model(*args)`` as ``torch.compile(model, backend="hcp", options=options)``
     would, and report the rewrite. The model runs on fake tensors only: nothing is computed
-    and no collective is issued. ``args`` are this rank's inputs, as for the compiled model."""
+    and no collective is issued. ``args`` are this rank's inputs, as for the compiled model;
+    with the ``plan`` that sharded them, the report also holds ``plan.summary()`` (tokens,
+    pads, work, placements and bytes moved per rank; its heads and head size default to the
+    model's first attention node)."""
     from .passes.hierarchical_cp import HierarchicalCPPass  # see HcpBackend.__call__
     from .passes.rewrite import RewriteConfig
 
     parsed = parse_options(options)
     groups: CPGroups = resolve_groups(parsed.mesh if parsed.mesh is not None else default_mesh())
-    config = RewriteConfig(groups, parsed.kernel, parsed.agree_across_ranks)
+    config = RewriteConfig(groups, parsed.kernel, parsed.agree_across_ranks, parsed.placement)
     graphs, tables = [], []
 
     def record_rewrite(gm: fx.GraphModule, example_inputs):
@@ -57,4 +66,12 @@ def explain(model: nn.Module, *args, **options) -> Explanation:
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_args = tree_map_only(torch.Tensor, mode.from_tensor, args)
         torch.compile(model, backend=record_rewrite)(*fake_args)
-    return Explanation(graphs, tables)
+    batch = None
+    if plan is not None:
+        first = next((r for g in graphs for r in g.rewritten), None)
+        shape = {} if first is None else {
+            "heads_q": first.heads_q, "heads_kv": first.heads_kv, "head_dim": first.head_dim,
+            "dtype": first.dtype,
+        }
+        batch = plan.summary(**shape)
+    return Explanation(graphs, tables, batch)

@@ -1,6 +1,8 @@
-"""Hierarchical context-parallel attention: Ulysses all-to-all over heads, then a zigzag ring
-of KV exchanges, then the all-to-all back (DESIGN §3-4). Forward and backward are one
-autograd.Function, because autograd through an unrolled ring would drop the lse gradients."""
+"""Hierarchical context-parallel attention of one rank (docs/design.md §3-4): its LOCAL
+documents attend on the rank itself with all heads; the rest of its tokens go through the
+Ulysses all-to-all over heads, the zigzag ring of KV exchanges over the ring sections, and the
+all-to-all back. Forward and backward are one autograd.Function, because autograd through an
+unrolled ring would drop the lse gradients."""
 
 from __future__ import annotations
 
@@ -20,11 +22,22 @@ def kv_head_repeat(kv_heads: int, ulysses: int) -> int:
     return ulysses // kv_heads if kv_heads < ulysses else 1
 
 
-def _block_args(step: RingStep, sched: RingSchedule) -> tuple:
+def _window_args(sched: RingSchedule) -> tuple:
+    return sched.scale, sched.window_left, sched.window_right
+
+
+def _step_args(step: RingStep, sched: RingSchedule) -> tuple:
     return (
         step.cu_q, step.cu_k, sched.max_seqlen, sched.max_seqlen, step.kind is StepKind.DIAGONAL,
-        sched.scale, sched.window_left, sched.window_right, sched.q_positions, step.k_positions,
-        sched.kernel,
+        *_window_args(sched), sched.q_positions, step.k_positions, sched.kernel,
+    )
+
+
+def _local_args(sched: RingSchedule) -> tuple:
+    # whole documents: positions inside their segments are positions inside the documents
+    return (
+        sched.local_cu, sched.local_cu, sched.max_seqlen, sched.max_seqlen, sched.causal,
+        *_window_args(sched), None, None, sched.kernel,
     )
 
 
@@ -45,108 +58,144 @@ def merge_partials(
 
 
 def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -> tuple[Tensor, Tensor]:
-    """Merged ``(out, lse)`` of the local queries against every ring rank's KV. Pad rows
-    come out as (0, -inf): the step segmentation gives them no keys."""
+    """Merged ``(out, lse)`` of the exchange stream's queries: the own step against the whole
+    stream, each further step against another ring rank's ring section (the first
+    ``ring_width`` rows, all a transfer carries). Pad rows come out as (0, -inf)."""
     ring, rank = groups.ring_size, groups.ring_rank
     kv_heads = kv.shape[1] // 2
+    section = (sched.sizes.ring_width, *kv.shape[1:])
     out = lse = incoming = None
     for index, step in enumerate(sched.steps):
-        current = kv if index == 0 else arrived(incoming, kv.shape)
+        current = kv if index == 0 else arrived(incoming, section)
         # issue the next transfer before this step's compute, so the two can overlap
-        incoming = ring_shift(current, groups.ring_group, rank, ring) if index + 1 < ring else None
+        if index + 1 < ring:
+            ring_section = current.split([section[0], current.shape[0] - section[0]])[0]
+            incoming = ring_shift(ring_section, groups.ring_group, rank, ring)
         if step.active:
             k, v = current.split(kv_heads, dim=1)
-            block_out, block_lse = torch.ops.hcp.block_forward(q, k, v, *_block_args(step, sched))
+            block_out, block_lse = torch.ops.hcp.block_forward(q, k, v, *_step_args(step, sched))
             out, lse = merge_partials(out, lse, block_out, block_lse)
-    if out is None:
-        out = torch.zeros_like(q)
-        lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype))
     return out.to(q.dtype), lse
 
 
 def ring_backward(
     dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, sched: RingSchedule,
-    groups: CPGroups,
+    groups: CPGroups, carried: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """``(dq, dkv)``. KV travels R-1 hops as in the forward; a dKV accumulator travels with
-    it, R hops, and arrives back at its owner after the last step. Sums of several blocks
-    are kept in fp32 (float64 for float64 inputs); a block's own gradient and the finished
-    sum travel in the input dtype, which rounds nothing that the result would not."""
+    """``(dq, dkv)`` of the exchange stream. The ring sections' KV travels R-1 hops as in the
+    forward; a dKV accumulator of the ring section travels with it, R hops, and arrives back at
+    its owner after the last step; the GROUP documents' dKV stays home. Sums of several blocks
+    are kept in fp32 (float64 for float64 inputs); a block's own gradient and the finished sum
+    travel in the input dtype, which rounds nothing that the result would not."""
     ring, rank = groups.ring_size, groups.ring_rank
     kv_heads = kv.shape[1] // 2
     acc = accumulate_dtype(q.dtype)
-    dq = incoming = travelling = None
-    # The KV message carries one element of dout along. Without that dependency on the
-    # backward's input, a compiler merges these transfers with the forward's identical ones
-    # (or moves them into the forward) and keeps every rank's KV alive until the backward.
-    message = torch.cat([kv.reshape(-1), dout.reshape(-1)[:1]]) if ring > 1 else None
+    width = sched.sizes.ring_width
+    section = (width, *kv.shape[1:])
+    dq = incoming = travelling = home = None
+    # The KV message carries ``carried``, one value of the backward's incoming gradient, along.
+    # Without that dependency on the backward's input, a compiler merges these transfers with
+    # the forward's identical ones (or moves them into the forward) and keeps every rank's KV
+    # alive until the backward.
+    own_section = kv.split([width, kv.shape[0] - width])[0]
+    message = torch.cat([own_section.reshape(-1), carried.to(kv.dtype)]) if ring > 1 else None
     for index, step in enumerate(sched.steps):
         if index > 0:
             message = arrived(incoming, message.shape)
-        current = kv if index == 0 else message[: kv.numel()].view(kv.shape)
-        incoming = ring_shift(message, groups.ring_group, rank, ring) if index + 1 < ring else None
+        current = kv if index == 0 else message[: own_section.numel()].view(section)
+        if index + 1 < ring:
+            incoming = ring_shift(message, groups.ring_group, rank, ring)
         dkv = None
         if step.active:
             k, v = current.split(kv_heads, dim=1)
             dq_block, dk_block, dv_block = torch.ops.hcp.block_backward(
-                dout, q, k, v, out, lse, *_block_args(step, sched)
+                dout, q, k, v, out, lse, *_step_args(step, sched)
             )
             dq = dq_block if dq is None else dq.to(acc) + dq_block
             dkv = torch.cat([dk_block, dv_block], dim=1)
+        if index == 0:  # the own step covers the whole stream: its GROUP rows stay home
+            dkv, home = dkv.split([width, dkv.shape[0] - width])
         if travelling is not None:
-            received = arrived(travelling, kv.shape).to(acc)
+            received = arrived(travelling, section).to(acc)
             dkv = received if dkv is None else received + dkv
         if dkv is None:
-            dkv = torch.zeros_like(kv)
+            dkv = torch.zeros(section, dtype=kv.dtype, device=kv.device)
         if ring > 1:
             last_hop = index == ring - 1
             travelling = ring_shift(dkv.to(kv.dtype) if last_hop else dkv, groups.ring_group, rank, ring)
         else:
             travelling = dkv
-    if dq is None:
-        dq = torch.zeros_like(q)
-    dkv = arrived(travelling, kv.shape) if ring > 1 else travelling
-    return dq.to(q.dtype), dkv.to(kv.dtype)
+    ring_dkv = arrived(travelling, section) if ring > 1 else travelling
+    return dq.to(q.dtype), torch.cat([ring_dkv.to(kv.dtype), home.to(kv.dtype)])
+
+
+def _split_regions(x: Tensor, sched: RingSchedule) -> tuple[Tensor, Tensor]:
+    """A rank's ``[T, ...]`` tensor -> its local region and its exchange region."""
+    sizes = sched.sizes
+    local, exchange, _pads = x.split([sizes.local, sizes.own_exchange, sizes.pad])
+    return local, exchange
+
+
+def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int = 0) -> Tensor:
+    """Inverse of :func:`_split_regions` along ``dim``, the pad rows zero."""
+    shape = list(local.shape)
+    shape[dim] = sched.sizes.pad
+    return torch.cat([local, exchange, local.new_zeros(shape)], dim=dim)
 
 
 class HierarchicalAttention(torch.autograd.Function):
     """Local token shards in, local output shard out (and, with ``return_lse``, the local
-    ``[Hq, T_local]`` logsumexp, which is not differentiable); see the module docstring."""
+    ``[Hq, T]`` logsumexp, which is not differentiable); see the module docstring."""
 
     @staticmethod
     def forward(
         ctx, q: Tensor, k: Tensor, v: Tensor, sched: RingSchedule, groups: CPGroups,
         return_lse: bool,
     ):
+        (q_l, q_x), (k_l, k_x), (v_l, v_x) = (_split_regions(t, sched) for t in (q, k, v))
+        out_l, lse_l = torch.ops.hcp.block_forward(q_l, k_l, v_l, *_local_args(sched))
         repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
         if repeat > 1:
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        ulysses = (groups.ulysses_group, groups.ulysses_size)
-        q_s = scatter_heads([q], *ulysses)
+            k_x, v_x = k_x.repeat_interleave(repeat, dim=1), v_x.repeat_interleave(repeat, dim=1)
+        ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
+        q_s = scatter_heads([q_x], *ulysses)
         # k and v travel together, so the ring can send them as one contiguous buffer
-        kv_s = scatter_heads([k, v], *ulysses)
+        kv_s = scatter_heads([k_x, v_x], *ulysses)
         out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
-        ctx.save_for_backward(q_s, kv_s, out_s, lse_s)
+        ctx.save_for_backward(q_l, k_l, v_l, out_l, lse_l, q_s, kv_s, out_s, lse_s)
         ctx.sched, ctx.groups, ctx.repeat = sched, groups, repeat
-        (out,) = gather_heads(out_s, [out_s.shape[1]], *ulysses)
+        back = (*ulysses, groups.ulysses_rank)
+        (out_x,) = gather_heads(out_s, [out_s.shape[1]], *back)
+        out = _join_regions(out_l, out_x, sched)
         if not return_lse:
             return out
-        # [H_s, T_r] -> [T_r, H_s, 1]: the token-major layout gather_heads exchanges
-        (lse,) = gather_heads(lse_s.t().unsqueeze(-1), [lse_s.shape[0]], *ulysses)
-        lse = lse.squeeze(-1).t().contiguous()
+        # [H_s, stream] -> [stream, H_s, 1]: the token-major layout gather_heads exchanges
+        (lse_x,) = gather_heads(lse_s.t().unsqueeze(-1), [lse_s.shape[0]], *back)
+        lse_x = lse_x.squeeze(-1).t()
+        pads = lse_l.new_full((lse_l.shape[0], sched.sizes.pad), float("-inf"))
+        lse = torch.cat([lse_l, lse_x, pads], dim=1)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, *_grad_lse):
-        q_s, kv_s, out_s, lse_s = ctx.saved_tensors
-        groups = ctx.groups
-        ulysses = (groups.ulysses_group, groups.ulysses_size)
-        dout_s = scatter_heads([dout.contiguous()], *ulysses)
-        dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, ctx.sched, groups)
-        (dq,) = gather_heads(dq_s, [dq_s.shape[1]], *ulysses)
-        dk, dv = gather_heads(dkv_s, [dkv_s.shape[1] // 2] * 2, *ulysses)
+        q_l, k_l, v_l, out_l, lse_l, q_s, kv_s, out_s, lse_s = ctx.saved_tensors
+        sched, groups = ctx.sched, ctx.groups
+        dout_l, dout_x = _split_regions(dout.contiguous(), sched)
+        dq_l, dk_l, dv_l = torch.ops.hcp.block_backward(
+            dout_l, q_l, k_l, v_l, out_l, lse_l, *_local_args(sched)
+        )
+        ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
+        back = (*ulysses, groups.ulysses_rank)
+        dout_s = scatter_heads([dout_x], *ulysses)
+        # one value of the rank's whole incoming gradient (whose size is the batch's token
+        # count, never data-dependent) for the ring messages to carry
+        carried = dout.reshape(-1)[:1]
+        dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried)
+        (dq_x,) = gather_heads(dq_s, [dq_s.shape[1]], *back)
+        dk_x, dv_x = gather_heads(dkv_s, [dkv_s.shape[1] // 2] * 2, *back)
         if ctx.repeat > 1:
-            dk = dk.unflatten(1, (-1, ctx.repeat)).sum(2)
-            dv = dv.unflatten(1, (-1, ctx.repeat)).sum(2)
-        return dq, dk, dv, None, None, None
+            dk_x = dk_x.unflatten(1, (-1, ctx.repeat)).sum(2)
+            dv_x = dv_x.unflatten(1, (-1, ctx.repeat)).sum(2)
+        grads = (_join_regions(l, x, sched) for l, x in ((dq_l, dq_x), (dk_l, dk_x), (dv_l, dv_x)))
+        return (*grads, None, None, None)

@@ -1,152 +1,281 @@
-"""Token layout of hierarchical context parallelism: pure tensor math, no collectives.
+"""Token layout of hierarchical context parallelism: pure tensor math, no collectives
+(docs/design.md §2).
 
-The rule (DESIGN §2), for ``R`` ring ranks and ``A`` Ulysses ranks:
+A placement rule (:mod:`hcp_compile.placements`) gives every document one of three
+placements; everything else follows from that here:
 
-1. Document ``i`` of real length ``L_i`` is padded at its end to ``P_i = roundup(L_i, 2R)``
-   and cut into ``2R`` chunks of ``c_i = P_i / 2R`` tokens.
-2. Ring rank ``r`` takes chunks ``r`` and ``2R-1-r`` of every document, document by document
-   (the zigzag pairing that balances causal work). After the documents comes a pad-only tail
-   (its own segment) so that the ring stream length ``T_r`` is divisible by ``A``.
-3. Ulysses rank ``a`` of ring rank ``r`` holds the contiguous slice ``a`` of that stream.
+- ``LOCAL``: the whole document on one rank, all heads: no exchange, no ring transfer;
+- ``GROUP``: the whole document inside one ring rank, spread over its Ulysses group by the
+  all-to-all over heads, no ring step;
+- ``RING``: padded to ``2R`` chunks of ``c_i = ceil(L_i / 2R)``; ring rank ``r`` holds chunks
+  ``r`` and ``2R-1-r`` (the zigzag pairing that balances causal work).
 
-Every function here is vectorized over documents and traceable: shapes depend only on the
-number of documents and on the stream length, never on the values of ``cu_seqlens``.
+Rank ``(r, a)`` holds ``T`` tokens, equal on every rank: ``[local | exchange | pads]``. Its
+local region holds its LOCAL documents, whole, in document order. The exchange regions of
+the Ulysses ranks of ring rank ``r``, concatenated in Ulysses order, form the *exchange stream*
+of ``r``: first its *ring section* (chunks ``r`` and ``2R-1-r`` of every RING document, in
+document order: ``W`` tokens, the same on every ring rank), then its GROUP documents, whole, in
+document order. So after the all-to-all every Ulysses rank holds the exchange stream in order
+(each document contiguous) for its heads, and ring transfers carry only the ring section.
+
+Every function is vectorized over documents and traceable: shapes depend on the number of
+documents and on sizes computed here, never on Python branches over values.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, fields
+from enum import Enum, IntEnum
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 
+class Kind(IntEnum):
+    """The placement of one document."""
+
+    LOCAL = 0
+    GROUP = 1
+    RING = 2
+
+
 @dataclass(frozen=True)
-class DocChunks:
-    """Per-document real lengths and chunk sizes, with the pad-only tail as a last pseudo-doc."""
+class Assignment:
+    """What a placement rule decides per document (``[n]`` int64 tensors)."""
 
-    starts: Tensor  # [n+1] int64: global offset of each document (the tail starts at the end)
-    lengths: Tensor  # [n+1] int64: real tokens per document (0 for the tail)
-    chunk: Tensor  # [n+1] int64: c_i = ceil(L_i / 2R) (0 for the tail)
-    widths: Tensor  # [n+1] int64: tokens each ring rank holds of the document (2 c_i, or the tail)
-
-
-def chunk_sizes(lengths: Tensor, ring: int) -> Tensor:
-    """``c_i = ceil(L_i / 2R)``: the zigzag chunk size of each document."""
-    return (lengths + 2 * ring - 1) // (2 * ring)
+    kind: Tensor  # Kind
+    ring_rank: Tensor  # ring rank holding a LOCAL or GROUP document (unused for RING)
+    ulysses_rank: Tensor  # Ulysses rank holding a LOCAL document (unused otherwise)
 
 
-def ring_stream_length(chunk_total: int | Tensor, ring: int, ulysses: int) -> int | Tensor:
-    """``T_r``: tokens of one ring rank's stream, the documents' ``2 * sum(c_i)`` plus the
-    smallest even tail that makes it divisible by ``ulysses`` (an int, or a tensor for a
-    tensor ``chunk_total``)."""
-    period = ulysses // math.gcd(ulysses, 2)
-    tail_half = (-chunk_total) % period
-    return 2 * (chunk_total + tail_half)
+PlacementRule = Callable[[Tensor, int, int], Assignment]  # (lengths, ulysses, ring)
 
 
-def stream_length_for(cu_seqlens: Tensor, ring: int, ulysses: int) -> int:
-    """``T_r`` of the batch ``cu_seqlens`` (host values) on a ``ulysses x ring`` mesh."""
-    chunk_total = int(chunk_sizes(cu_seqlens[1:] - cu_seqlens[:-1], ring).sum())
-    return ring_stream_length(chunk_total, ring, ulysses)
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where every token of one batch goes on a ``ulysses x ring`` mesh; the same on every rank.
+
+    The schedule, the eager and compiled attention, the shard plan and the report all read
+    the layout from here."""
+
+    ulysses: int
+    ring: int
+    starts: Tensor  # [n] int64: global offset of each document
+    lengths: Tensor  # [n] int64
+    kind: Tensor  # [n] int64 Kind
+    ring_rank: Tensor  # [n]
+    ulysses_rank: Tensor  # [n]
+    chunk: Tensor  # [n] c_i for RING documents, 0 otherwise
+    local_extent: Tensor  # [R, A]: tokens of each rank's local region
+    exchange_extent: Tensor  # [R, A]: tokens of each rank's exchange region
+    local_tokens: Tensor  # 0-d: T, every rank's token count
+
+    @property
+    def ring_width(self) -> Tensor:
+        """``W``: tokens of the ring section of every ring rank's exchange stream."""
+        return 2 * self.chunk.sum()
+
+    def to(self, device: torch.device) -> "BatchLayout":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return BatchLayout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
+
+    def is_local_on(self, ring_rank: int, ulysses_rank: int) -> Tensor:
+        return (
+            (self.kind == Kind.LOCAL) & (self.ring_rank == ring_rank)
+            & (self.ulysses_rank == ulysses_rank)
+        )
 
 
-def doc_chunks(cu_seqlens: Tensor, ring: int, stream_length: int | torch.SymInt) -> DocChunks:
-    """Chunk table of ``cu_seqlens`` for a ring stream of ``stream_length`` tokens."""
+def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRule) -> BatchLayout:
+    """The layout of the batch ``cu_seqlens`` (global, real boundaries) under ``rule``."""
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
-    chunk = chunk_sizes(lengths, ring)
-    tail = (stream_length - 2 * chunk.sum()).reshape(1)
-    zero = torch.zeros_like(tail)
-    return DocChunks(
-        starts=cu,
-        lengths=torch.cat([lengths, zero]),
-        chunk=torch.cat([chunk, zero]),
-        widths=torch.cat([2 * chunk, tail]),
+    assignment = rule(lengths, ulysses, ring)
+    kind = assignment.kind
+    is_ring, is_local, is_group = kind == Kind.RING, kind == Kind.LOCAL, kind == Kind.GROUP
+    chunk = torch.where(is_ring, (lengths + 2 * ring - 1) // (2 * ring), 0)
+    slot = torch.where(is_local, assignment.ring_rank * ulysses + assignment.ulysses_rank, 0)
+    local_extent = lengths.new_zeros(ring * ulysses).scatter_add(
+        0, slot, torch.where(is_local, lengths, 0)
+    ).view(ring, ulysses)
+    group_extent = lengths.new_zeros(ring).scatter_add(
+        0, torch.where(is_group, assignment.ring_rank, 0), torch.where(is_group, lengths, 0)
+    )
+    stream_extent = 2 * chunk.sum() + group_extent  # [R]
+    per_ring_rank = stream_extent + local_extent.sum(1)
+    tokens = torch.maximum((per_ring_rank.max() + ulysses - 1) // ulysses, local_extent.max())
+    # the exchange stream fills what the local regions leave free, Ulysses rank by rank
+    capacity = tokens - local_extent
+    before = torch.cumsum(capacity, 1) - capacity
+    exchange_extent = (stream_extent[:, None] - before).clamp(min=0).minimum(capacity)
+    return BatchLayout(
+        ulysses, ring, cu[:-1], lengths, kind, assignment.ring_rank, assignment.ulysses_rank,
+        chunk, local_extent, exchange_extent, tokens,
+    )
+
+
+@dataclass(frozen=True)
+class RankSizes:
+    """The sizes one rank's attention works with: host ints in eager mode, symbolic ints read
+    once per batch in a compiled graph."""
+
+    tokens: int  # T
+    local: int  # its local region
+    exchange: tuple[int, ...]  # the exchange region of every Ulysses rank of its ring rank
+    ring_width: int  # W
+    ulysses_rank: int
+
+    @property
+    def own_exchange(self) -> int:
+        return self.exchange[self.ulysses_rank]
+
+    @property
+    def pad(self) -> int:
+        return self.tokens - self.local - self.own_exchange
+
+    @property
+    def stream(self) -> int:
+        """Tokens of the exchange stream (all of the ring rank's exchange regions)."""
+        return sum(self.exchange)
+
+
+def rank_size_values(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> Tensor:
+    """``[T, local, W, exchange_0..exchange_{A-1}]`` of rank ``(ring_rank, ulysses_rank)``."""
+    return torch.cat([
+        torch.stack([
+            layout.local_tokens, layout.local_extent[ring_rank, ulysses_rank], layout.ring_width,
+        ]),
+        layout.exchange_extent[ring_rank],
+    ])
+
+
+def rank_sizes(values: list, ulysses_rank: int) -> RankSizes:
+    """:class:`RankSizes` from the values of :func:`rank_size_values` (read to the host)."""
+    tokens, local, ring_width, *exchange = values
+    return RankSizes(tokens, local, tuple(exchange), ring_width, ulysses_rank)
+
+
+def local_segments(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> Tensor:
+    """int32 ``cu_seqlens`` of a rank's local region: one segment per document of the batch,
+    empty unless the document is LOCAL on that rank."""
+    widths = torch.where(layout.is_local_on(ring_rank, ulysses_rank), layout.lengths, 0)
+    return torch.nn.functional.pad(torch.cumsum(widths, 0), (1, 0)).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# the exchange stream of a ring rank
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StreamTable:
+    """The exchange stream of one ring rank as ``2n`` entries: the RING part of every document,
+    then every GROUP document of that ring rank, each of zero width where it has no part."""
+
+    starts: Tensor  # [2n] global offset of the entry's document
+    lengths: Tensor  # [2n] real length of the entry's document
+    chunk: Tensor  # [2n] c_i of ring entries, 0 for group entries
+    widths: Tensor  # [2n] tokens of the entry in the stream
+    is_ring: Tensor  # [2n] bool: the first n entries
+
+
+def stream_table(layout: BatchLayout, ring_rank: int, with_group: bool = True) -> StreamTable:
+    """The exchange stream of ``ring_rank``; ``with_group=False`` gives its ring section only
+    (what a ring transfer carries)."""
+    n = layout.lengths.numel()
+    group = (layout.kind == Kind.GROUP) & (layout.ring_rank == ring_rank) & with_group
+    is_ring = torch.arange(2 * n, device=layout.lengths.device) < n
+    return StreamTable(
+        starts=layout.starts.repeat(2),
+        lengths=layout.lengths.repeat(2),
+        chunk=torch.cat([layout.chunk, torch.zeros_like(layout.chunk)]),
+        widths=torch.cat([2 * layout.chunk, torch.where(group, layout.lengths, 0)]),
+        is_ring=is_ring,
     )
 
 
 @dataclass(frozen=True)
 class StreamTokens:
-    """Where each token of one ring rank's stream comes from."""
+    """Where each token of a rank's local tensor or of an exchange stream comes from."""
 
-    doc: Tensor  # [T_r] int64: document index (n for the tail)
-    position: Tensor  # [T_r] int64: position inside the padded document
-    valid: Tensor  # [T_r] bool: a real token (not padding)
-    global_index: Tensor  # [T_r] int64: index into the global packed tokens, -1 for padding
+    doc: Tensor  # [tokens] int64: document index (-1 for pads)
+    position: Tensor  # [tokens] int64: position inside the document (0 for pads)
+    valid: Tensor  # [tokens] bool: a real token (not padding)
+    global_index: Tensor  # [tokens] int64: index into the global packed tokens, -1 for pads
 
 
 def stream_tokens(
-    chunks: DocChunks, ring_rank: int, ring: int, stream_length: int | torch.SymInt
+    table: StreamTable, ring_rank: int, ring: int, length: int | torch.SymInt
 ) -> StreamTokens:
-    """The tokens of ring rank ``ring_rank``'s stream, in stream order."""
-    n_segments = chunks.widths.numel()
-    device = chunks.widths.device
+    """The ``length`` tokens of ``ring_rank``'s exchange stream ``table``, in stream order."""
+    device = table.widths.device
+    entry = torch.repeat_interleave(
+        torch.arange(table.widths.numel(), device=device), table.widths, output_size=length
+    )
+    entry_start = torch.cumsum(table.widths, 0) - table.widths
+    offset = torch.arange(length, device=device) - entry_start.index_select(0, entry)
+    c = table.chunk.index_select(0, entry)
+    zigzag = torch.where(
+        offset < c, ring_rank * c + offset, (2 * ring - 1 - ring_rank) * c + offset - c
+    )
+    position = torch.where(table.is_ring.index_select(0, entry), zigzag, offset)
+    valid = position < table.lengths.index_select(0, entry)
+    n = table.widths.numel() // 2
+    return StreamTokens(
+        doc=torch.where(valid, entry % n, -1),
+        position=torch.where(valid, position, 0),
+        valid=valid,
+        global_index=torch.where(valid, table.starts.index_select(0, entry) + position, -1),
+    )
+
+
+def local_tokens(layout: BatchLayout, ring_rank: int, ulysses_rank: int, length: int) -> StreamTokens:
+    """The ``length`` tokens of a rank's local region, in order."""
+    mine = layout.is_local_on(ring_rank, ulysses_rank)
+    widths = torch.where(mine, layout.lengths, 0)
     doc = torch.repeat_interleave(
-        torch.arange(n_segments, device=device), chunks.widths, output_size=stream_length
+        torch.arange(widths.numel(), device=widths.device), widths, output_size=length
     )
-    seg_start = torch.cumsum(chunks.widths, 0) - chunks.widths
-    offset = torch.arange(stream_length, device=device) - seg_start.index_select(0, doc)
-    c = chunks.chunk.index_select(0, doc)
-    first_half = offset < c
-    position = torch.where(
-        first_half, ring_rank * c + offset, (2 * ring - 1 - ring_rank) * c + offset - c
+    position = torch.arange(length, device=widths.device) - (torch.cumsum(widths, 0) - widths)[doc]
+    return StreamTokens(doc, position, torch.ones_like(doc, dtype=torch.bool),
+                        layout.starts[doc] + position)
+
+
+def rank_tokens(layout: BatchLayout, sizes: RankSizes, ring_rank: int) -> StreamTokens:
+    """Where each of the ``T`` tokens rank ``(ring_rank, sizes.ulysses_rank)`` holds comes from:
+    its local region, its slice of the exchange stream, then pads."""
+    local = local_tokens(layout, ring_rank, sizes.ulysses_rank, sizes.local)
+    stream = stream_tokens(stream_table(layout, ring_rank), ring_rank, layout.ring, sizes.stream)
+    first = sum(sizes.exchange[: sizes.ulysses_rank])
+    mine = slice(first, first + sizes.own_exchange)
+    pads = torch.full((sizes.pad,), -1, dtype=torch.int64, device=local.doc.device)
+    return StreamTokens(
+        doc=torch.cat([local.doc, stream.doc[mine], pads]),
+        position=torch.cat([local.position, stream.position[mine], torch.zeros_like(pads)]),
+        valid=torch.cat([local.valid, stream.valid[mine], pads >= 0]),
+        global_index=torch.cat([local.global_index, stream.global_index[mine], pads]),
     )
-    valid = position < chunks.lengths.index_select(0, doc)
-    global_index = torch.where(valid, chunks.starts.index_select(0, doc) + position, -1)
-    return StreamTokens(doc=doc, position=position, valid=valid, global_index=global_index)
 
 
-@dataclass(frozen=True)
-class RankLayout:
-    """One rank's share of a batch, and how to reassemble the batch from all shares."""
+# --------------------------------------------------------------------------------------------
+# ring steps
+# --------------------------------------------------------------------------------------------
 
-    stream_length: int  # T_r
-    local_tokens: int  # T_r / A, on every rank
-    tokens: StreamTokens  # this rank's local tokens
-    unshard_index: Tensor  # [num_tokens]: row of each global token in the gathered shards
-
-
-def rank_layout(
-    cu_seqlens: Tensor, ring: int, ulysses: int, ring_rank: int, ulysses_rank: int
-) -> RankLayout:
-    """The layout of rank ``(ring_rank, ulysses_rank)``; shards are gathered ring rank major,
-    Ulysses rank minor, which concatenates every ring stream in order."""
-    stream_length = stream_length_for(cu_seqlens, ring, ulysses)
-    local_tokens = stream_length // ulysses
-    chunks = doc_chunks(cu_seqlens, ring, stream_length)
-    streams = [stream_tokens(chunks, r, ring, stream_length) for r in range(ring)]
-    gathered = torch.cat([s.global_index for s in streams])
-    # pads (-1) scatter into one extra slot that is cut off afterwards
-    slot = torch.where(gathered >= 0, gathered, cu_seqlens[-1])
-    unshard_index = torch.empty(int(cu_seqlens[-1]) + 1, dtype=torch.int64, device=slot.device)
-    unshard_index.scatter_(0, slot, torch.arange(gathered.numel(), device=slot.device))
-    unshard_index = unshard_index[:-1]
-    mine = slice(ulysses_rank * local_tokens, (ulysses_rank + 1) * local_tokens)
-    stream = streams[ring_rank]
-    local = StreamTokens(
-        doc=stream.doc[mine], position=stream.position[mine], valid=stream.valid[mine],
-        global_index=stream.global_index[mine],
-    )
-    return RankLayout(stream_length, local_tokens, local, unshard_index)
+def chunk_real(table: StreamTable, chunk_index: int) -> Tensor:
+    """Real tokens of each entry in its zigzag chunk ``chunk_index`` (padding sits at the end)."""
+    return (table.lengths - chunk_index * table.chunk).clamp(min=0).minimum(table.chunk)
 
 
-def chunk_real(chunks: DocChunks, chunk_index: int) -> Tensor:
-    """Real tokens of each document in its chunk ``chunk_index`` (padding sits at the end)."""
-    return (chunks.lengths - chunk_index * chunks.chunk).clamp(min=0).minimum(chunks.chunk)
-
-
-def real_tokens_held(chunks: DocChunks, ring_rank: int, ring: int) -> Tensor:
-    """Real tokens of each document in ring rank ``ring_rank``'s stream (a prefix of its part)."""
-    return chunk_real(chunks, ring_rank) + chunk_real(chunks, 2 * ring - 1 - ring_rank)
+def real_tokens_held(table: StreamTable, ring_rank: int, ring: int) -> Tensor:
+    """Real tokens of each entry in ``ring_rank``'s stream (a prefix of the entry)."""
+    ring_part = chunk_real(table, ring_rank) + chunk_real(table, 2 * ring - 1 - ring_rank)
+    return torch.where(table.is_ring, ring_part, table.widths)
 
 
 class StepKind(Enum):
-    """Which block of the causal zigzag schedule one ring step computes (DESIGN §3)."""
+    """Which block of the causal zigzag schedule one ring step computes (docs/design.md §3)."""
 
-    DIAGONAL = "diagonal"  # local Q x local KV, causal inside each document
+    DIAGONAL = "diagonal"  # own Q x own KV, causal inside each document
     LOWER = "lower"  # all Q x the first chunk of each KV document (src < r)
     UPPER = "upper"  # the second chunk of each Q document x all KV (src > r)
     FULL = "full"  # non-causal: all Q x all KV
@@ -161,29 +290,38 @@ def step_kind(ring_rank: int, source: int, causal: bool) -> StepKind:
 
 
 def step_segments(
-    chunks: DocChunks, ring_rank: int, source: int, ring: int, kind: StepKind
+    q_table: StreamTable, k_table: StreamTable, ring_rank: int, source: int, ring: int,
+    kind: StepKind,
 ) -> tuple[Tensor, Tensor]:
-    """``(cu_seqlens_q, cu_seqlens_k)`` (int32) of one ring step over the two local streams.
+    """``(cu_seqlens_q, cu_seqlens_k)`` (int32) of one ring step: the queries of
+    ``ring_rank``'s exchange stream against the keys of ``source``'s (its ring section only,
+    unless ``source`` is this rank).
 
-    Every document becomes four aligned segments on both sides: ``a`` (queries that take no
+    Every entry becomes four aligned segments on both sides: ``a`` (queries that take no
     part in this step, matched with no keys), ``b`` (real queries x the real keys the step
     should see), ``c`` (pad queries x no keys) and ``d`` (no queries x pad keys). Any varlen
     kernel then computes exactly the step's block without gathering rows, and its contract
     (rows with no visible key give 0 and lse = -inf) leaves pad rows at zero with no masking.
+    GROUP documents take part only in the rank's own step.
     """
-    widths = chunks.widths
-    zero = torch.zeros_like(widths)
-    q_skip = chunks.chunk if kind is StepKind.UPPER else zero
+    own = source == ring_rank
+    widths_q, widths_k = q_table.widths, k_table.widths
+    zero = torch.zeros_like(widths_q)
+    ring_q_skip = q_table.chunk if kind is StepKind.UPPER else zero
     if kind is StepKind.UPPER:  # only the second chunk of each query document takes part
-        q_real = chunk_real(chunks, 2 * ring - 1 - ring_rank)
+        ring_q_real = chunk_real(q_table, 2 * ring - 1 - ring_rank)
     else:
-        q_real = real_tokens_held(chunks, ring_rank, ring)
+        ring_q_real = real_tokens_held(q_table, ring_rank, ring)
     if kind is StepKind.LOWER:  # only the first chunk of each key document takes part
-        k_real = chunk_real(chunks, source)
+        ring_k_real = chunk_real(k_table, source)
     else:
-        k_real = real_tokens_held(chunks, source, ring)
-    q_parts = (q_skip, q_real, widths - q_skip - q_real, zero)
-    k_parts = (zero, k_real, zero, widths - k_real)
+        ring_k_real = real_tokens_held(k_table, source, ring)
+    group_q_real = widths_q if own else zero
+    q_skip = torch.where(q_table.is_ring, ring_q_skip, widths_q - group_q_real)
+    q_real = torch.where(q_table.is_ring, ring_q_real, group_q_real)
+    k_real = torch.where(k_table.is_ring, ring_k_real, widths_k if own else zero)
+    q_parts = (q_skip, q_real, widths_q - q_skip - q_real, zero)
+    k_parts = (zero, k_real, zero, widths_k - k_real)
     return _cumulative(q_parts), _cumulative(k_parts)
 
 
@@ -192,36 +330,35 @@ def _cumulative(parts: tuple[Tensor, ...]) -> Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
 
 
-def step_max_seqlen(max_seqlen: int | torch.SymInt, ring: int, ulysses: int) -> int | torch.SymInt:
-    """Upper bound of any segment length in a ring step (documents' ``2 c_i`` or the tail);
-    ``torch.sym_max`` keeps a symbolic ``max_seqlen`` free of guards."""
-    return torch.sym_max(2 * (-(-max_seqlen // (2 * ring))), max(2 * ulysses, 1))
+def step_max_seqlen(max_seqlen: int | torch.SymInt, ring: int) -> int | torch.SymInt:
+    """Upper bound of any segment length of a step or of a local region (a RING document's
+    ``2 c_i``, a whole document); ``torch.sym_max`` keeps a symbolic ``max_seqlen`` free of
+    guards."""
+    return torch.sym_max(torch.sym_max(2 * (-(-max_seqlen // (2 * ring))), max_seqlen), 1)
 
 
 def step_sees_any_key(
-    chunks: DocChunks, ring_rank: int, source: int, ring: int, kind: StepKind,
-    window_left: int, window_right: int,
+    q_table: StreamTable, k_table: StreamTable, ring_rank: int, source: int, ring: int,
+    kind: StepKind, window_left: int, window_right: int,
 ) -> Tensor:
-    """Whether any real query of ring rank ``ring_rank`` sees any real key of ``source`` in
-    this step under the sliding window (a 0-d bool tensor). Used to skip steps wholly outside
-    the window."""
+    """Whether any real query of ``ring_rank``'s ring section sees any real key of
+    ``source``'s in this step under the sliding window (a 0-d bool tensor). Used to skip the
+    ring steps (never the rank's own step) wholly outside the window."""
     inf = torch.iinfo(torch.int64).max // 4
     left = window_left if window_left >= 0 else inf
     right = 0 if kind is not StepKind.FULL else (window_right if window_right >= 0 else inf)
 
-    def intervals(chunk_indices: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
-        # real positions [start, stop) of each chunk, per document
-        return [
-            (i * chunks.chunk, i * chunks.chunk + chunk_real(chunks, i)) for i in chunk_indices
-        ]
+    def intervals(table: StreamTable, chunk_indices: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
+        # real positions [start, stop) of each chunk, per ring entry (empty for group entries)
+        return [(i * table.chunk, i * table.chunk + chunk_real(table, i)) for i in chunk_indices]
 
     both = (ring_rank, 2 * ring - 1 - ring_rank)
     q_chunks = (2 * ring - 1 - ring_rank,) if kind is StepKind.UPPER else both
     k_both = (source, 2 * ring - 1 - source)
     k_chunks = (source,) if kind is StepKind.LOWER else k_both
-    seen = torch.zeros((), dtype=torch.bool, device=chunks.lengths.device)
-    for q_start, q_stop in intervals(q_chunks):
-        for k_start, k_stop in intervals(k_chunks):
+    seen = torch.zeros((), dtype=torch.bool, device=q_table.lengths.device)
+    for q_start, q_stop in intervals(q_table, q_chunks):
+        for k_start, k_stop in intervals(k_table, k_chunks):
             nonempty = (q_stop > q_start) & (k_stop > k_start)
             # q - k over the pair of intervals spans [q_start - (k_stop - 1), (q_stop - 1) - k_start]
             low = q_start - (k_stop - 1)
@@ -229,3 +366,32 @@ def step_sees_any_key(
             overlaps = (high >= -right) & (low <= left)
             seen = seen | (nonempty & overlaps).any()
     return seen
+
+
+def attention_work(layout: BatchLayout, causal: bool = True) -> Tensor:
+    """``[R, A]`` query-key pairs each rank computes (int64): its LOCAL documents whole, plus
+    a ``1/A`` share (by heads) of its ring rank's exchange stream, whose RING documents
+    count the pairs of the queries the ring rank holds."""
+    lengths, ring, ulysses = layout.lengths, layout.ring, layout.ulysses
+
+    def pairs_before(stop: Tensor) -> Tensor:  # queries at positions [0, stop): sum of (p + 1)
+        return stop * (stop + 1) // 2 if causal else stop * lengths
+
+    def held_pairs(chunk_index: int) -> Tensor:
+        low = (chunk_index * layout.chunk).minimum(lengths)
+        high = ((chunk_index + 1) * layout.chunk).minimum(lengths)
+        return pairs_before(high) - pairs_before(low)
+
+    whole = pairs_before(lengths)
+    is_local, is_group = layout.kind == Kind.LOCAL, layout.kind == Kind.GROUP
+    slot = torch.where(is_local, layout.ring_rank * ulysses + layout.ulysses_rank, 0)
+    local = lengths.new_zeros(ring * ulysses).scatter_add(0, slot, torch.where(is_local, whole, 0))
+    stream = lengths.new_zeros(ring).scatter_add(
+        0, torch.where(is_group, layout.ring_rank, 0), torch.where(is_group, whole, 0)
+    )
+    is_ring = layout.kind == Kind.RING
+    ring_pairs = torch.stack([
+        torch.where(is_ring, held_pairs(r) + held_pairs(2 * ring - 1 - r), 0).sum()
+        for r in range(ring)
+    ])
+    return local.view(ring, ulysses) + ((stream + ring_pairs) / ulysses)[:, None]

@@ -1,5 +1,6 @@
-"""The ring schedule of one rank: per step, the source rank and the varlen segmentation of
-the block it computes (pure tensor math on top of :mod:`hcp_compile.layout`)."""
+"""The attention schedule of one rank for one batch: the segmentation of its local region and
+of every ring step over the exchange stream (pure tensor math on top of
+:mod:`hcp_compile.layout`)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,27 @@ import torch
 from torch import Tensor
 
 from . import layout
-from .layout import StepKind
+from .layout import BatchLayout, RankSizes, StepKind
 
 
 @dataclass(frozen=True)
 class RingStep:
     source: int  # ring rank whose KV this step uses
     kind: StepKind
-    cu_q: Tensor  # int32 segmentation of the local stream's queries
-    cu_k: Tensor  # int32 segmentation of the source stream's keys
-    k_positions: Tensor | None  # global positions of the source's tokens (window only)
+    cu_q: Tensor  # int32 segmentation of this ring rank's exchange stream (queries)
+    cu_k: Tensor  # int32 segmentation of the keys: the own stream, or the source's ring section
+    k_positions: Tensor | None  # positions of the keys inside their documents (window only)
     active: bool  # False when the step is wholly outside the window: compute skipped
 
 
 @dataclass(frozen=True)
 class RingSchedule:
+    sizes: RankSizes
+    local_cu: Tensor  # int32 segmentation of the local region (its LOCAL documents)
     steps: tuple[RingStep, ...]
-    q_positions: Tensor | None  # global positions of the local tokens (window only)
+    q_positions: Tensor | None  # positions of the exchange stream's tokens (window only)
     max_seqlen: int  # bound of every segment length, for the kernels' grids
+    causal: bool
     scale: float
     window_left: int
     window_right: int
@@ -34,37 +38,40 @@ class RingSchedule:
 
 
 def build_schedule(
-    cu_seqlens: Tensor, max_seqlen: int, ring_rank: int, ring: int, ulysses: int,
-    stream_length: int | torch.SymInt, *, causal: bool, scale: float,
-    window: tuple[int, int], kernel: str, skip_outside_window: bool,
+    batch: BatchLayout, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int, *,
+    causal: bool, scale: float, window: tuple[int, int], kernel: str, skip_outside_window: bool,
 ) -> RingSchedule:
-    """Schedule of ring rank ``ring_rank``. ``cu_seqlens`` is the global real one, on the
-    device the attention runs on; ``skip_outside_window`` reads one small tensor on the host."""
-    chunks = layout.doc_chunks(cu_seqlens, ring, stream_length)
+    """Schedule of rank ``(ring_rank, sizes.ulysses_rank)``; ``skip_outside_window`` reads one
+    small tensor on the host."""
+    ring = batch.ring
     windowed = window != (-1, -1)
-
+    own = layout.stream_table(batch, ring_rank)
     sources = [(ring_rank - s) % ring for s in range(ring)]
-    # global positions of every ring stream (the sources include this rank), window only
-    positions = {
-        src: layout.stream_tokens(chunks, src, ring, stream_length).position if windowed else None
-        for src in sources
-    }
-    steps = []
     kinds = [layout.step_kind(ring_rank, src, causal) for src in sources]
+    tables = [own] + [layout.stream_table(batch, src, with_group=False) for src in sources[1:]]
+    lengths = [sizes.stream] + [sizes.ring_width] * (ring - 1)
+    positions = [
+        layout.stream_tokens(table, src, ring, length).position if windowed else None
+        for table, src, length in zip(tables, sources, lengths)
+    ]
     active = [True] * ring
-    if windowed and skip_outside_window:
+    if windowed and skip_outside_window and ring > 1:
         seen = torch.stack([
-            layout.step_sees_any_key(chunks, ring_rank, src, ring, kind, *window)
-            for src, kind in zip(sources, kinds)
+            layout.step_sees_any_key(own, table, ring_rank, src, ring, kind, *window)
+            for table, src, kind in zip(tables[1:], sources[1:], kinds[1:])
         ])
-        active = seen.tolist()
-    for src, kind, is_active in zip(sources, kinds, active):
-        cu_q, cu_k = layout.step_segments(chunks, ring_rank, src, ring, kind)
-        steps.append(RingStep(src, kind, cu_q, cu_k, positions[src], bool(is_active)))
+        active = [True, *seen.tolist()]
+    steps = tuple(
+        RingStep(src, kind, *layout.step_segments(own, table, ring_rank, src, ring, kind), pos, bool(on))
+        for src, kind, table, pos, on in zip(sources, kinds, tables, positions, active)
+    )
     return RingSchedule(
-        steps=tuple(steps),
-        q_positions=positions[ring_rank],
-        max_seqlen=layout.step_max_seqlen(max_seqlen, ring, ulysses),
+        sizes=sizes,
+        local_cu=layout.local_segments(batch, ring_rank, sizes.ulysses_rank),
+        steps=steps,
+        q_positions=positions[0],
+        max_seqlen=layout.step_max_seqlen(max_seqlen, ring),
+        causal=causal,
         scale=scale,
         window_left=window[0],
         window_right=window[1],

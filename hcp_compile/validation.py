@@ -1,6 +1,6 @@
 """Input checks with errors that name the argument, what was expected and how to fix it.
 
-All of them run before any collective (DESIGN: no hangs)."""
+All of them run before any collective (docs/design.md §9: no hangs)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,23 @@ class InputError(ValueError):
 
 def check_cu_seqlens(cu_seqlens: Tensor, name: str = "cu_seqlens") -> Tensor:
     """Validate a cumulative-lengths tensor; return its values as a CPU int64 tensor."""
+    check_cu_seqlens_dtype(cu_seqlens, name)
+    values = host_copy(cu_seqlens)
+    if values[0] != 0:
+        raise InputError(f"{name}: must start at 0, got {int(values[0])}; prepend a 0")
+    decreasing = (values[1:] < values[:-1]).nonzero()
+    if decreasing.numel():
+        i = int(decreasing[0]) + 1
+        raise InputError(
+            f"{name}: must be non-decreasing (cumulative document lengths), but entry {i} "
+            f"({int(values[i])}) < entry {i - 1} ({int(values[i - 1])})"
+        )
+    return values
+
+
+def check_cu_seqlens_dtype(cu_seqlens: Tensor, name: str) -> None:
+    """What can be checked of ``cu_seqlens`` without reading its values (also at compile
+    time): a 1-D int32 tensor with at least two entries."""
     if not isinstance(cu_seqlens, Tensor):
         raise InputError(f"{name}: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -27,17 +44,6 @@ def check_cu_seqlens(cu_seqlens: Tensor, name: str = "cu_seqlens") -> Tensor:
             f"{name}: expected a 1-D tensor [num_docs + 1] with at least 2 entries, got shape "
             f"{tuple(cu_seqlens.shape)}"
         )
-    values = host_copy(cu_seqlens)
-    if values[0] != 0:
-        raise InputError(f"{name}: must start at 0, got {int(values[0])}; prepend a 0")
-    decreasing = (values[1:] < values[:-1]).nonzero()
-    if decreasing.numel():
-        i = int(decreasing[0]) + 1
-        raise InputError(
-            f"{name}: must be non-decreasing (cumulative document lengths), but entry {i} "
-            f"({int(values[i])}) < entry {i - 1} ({int(values[i - 1])})"
-        )
-    return values
 
 
 _HOST_COPIES = WeakIdKeyDictionary()  # tensor -> (version, host copy)
@@ -129,3 +135,17 @@ def check_kernel_window(kernel: str, window: tuple[int, int], fix: str) -> None:
             "window_size: the flash kernel cannot apply a sliding window under context "
             f"parallelism; {fix}"
         )
+
+
+_FINGERPRINT_MODULUS = 2**31 - 1
+
+
+def batch_fingerprint(cu_seqlens: Tensor, salt: int = 0) -> Tensor:
+    """A 0-d int64 hash of ``cu_seqlens`` (and ``salt``), the same on any device and traceable:
+    ranks compare it to find out whether they were given the same batch."""
+    values = cu_seqlens.to(torch.int64) % _FINGERPRINT_MODULUS
+    index = torch.arange(values.numel(), device=values.device)
+    # small constants: a compiled graph may compute this in 32-bit kernel code
+    weights = (index * 40503 + 97) % _FINGERPRINT_MODULUS
+    digest = ((values * weights) % _FINGERPRINT_MODULUS).sum() % _FINGERPRINT_MODULUS
+    return digest + (values.numel() * 8 + salt) * _FINGERPRINT_MODULUS

@@ -72,7 +72,8 @@ class HierarchicalCPPass(CustomGraphPass):
             groups.ulysses_group.group_name, groups.ring_group.group_name, groups.ulysses_size,
             groups.ring_size, groups.ulysses_rank, groups.ring_rank, groups.device_type,
         )
-        facts = repr((mesh, self.config.kernel, self.config.agree_across_ranks, marks_digest()))
+        config = self.config
+        facts = repr((mesh, config.kernel, config.agree_across_ranks, config.placement, marks_digest()))
         return hashlib.sha256((get_hash_for_files(tuple(sources)).hex() + facts).encode()).hexdigest()
 
 

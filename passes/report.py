@@ -1,5 +1,7 @@
 """The table of rewritten attention nodes: what was matched, how it is split over the mesh,
-which collectives the rewrite inserts and how many bytes they move per rank."""
+which collectives the rewrite inserts and how many bytes they move per rank at most (when
+every local token goes through the exchange; the batch's placement decides how many do, see
+``ShardPlan.summary``)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ from tabulate import tabulate
 
 from hcp_compile.hierarchical import kv_head_repeat
 from hcp_compile.mesh import CPGroups
+from hcp_compile.plan import format_bytes
 
 from .rewrite import Rewritten
 
 HEADERS = (
-    "module", "op", "heads q/kv", "head dim", "dtype", "ulysses x ring", "kernel",
-    "collectives fwd", "collectives bwd", "all-to-all bytes/rank fwd", "ring bytes/rank/step",
-    "ring steps",
+    "module", "op", "heads q/kv", "head dim", "dtype", "ulysses x ring", "placement", "kernel",
+    "collectives fwd", "collectives bwd", "all-to-all bytes/rank fwd (max)",
+    "ring bytes/rank/step (max)", "ring steps",
 )
 
 
@@ -25,7 +28,7 @@ class Collectives:
 
     forward_all_to_all: int  # Ulysses exchanges
     forward_ring: int  # KV transfers
-    forward_all_reduce: int  # the layout check's agreement
+    forward_all_reduce: int  # the batch check's agreement
     backward_all_to_all: int
     backward_ring: int  # KV and dKV transfers
 
@@ -62,11 +65,12 @@ def row(node: Rewritten, groups: CPGroups, agree: bool) -> list[str]:
         str(node.head_dim),
         str(node.dtype).removeprefix("torch."),
         f"{ulysses} x {groups.ring_size}",
+        node.placement,
         node.kernel,
         ", ".join(forward),
         f"{count.backward_all_to_all} all_to_all, {count.backward_ring} ring",
-        _bytes(all_to_all),
-        _bytes(ring_step) if groups.ring_size > 1 else "-",
+        format_bytes(all_to_all),
+        format_bytes(ring_step) if groups.ring_size > 1 else "-",
         str(groups.ring_size),
     ]
 
@@ -75,11 +79,3 @@ def table(nodes: list[Rewritten], groups: CPGroups, agree: bool) -> str:
     if not nodes:
         return "no attention node with cu_seqlens was found"
     return tabulate([row(n, groups, agree) for n in nodes], headers=HEADERS, tablefmt="github")
-
-
-def _bytes(count: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if count < 1024:
-            return f"{count:g} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GiB"

@@ -2,8 +2,9 @@
 
 Each match becomes one call of :func:`hcp_compile.compiled.hierarchical_varlen_attention`
 (which AOTAutograd traces into all-to-all -> ring -> all-to-all functional collectives and the
-block kernels), preceded, once per ``cu_seqlens``, by the device-side layout check. Every
-output the graph used is rewired: the attention output and the logsumexp.
+block kernels), preceded, once per ``cu_seqlens``, by :func:`hcp_compile.compiled.checked_layout`:
+the device-side check of the batch, its layout and the read of its sizes. Every output the graph
+used is rewired: the attention output and the logsumexp.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 import torch
 from torch import fx
 
-from hcp_compile.compiled import check_layout, hierarchical_varlen_attention
+from hcp_compile.compiled import checked_layout, hierarchical_varlen_attention
 from hcp_compile.kernels import resolve_kernel
 from hcp_compile.kernels.cost import size_hint
 from hcp_compile.mesh import CPGroups
-from hcp_compile.validation import InputError, check_head_split, check_kernel_window
+from hcp_compile.validation import (
+    InputError, check_cu_seqlens_dtype, check_head_split, check_kernel_window,
+)
 
 from .match import AttentionMatch, UnsupportedAttention
 
@@ -29,6 +32,7 @@ class RewriteConfig:
     groups: CPGroups
     kernel: str  # the backend's kernel; a mark's kernel overrides it
     agree_across_ranks: bool
+    placement: str
 
 
 @dataclass(frozen=True)
@@ -43,15 +47,16 @@ class Rewritten:
     dtype: torch.dtype
     local_tokens: int  # this rank's tokens at compile time (a hint when symbolic)
     returns_lse: bool
-    checked: bool  # this node carries the layout check of its cu_seqlens
+    checked: bool  # this node carries the batch check and size read of its cu_seqlens
+    placement: str
 
 
 def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: RewriteConfig) -> list[Rewritten]:
     """Rewrite every match, in ``graph`` or in the nested graph (checkpoint body) it is in."""
-    checked: set[tuple[fx.Node, fx.Node, str]] = set()
+    layouts: dict[tuple, fx.Node] = {}
     done = []
     for match in matches:
-        done.append(_rewrite_one(match.node.graph, match, config, checked))
+        done.append(_rewrite_one(match.node.graph, match, config, layouts))
     for touched in {id(m.node.graph): m.node.graph for m in matches}.values():
         touched.lint()
         if touched is not graph and touched.owning_module is not None:
@@ -65,7 +70,7 @@ def example_value(node: fx.Node) -> Any:
 
 def _rewrite_one(
     graph: fx.Graph, match: AttentionMatch, config: RewriteConfig,
-    checked: set[tuple[fx.Node, fx.Node, str]],
+    layouts: dict[tuple, fx.Node],
 ) -> Rewritten:
     node, call, groups = match.node, match.call, config.groups
     q_value, k_value = example_value(call.q), example_value(call.k)
@@ -87,23 +92,23 @@ def _rewrite_one(
         "ring_group": groups.ring_group.group_name,
     }
     local_tokens = q_value.shape[0]
-    check_key = (call.cu_seqlens_q, call.cu_seqlens_k, str(local_tokens))
+    max_seqlen = call.max_seqlen_q
+    sizes_key = (graph, call.cu_seqlens_q, call.cu_seqlens_k, str(local_tokens), str(max_seqlen))
     with graph.inserting_before(node):
-        is_checked = check_key not in checked
+        is_checked = sizes_key not in layouts
         if is_checked:
-            checked.add(check_key)
             tokens = graph.call_function(torch.ops.aten.sym_size.int, (call.q, 0))
-            graph.call_function(
-                check_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens),
-                {**names, "agree": config.agree_across_ranks},
+            layouts[sizes_key] = graph.call_function(
+                checked_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens, max_seqlen),
+                {**names, "placement": config.placement, "agree": config.agree_across_ranks},
             )
-        max_seqlen = call.max_seqlen_q
         if call.max_seqlen_k is not call.max_seqlen_q and call.max_seqlen_k != call.max_seqlen_q:
             # only a bound for the kernels' grids: the larger one is right for both
             max_seqlen = graph.call_function(torch.sym_max, (call.max_seqlen_q, call.max_seqlen_k))
         scale = call.scale if call.scale is not None else head_dim**-0.5
         attention = graph.call_function(
-            hierarchical_varlen_attention, (call.q, call.k, call.v, call.cu_seqlens_q, max_seqlen),
+            hierarchical_varlen_attention,
+            (call.q, call.k, call.v, max_seqlen, layouts[sizes_key]),
             {"causal": call.causal, "scale": scale, "window": call.window, "kernel": kernel,
              **names, "return_lse": returns_lse},
         )
@@ -124,14 +129,15 @@ def _rewrite_one(
     graph.erase_node(node)
     return Rewritten(
         match, kernel, heads_q, heads_kv, head_dim, q_value.dtype,
-        size_hint(local_tokens),
-        returns_lse, is_checked,
+        size_hint(local_tokens), returns_lse, is_checked, config.placement,
     )
 
 
 def _check_static(match: AttentionMatch, heads_q: int, heads_kv: int, kernel: str, groups: CPGroups) -> None:
     """The eager path's checks that the graph alone can answer, raised at compile time."""
     try:
+        for name, cu in (("cu_seqlens_q", match.call.cu_seqlens_q), ("cu_seqlens_k", match.call.cu_seqlens_k)):
+            check_cu_seqlens_dtype(example_value(cu), name)
         check_head_split(heads_q, heads_kv, groups.ulysses_size)
         check_kernel_window(
             kernel, match.call.window,

@@ -1,4 +1,4 @@
-"""GPU correctness check of hierarchical CP against single-GPU attention (DESIGN §6).
+"""GPU correctness check of hierarchical CP against single-GPU attention (docs/design.md §6).
 
     torchrun --nproc-per-node 2 scripts/gpu_check.py --ulysses 2 --ring 1
     torchrun --nproc-per-node 2 scripts/gpu_check.py --ulysses 1 --ring 2
@@ -9,7 +9,7 @@ of them long) runs through ``varlen_attention`` inside ``context_parallel(mesh, 
 (flash on CUDA, bf16), forward and backward, for GQA and MHA heads, causal and not. The
 unsharded output and q/k/v gradients are compared with single-GPU ``varlen_attention`` on the
 full tensors (rank 0, same dtype and kernel) using assert_close's criterion with
-atol = rtol = the DESIGN §6 tolerance. For small batches (``--fp32-ref-max-tokens``) both are
+atol = rtol = the docs/design.md §6 tolerance. For small batches (``--fp32-ref-max-tokens``) both are
 also compared with a float32 reference (the O(T^2)-memory torch kernel).
 
 Prints a table on rank 0, writes it to ``$OUT/gpu_check_<A>x<R>.txt`` when ``OUT`` is set,
@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads-kv", type=int, nargs="+", default=[4, 16],
                         help="one configuration per value (< heads-q: GQA)")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--placement", nargs="+", default=["balanced", "zigzag"],
+                        choices=("balanced", "zigzag"), help="token layouts to check")
     parser.add_argument("--kernel", choices=("auto", "flash", "torch"), default=None,
                         help="CP kernel (default: flash on cuda, torch on cpu)")
     parser.add_argument("--fp32-ref-max-tokens", type=int, default=QUICK_TOKENS,
@@ -96,12 +98,12 @@ def check(
         return None
     reference = single_device(batch, cfg.causal)
     cmp = compare(result, reference, tolerance(DTYPES[args.dtype], cfg.gqa))
-    row = [cfg.heads, cfg.causal, *cmp.errors.values(), cmp.tol, cmp.ratio, cmp.pad_max,
-           "PASS" if cmp.ok else "FAIL"]
+    row = [plan.placement, cfg.heads, cfg.causal, *cmp.errors.values(), cmp.tol, cmp.ratio,
+           cmp.pad_max, "PASS" if cmp.ok else "FAIL"]
     fp32_row = None
     if wants_fp32_reference(args):
         exact = single_device(batch, cfg.causal, dtype=torch.float32)
-        fp32_row = [cfg.heads, cfg.causal, *_pair_errors(result, reference, exact)]
+        fp32_row = [plan.placement, cfg.heads, cfg.causal, *_pair_errors(result, reference, exact)]
     return row, fp32_row
 
 
@@ -125,9 +127,9 @@ def report(
         title,
         f"doc lengths: {lengths}",
         "max abs error of CP vs single-device attention (same dtype and kernel):",
-        tabulate(rows, headers=["heads q/kv", "causal", *GRADIENTS, "tol", "worst/bound",
-                                "pad |max|", "result"],
-                 floatfmt=("", "", ".2e", ".2e", ".2e", ".2e", "g", ".3f", "g", "")),
+        tabulate(rows, headers=["placement", "heads q/kv", "causal", *GRADIENTS, "tol",
+                                "worst/bound", "pad |max|", "result"],
+                 floatfmt=("", "", "", ".2e", ".2e", ".2e", ".2e", "g", ".3f", "g", "")),
         "tol: atol = rtol (README, Tolerances); worst/bound: max |err| / (tol + tol |ref|) over "
         "all four tensors, <= 1 passes (torch.testing.assert_close's criterion); NaN/Inf fail; "
         "pad |max|: largest |value| of the local output and gradients on pad rows (inputs and "
@@ -136,7 +138,7 @@ def report(
     if fp32_rows:
         parts += [
             "max abs error vs a float32 reference (torch kernel), CP / single-device:",
-            tabulate(fp32_rows, headers=["heads q/kv", "causal", *GRADIENTS]),
+            tabulate(fp32_rows, headers=["placement", "heads q/kv", "causal", *GRADIENTS]),
         ]
     return "\n\n".join(parts) + "\n"
 
@@ -157,14 +159,15 @@ def worker(me: Worker, args: argparse.Namespace) -> bool:
         batch = make_batch(
             lengths, args.heads_q, heads_kv, args.head_dim, DTYPES[args.dtype], me.device, args.seed
         )
-        plan = hcp_compile.shard_plan(batch.cu_seqlens, mesh)
-        for causal in (True, False):
-            checked = check(me, args, mesh, plan, batch, Config(args.heads_q, heads_kv, causal))
-            if checked is not None:
-                row, fp32_row = checked
-                rows.append(row)
-                if fp32_row is not None:
-                    fp32_rows.append(fp32_row)
+        for placement in args.placement:
+            plan = hcp_compile.shard_plan(batch.cu_seqlens, mesh, placement=placement)
+            for causal in (True, False):
+                checked = check(me, args, mesh, plan, batch, Config(args.heads_q, heads_kv, causal))
+                if checked is not None:
+                    row, fp32_row = checked
+                    rows.append(row)
+                    if fp32_row is not None:
+                        fp32_rows.append(fp32_row)
     if me.rank != 0:
         return True
     text = report(args, lengths, rows, fp32_rows)

@@ -1,6 +1,6 @@
 """Independent float64 reference for packed varlen attention.
 
-Written from the contract (DESIGN §1), not from the library's kernels: a plain Python loop over
+Written from the contract (docs/design.md §1), not from the library's kernels: a plain Python loop over
 documents and heads, an explicit boolean mask per document, and a softmax. Gradients come from
 float64 autograd through this loop.
 """

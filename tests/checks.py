@@ -10,7 +10,7 @@ from torch import Tensor
 from attention_reference import reference_with_grads
 from cp_cases import AttentionCase, cu_seqlens
 
-FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}  # DESIGN §6, fp32 on CPU
+FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}  # docs/design.md §6, fp32 on CPU
 
 
 @functools.cache

@@ -12,11 +12,14 @@ models for its float64 references.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -25,7 +28,10 @@ from torch import Tensor, fx, nn
 from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
 import hcp_compile as hc
-from cp_cases import AttentionCase, World, cu_seqlens, seeded, shard_with_garbage_pads
+from cp_cases import (
+    LONG_DOCS, SHORT_DOCS, AttentionCase, World, cu_seqlens, seeded, shard_with_garbage_pads,
+)
+from traffic import CollectiveTraffic
 from distributed import WORLD_DIR_ENV
 
 COMPILE_MESHES = ((2, 2), (1, 4), (4, 1))  # (ulysses, ring)
@@ -141,8 +147,10 @@ def collective_summary(gm: fx.GraphModule, ulysses_group: str, ring_group: str) 
         if group == ulysses_group:
             summary["ulysses"] += 1
             summary["ulysses_from_tangents"] += from_tangents
-            equal = len({str(s) for s in output_splits}) == 1 and len({str(s) for s in input_splits}) == 1
-            summary["bad_splits"] += not equal or any(_is_zero(s) for s in output_splits)
+            # a rank sends the same count to every Ulysses rank (its heads for each) and
+            # receives each rank's own count, or the other way round for the way back
+            even = any(len({str(s) for s in splits}) == 1 for splits in (output_splits, input_splits))
+            summary["bad_splits"] += not even
         elif group == ring_group:
             summary["ring"] += 1
             summary["ring_from_tangents"] += from_tangents
@@ -216,7 +224,7 @@ def run_attention(batch: AttentionCase, world: World, attend: Callable) -> dict:
     """Forward and backward of ``attend(q, k, v, cu, max_seqlen)`` on the batch's shards
     (garbage in the pads, as in ``cp_cases``); local results and where the rows come from."""
     cu = cu_seqlens(batch.lengths)
-    plan = hc.shard_plan(cu, world.mesh)
+    plan = hc.shard_plan(cu, world.mesh, placement=batch.placement)
     x = batch.inputs()
     q, k, v = (shard_with_garbage_pads(plan, x[n], f"{batch.id}/{n}", world.rank).requires_grad_()
                for n in ("q", "k", "v"))
@@ -243,13 +251,15 @@ class CompiledAttentionCase:
     inner: str = "aot_eager"
     eager: bool = True  # also run eager CP for comparison
     dump: bool = False  # dump the graphs (Inductor: its caches are then bypassed)
+    placement: str = "balanced"
 
     @property
     def id(self) -> str:
         return f"attention-{self.name}"
 
     def batches(self) -> list[DocsCase]:
-        return [DocsCase(docs, self.heads_q, self.heads_kv, self.causal, self.window, self.scale)
+        return [DocsCase(docs, self.heads_q, self.heads_kv, self.causal, self.window, self.scale,
+                         placement=self.placement)
                 for docs in self.docs]
 
     def run(self, world: World) -> dict:
@@ -258,7 +268,8 @@ class CompiledAttentionCase:
             torch._inductor.config.compile_threads = 1  # no compile pool per rank on 2 cores
         dump = shared_dir(f"dump-{self.id}") if self.dump else None
         counter = CompileCounter(hc.backend(mesh=world.mesh, inner=self.inner,
-                                            dump_dir=str(dump) if dump else None))
+                                            dump_dir=str(dump) if dump else None,
+                                            placement=self.placement))
         module = VarlenAttention(self.causal, self.scale, self.window)
         compiled = torch.compile(module, backend=counter, dynamic=self.dynamic, fullgraph=True)
         result: dict = {"graphs_after": []}
@@ -266,7 +277,7 @@ class CompiledAttentionCase:
             got = run_attention(batch, world, compiled)
             result["graphs_after"].append(counter.graphs)
             if self.eager:
-                with hc.context_parallel(world.mesh):
+                with hc.context_parallel(world.mesh, placement=self.placement):
                     eager = run_attention(batch, world, module)
                 got.update({f"eager_{n}": eager[n] for n in ("out", "dq", "dk", "dv")})
             result.update({f"{index}/{n}": value for n, value in got.items()})
@@ -285,6 +296,8 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
                                                      "one-50"), 4, 2, True),
         CompiledAttentionCase("mqa-full-window-scale", ("mixed",), 4, 1, False, (3, 5), 0.3,
                               dynamic=None),
+        CompiledAttentionCase("gqa-causal-zigzag", ("mixed", "four"), 4, 2, True,
+                              placement="zigzag"),
     ]
     if mesh == (2, 2):
         cases += [
@@ -505,6 +518,36 @@ class TwoKinds(nn.Module):
         return self.unmarked(x, cu, max_seqlen)
 
 
+@contextlib.contextmanager
+def counting_runs() -> Iterator[dict[str, int]]:
+    """Counts the calls of what running the model would call: the functions of
+    ``hcp_compile.compiled`` that the rewrite puts into graphs (they issue every collective)
+    and the plain kernel, which the attention ops run on real tensors. ``explain`` must call
+    none of them."""
+    from hcp_compile.kernels import torch_kernel
+    from hcp_compile.passes import rewrite
+
+    inserted = [name for name, value in vars(rewrite).items()
+                if callable(value) and getattr(value, "__module__", None) == "hcp_compile.compiled"]
+    targets = [(rewrite, name) for name in inserted] + [(torch_kernel, "forward")]
+    counts = {}
+    with contextlib.ExitStack() as patches:
+        for module, name in targets:
+            key = f"{module.__name__.rpartition('.')[2]}.{name}"
+            counts[key] = 0
+            patches.enter_context(mock.patch.object(module, name, _counted(getattr(module, name), key, counts)))
+        yield counts
+
+
+def _counted(fn: Callable, key: str, counts: dict[str, int]) -> Callable:
+    @functools.wraps(fn)  # keeps the name the rewritten graph's code shows
+    def counting(*args, **kwargs):
+        counts[key] += 1
+        return fn(*args, **kwargs)
+
+    return counting
+
+
 @dataclass(frozen=True)
 class ExplainCase:
     """``hc.explain`` on this mesh: two marked layers and an unmarked one; nothing runs."""
@@ -522,7 +565,8 @@ class ExplainCase:
         cu = cu_seqlens(COMPILE_DOCS[self.docs])
         plan = hc.shard_plan(cu, world.mesh)
         x = plan.shard(seeded(f"{self.id}/x", int(cu[-1]), MODEL_DIM)).requires_grad_()
-        explanation = hc.explain(model, x, cu, max(COMPILE_DOCS[self.docs]), mesh=world.mesh)
+        with counting_runs() as runs:
+            explanation = hc.explain(model, x, cu, max(COMPILE_DOCS[self.docs]), mesh=world.mesh)
         graph = explanation.graphs[0]
         return {
             "graphs": len(explanation.graphs),
@@ -534,8 +578,7 @@ class ExplainCase:
             "checked": [r.checked for r in graph.rewritten],
             "after": graph.after,
             "before": graph.before,
-            "x_grad_is_none": x.grad is None,
-            "params_grad_none": all(p.grad is None for p in model.parameters()),
+            "runs": runs,
             "plan_local_tokens": plan.local_tokens,
         }
 
@@ -617,6 +660,35 @@ class BadBatchCase:
 
 
 # --------------------------------------------------------------------------------------------
+# what the compiled graph's collectives carry, batch by batch
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CompiledTrafficCase:
+    """One compiled attention (``balanced``), fed a batch of short documents, then one of long
+    documents; the elements every all-to-all of the graph sends to other ranks, per group."""
+
+    id: str = "traffic-compiled"
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        module = VarlenAttention(True, None, (-1, -1))
+        compiled = torch.compile(module, backend=hc.backend(mesh=world.mesh, inner="aot_eager"),
+                                 dynamic=True, fullgraph=True)
+        ring, ulysses = (world.mesh.get_group(n).group_name for n in ("ring", "ulysses"))
+        result = {}
+        for name, lengths in (("short", SHORT_DOCS), ("long", LONG_DOCS)):
+            cu = cu_seqlens(lengths)
+            plan = hc.shard_plan(cu, world.mesh)
+            q, k, v = (plan.shard(seeded(f"{self.id}/{n}", sum(lengths), h, HEAD_DIM)).requires_grad_()
+                       for n, h in (("q", 4), ("k", 2), ("v", 2)))
+            with CollectiveTraffic() as traffic:
+                compiled(q, k, v, cu, max(lengths)).sum().backward()
+            result[name] = {"ring": traffic.sent[ring], "ulysses": traffic.sent[ulysses]}
+        return result
+
+
+# --------------------------------------------------------------------------------------------
 # the suites
 # --------------------------------------------------------------------------------------------
 
@@ -648,7 +720,7 @@ def suite(mesh: tuple[int, int]) -> list:
     """Every compiled-path case run in the aot_eager world of ``mesh``, in order (the error
     cases last: a hang there must not cost the others their results)."""
     return [*explain_cases(mesh), *attention_cases(mesh), *model_cases(mesh),
-            *torch_varlen_cases(mesh), *error_cases(mesh)]
+            *torch_varlen_cases(mesh), CompiledTrafficCase(), *error_cases(mesh)]
 
 
 INDUCTOR_CASE = CompiledAttentionCase("inductor-gqa-causal", ("mixed", "mixed-permuted"), 4, 2,

@@ -19,6 +19,7 @@ from torch import Tensor
 
 import hcp_compile as hc
 from hcp_compile.kernels import torch_kernel
+from traffic import CollectiveTraffic
 
 MESHES = ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1))  # (ulysses, ring)
 ERROR_MESH = (2, 2)
@@ -59,6 +60,8 @@ DOC_MIXES = {
     "long": (97,),  # one document spread over every rank
     "8.8": (8, 8),  # with "16.0": same shard sizes on every mesh of MESHES
     "16.0": (16, 0),
+    # short documents and one long one: local, group and ring placements on a 2 x 2 mesh
+    "many": (3, 2, 4, 1, 2, 3, 5, 2, 1, 3, 2, 4, 6, 2, 3, 40, 1, 2, 5, 3, 2, 4, 1, 3),
 }
 MATRIX_DOCS = ("mixed", "long")
 HEADS = ((4, 4), (4, 2), (4, 1))  # (Hq, Hkv): MHA, GQA, MQA (Hkv < ulysses for ulysses >= 2)
@@ -79,6 +82,7 @@ class AttentionCase:
     window: tuple[int, int] = (-1, -1)
     scale: float | None = None
     head_dim: int = HEAD_DIM
+    placement: str = "balanced"
 
     @property
     def id(self) -> str:
@@ -87,7 +91,8 @@ class AttentionCase:
             mask += f"-w{self.window[0]}.{self.window[1]}"
         scale = "" if self.scale is None else f"-scale{self.scale}"
         dim = "" if self.head_dim == HEAD_DIM else f"-d{self.head_dim}"
-        return f"{self.docs}-h{self.heads_q}.{self.heads_kv}-{mask}{scale}{dim}"
+        placement = "" if self.placement == "balanced" else f"-{self.placement}"
+        return f"{self.docs}-h{self.heads_q}.{self.heads_kv}-{mask}{scale}{dim}{placement}"
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -105,13 +110,13 @@ class AttentionCase:
                 for name, heads in shapes.items()}
 
     def run(self, world: World) -> dict:
-        with hc.context_parallel(world.mesh):
+        with hc.context_parallel(world.mesh, placement=self.placement):
             return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
 
     def attend(self, world: World, cu: Tensor, max_seqlen: int) -> dict:
         """Forward and backward of this case's inputs, sharded with garbage in the pads, in the
         active context; returns the local results and where the local rows come from."""
-        plan = hc.shard_plan(cu, world.mesh)
+        plan = hc.shard_plan(cu, world.mesh, placement=self.placement)
         x = self.inputs()
         q, k, v = (shard_with_garbage_pads(plan, x[n], f"{self.id}/{n}", world.rank).requires_grad_()
                    for n in ("q", "k", "v"))
@@ -140,7 +145,7 @@ class InPlaceUpdateCase(AttentionCase):
     def run(self, world: World) -> dict:
         cu = cu_seqlens(DOC_MIXES[self.previous])
         longest = max(*DOC_MIXES[self.previous], *self.lengths)
-        with hc.context_parallel(world.mesh):
+        with hc.context_parallel(world.mesh, placement=self.placement):
             replace(self, docs=self.previous).attend(world, cu, longest)
             cu.copy_(cu_seqlens(self.lengths))
             return self.attend(world, cu, longest)
@@ -158,7 +163,7 @@ class GroupPairCase(AttentionCase):
 
     def run(self, world: World) -> dict:
         pair_world = replace(world, mesh=short_timeout_groups(world, seconds=60))
-        with hc.context_parallel(pair_world.mesh, agree_across_ranks=False):
+        with hc.context_parallel(pair_world.mesh, agree_across_ranks=False, placement=self.placement):
             return self.attend(pair_world, cu_seqlens(self.lengths), max(self.lengths))
 
 
@@ -204,8 +209,54 @@ def attention_cases() -> list[AttentionCase]:
         GroupPairCase("mixed", 4, 2, True),
         SmallQueryBlockCase("mixed", 4, 2, True, (4, 0)),
         SmallQueryBlockCase("long", 4, 1, False),
+        *(AttentionCase("many", 4, 2, causal, window) for causal, window in MASKS.values()),
+        AttentionCase("many", 4, 1, True, placement="zigzag"),
+        *(AttentionCase(docs, 4, 2, causal, window, placement="zigzag")
+          for docs in MATRIX_DOCS for causal, window in MASKS.values()),
+        InPlaceUpdateCase("16.0", 4, 2, True, placement="zigzag"),
     ]
     return matrix + extras
+
+
+# --------------------------------------------------------------------------------------------
+# what the collectives carry under each placement
+# --------------------------------------------------------------------------------------------
+
+# 64 documents of 2..5 tokens: each at most 1/8 of a rank's tokens on every mesh of MESHES
+SHORT_DOCS = tuple(2 + (i * 7) % 4 for i in range(64))
+LONG_DOCS = (61, 3, 50)
+
+
+@dataclass(frozen=True)
+class TrafficCase:
+    """Forward and backward of one attention call, counting the elements every all-to-all
+    sends to other ranks, per group."""
+
+    lengths: tuple[int, ...]
+    placement: str
+
+    @property
+    def id(self) -> str:
+        kind = "short" if self.lengths == SHORT_DOCS else "long"
+        return f"traffic-{kind}-{self.placement}"
+
+    def run(self, world: World) -> dict:
+        cu = cu_seqlens(self.lengths)
+        plan = hc.shard_plan(cu, world.mesh, placement=self.placement)
+        tokens = sum(self.lengths)
+        q, k, v = (plan.shard(seeded(f"{self.id}/{n}", tokens, h, HEAD_DIM)).requires_grad_()
+                   for n, h in (("q", 4), ("k", 2), ("v", 2)))
+        with CollectiveTraffic() as traffic, hc.context_parallel(world.mesh, placement=self.placement):
+            out = hc.varlen_attention(q, k, v, cu, cu, max(self.lengths), max(self.lengths), causal=True)
+            out.sum().backward()
+        ring, ulysses = world.mesh.get_group("ring"), world.mesh.get_group("ulysses")
+        return {"ring": traffic.sent[ring.group_name], "ulysses": traffic.sent[ulysses.group_name],
+                "document_placement": plan.document_placement}
+
+
+def traffic_cases() -> list[TrafficCase]:
+    return [TrafficCase(lengths, placement) for lengths in (SHORT_DOCS, LONG_DOCS)
+            for placement in ("balanced", "zigzag")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,17 +269,18 @@ PAD_VALUE = -7.0
 @dataclass(frozen=True)
 class PlanCase:
     lengths: tuple[int, ...]
+    placement: str = "balanced"
 
     @property
     def id(self) -> str:
-        return "plan-" + ".".join(map(str, self.lengths))
+        return f"plan-{self.placement}-" + ".".join(map(str, self.lengths))
 
     def inputs(self) -> dict[str, Tensor]:
         tokens = sum(self.lengths)
         return {"x": seeded(f"{self.id}/x", tokens, 3), "w": seeded(f"{self.id}/w", tokens, 3)}
 
     def run(self, world: World) -> dict:
-        plan = hc.shard_plan(cu_seqlens(self.lengths), world.mesh)
+        plan = hc.shard_plan(cu_seqlens(self.lengths), world.mesh, placement=self.placement)
         x = self.inputs()
         local = plan.shard(x["x"], pad_value=PAD_VALUE)
         leaf = local.clone().requires_grad_()
@@ -247,7 +299,8 @@ def plan_cases() -> list[PlanCase]:
         tuple(torch.randint(0, 30, (int(n),), generator=generator).tolist())
         for n in torch.randint(1, 8, (6,), generator=generator)
     ]
-    return [PlanCase(lengths) for lengths in fixed + random]
+    return [PlanCase(lengths, placement) for lengths in fixed + random
+            for placement in ("balanced", "zigzag")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,6 +324,8 @@ class ErrorSetup:
             for n, heads in (("q", heads_q), ("k", heads_kv), ("v", heads_kv))
         )
         self.longest = max(ERROR_DOCS)
+        # the same documents in another order: the same local token count, another batch
+        self.permuted = cu_seqlens(tuple(reversed(ERROR_DOCS)))
 
     def attend(self, options: dict | None = None, context=None, **overrides):
         """``varlen_attention`` on the valid inputs with ``overrides``, inside ``context`` or
@@ -377,6 +432,15 @@ def error_cases() -> list[ErrorCase]:
         ErrorCase("window-not-a-pair", lambda s: s.attend(window_size=(3,)), match="window_size"),
         ErrorCase("kernel-unknown", lambda s: s.attend(options={"kernel": "fast"}),
                   match="kernel: expected one of"),
+        ErrorCase("placement-unknown", lambda s: s.attend(options={"placement": "round"}),
+                  match="placement: expected one of"),
+        ErrorCase("plan-placement-differs", lambda s: s.attend(options={"placement": "zigzag"}),
+                  match="placement='balanced', but the attention runs on ulysses=2 x ring=2 "
+                        "with placement='zigzag'"),
+        ErrorCase("one-rank-other-batch-same-token-count",
+                  lambda s: s.attend(cu_seqlens_q=only_on(2, s.permuted, s.cu),
+                                     cu_seqlens_k=only_on(2, s.permuted, s.cu)),
+                  match="given different batches"),
         ErrorCase("kernel-flash-on-cpu", lambda s: s.attend(options={"kernel": "flash"}),
                   match="kernel='flash' needs CUDA"),
         ErrorCase("make-mesh-world-size", lambda s: hc.make_mesh(ulysses=1, ring=2, device_type="cpu"),
@@ -399,7 +463,7 @@ def error_cases() -> list[ErrorCase]:
 
 def suite(mesh: tuple[int, int]) -> list:
     """Every case run in the world of ``mesh``, in order."""
-    cases = [*attention_cases(), *plan_cases(), ONE_BAD_RANK]
+    cases = [*attention_cases(), *plan_cases(), *traffic_cases(), ONE_BAD_RANK]
     if mesh == ERROR_MESH:
         cases += error_cases()
     return cases

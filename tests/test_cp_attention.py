@@ -1,11 +1,11 @@
 """Hierarchical CP attention (every ulysses x ring mesh) equals single-device attention:
-output and q/k/v gradients of every rank's shard, pads exactly zero (DESIGN §1, §6)."""
+output and q/k/v gradients of every rank's shard, pads exactly zero (docs/design.md §1, §6)."""
 
 import pytest
 import torch
 
 from checks import assert_matches, expected_for
-from cp_cases import MESHES, attention_cases, mesh_id
+from cp_cases import MESHES, SHORT_DOCS, attention_cases, mesh_id, traffic_cases
 
 CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
          for mesh in MESHES for case in attention_cases()]
@@ -27,3 +27,25 @@ def test_cp_attention_matches_single_device_reference(cp_world, mesh, case):
             assert_matches(got, local_rows(reference[name], index), f"rank {rank} {name}")
             assert (got[index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
         assert_matches(result["unsharded_out"], reference["out"], f"rank {rank} unshard(out)")
+
+
+TRAFFIC = [pytest.param(mesh, id=mesh_id(mesh)) for mesh in MESHES]
+
+
+@pytest.mark.parametrize("mesh", TRAFFIC)
+def test_balanced_short_documents_stay_home_and_long_ones_travel(cp_world, mesh):
+    """A batch of short documents sends nothing round the ring and (almost) nothing through
+    the Ulysses exchange under "balanced"; "zigzag" sends every document through both."""
+    ulysses, ring = mesh
+    sent = {case.id: cp_world(mesh).values(case.id) for case in traffic_cases()}
+    for rank, (short, short_zigzag, long) in enumerate(zip(
+        sent["traffic-short-balanced"], sent["traffic-short-zigzag"], sent["traffic-long-balanced"]
+    )):
+        assert short["ring"] == 0, f"rank {rank}: short documents crossed the ring"
+        placed = short["document_placement"]
+        assert placed.count("ring") == 0 and placed.count("group") <= ulysses * ring
+        if ring > 1:
+            assert short_zigzag["ring"] > 0 and long["ring"] > 0
+        if ulysses > 1:
+            assert short["ulysses"] * 4 < short_zigzag["ulysses"], f"rank {rank}: {short}, {short_zigzag}"
+    assert len(SHORT_DOCS) == len(sent["traffic-short-balanced"][0]["document_placement"])

@@ -1,4 +1,4 @@
-"""``shard_plan`` on real meshes: what every rank holds, and shard/unshard (DESIGN §2)."""
+"""``shard_plan`` on real meshes: what every rank holds, and shard/unshard (docs/design.md §2)."""
 
 import pytest
 import torch

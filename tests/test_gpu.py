@@ -1,5 +1,5 @@
 """CUDA only: the flash kernel against the plain-PyTorch kernel and the float64 reference, in
-bf16 on one device (DESIGN §6 tolerances: 2.5e-2, 3.5e-2 with GQA)."""
+bf16 on one device (docs/design.md §6 tolerances: 2.5e-2, 3.5e-2 with GQA)."""
 
 import pytest
 import torch

@@ -1,43 +1,123 @@
-"""Property tests of the token layout (DESIGN §2), driving ``hcp_compile.layout`` directly:
-each rank's tokens are computed the way ``ShardPlan`` does it (the ring rank's stream, sliced by
-Ulysses rank), for every rank of the mesh, in one process."""
+"""Property tests of the token layout and the placement rules (docs/design.md §2), driving
+``hcp_compile.layout`` directly for every rank of a mesh in one process."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_cases import cu_seqlens
 from hcp_compile import layout
+from hcp_compile.placements import PLACEMENTS
 
-SETTINGS = settings(max_examples=50, deadline=None)
+SETTINGS = settings(max_examples=40, deadline=None)
 lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=10).map(tuple)
 size_st = st.integers(1, 4)
+placement_st = st.sampled_from(sorted(PLACEMENTS))
 
 
 @dataclass
-class Layout:
-    stream_length: int  # T_r
-    streams: list[layout.StreamTokens]  # per ring rank
-    local: list[torch.Tensor]  # global index per rank, in global rank order (ring, ulysses)
+class Ranks:
+    """Every rank's tokens, in global rank order (ring rank major)."""
+
+    batch: layout.BatchLayout
+    sizes: list[layout.RankSizes]
+    tokens: list[layout.StreamTokens]
+    streams: list[layout.StreamTokens]  # the exchange stream of each ring rank
 
 
-def build_layout(lengths: tuple[int, ...], ulysses: int, ring: int) -> Layout:
-    cu = cu_seqlens(lengths)
-    chunk_total = int(layout.chunk_sizes(torch.tensor(lengths), ring).sum())
-    stream_length = layout.ring_stream_length(chunk_total, ring, ulysses)
-    chunks = layout.doc_chunks(cu, ring, stream_length)
-    streams = [layout.stream_tokens(chunks, r, ring, stream_length) for r in range(ring)]
-    per_rank = stream_length // ulysses
-    local = [s.global_index[a * per_rank:(a + 1) * per_rank] for s in streams for a in range(ulysses)]
-    return Layout(stream_length, streams, local)
+def build(lengths: tuple[int, ...], ulysses: int, ring: int, placement: str) -> Ranks:
+    batch = layout.batch_layout(cu_seqlens(lengths), ulysses, ring, PLACEMENTS[placement])
+    sizes = [
+        layout.rank_sizes(layout.rank_size_values(batch, r, a).tolist(), a)
+        for r in range(ring) for a in range(ulysses)
+    ]
+    tokens = [layout.rank_tokens(batch, s, i // ulysses) for i, s in enumerate(sizes)]
+    streams = [
+        layout.stream_tokens(layout.stream_table(batch, r), r, ring, sizes[r * ulysses].stream)
+        for r in range(ring)
+    ]
+    return Ranks(batch, sizes, tokens, streams)
 
 
-def design_rule_streams(lengths: tuple[int, ...], ulysses: int, ring: int) -> list[list[int]]:
-    """DESIGN §2 as plain loops: each ring rank's stream of global indices (-1 for a pad)."""
+def rank_work(ranks: Ranks, ulysses: int) -> list[float]:
+    """Causal pairs per rank counted from the tokens themselves: a query at position p sees
+    p + 1 keys; a rank computes its local region's queries with all heads and 1/A of its ring
+    rank's exchange stream."""
+    work = []
+    for index, (tokens, sizes) in enumerate(zip(ranks.tokens, ranks.sizes)):
+        local = tokens.position[: sizes.local][tokens.valid[: sizes.local]]
+        stream = ranks.streams[index // ulysses]
+        shared = stream.position[stream.valid]
+        work.append(float((local + 1).sum()) + float((shared + 1).sum()) / ulysses)
+    return work
+
+
+def pad_fraction(ranks: Ranks, lengths: tuple[int, ...]) -> float:
+    held = sum(t.doc.numel() for t in ranks.tokens)
+    return (held - sum(lengths)) / max(sum(lengths), 1)
+
+
+def imbalance(work: list[float]) -> float:
+    mean = sum(work) / len(work)
+    return max(work) / mean - 1 if mean else 0.0
+
+
+@SETTINGS
+@given(lengths_st, size_st, size_st, placement_st)
+def test_every_rank_holds_the_same_token_count(lengths, ulysses, ring, placement):
+    ranks = build(lengths, ulysses, ring, placement)
+    counts = {t.doc.numel() for t in ranks.tokens} | {s.tokens for s in ranks.sizes}
+    assert counts == {int(ranks.batch.local_tokens)}
+
+
+@SETTINGS
+@given(lengths_st, size_st, size_st, placement_st, st.integers(1, 3))
+def test_shard_then_unshard_is_identity(lengths, ulysses, ring, placement, features):
+    x = torch.arange(sum(lengths) * features, dtype=torch.float32).reshape(-1, features)
+    back = torch.full_like(x, float("nan"))
+    seen = torch.zeros(sum(lengths), dtype=torch.int64)
+    for tokens in build(lengths, ulysses, ring, placement).tokens:
+        index = tokens.global_index
+        shard = x[index.clamp(min=0)]  # what plan.shard does, pads aside
+        back[index[index >= 0]] = shard[index >= 0]
+        seen.index_add_(0, index[index >= 0], torch.ones_like(index[index >= 0]))
+    assert torch.equal(back, x)
+    assert (seen == 1).all(), "a real token is held by no rank or by several"
+
+
+@SETTINGS
+@given(lengths_st, size_st, size_st, placement_st)
+def test_positions_and_valid_describe_the_held_tokens(lengths, ulysses, ring, placement):
+    cu = cu_seqlens(lengths).long()
+    for tokens in build(lengths, ulysses, ring, placement).tokens:
+        index, valid = tokens.global_index, tokens.valid
+        assert torch.equal(valid, index >= 0)
+        doc = torch.searchsorted(cu[1:], index.clamp(min=0), right=True)
+        assert torch.equal(tokens.position, torch.where(valid, index - cu[doc], 0))
+        assert torch.equal(tokens.doc, torch.where(valid, doc, -1))
+
+
+@SETTINGS
+@given(lengths_st, size_st, size_st, placement_st)
+def test_exchange_stream_is_the_exchange_regions_in_ulysses_order(lengths, ulysses, ring, placement):
+    ranks = build(lengths, ulysses, ring, placement)
+    for r in range(ring):
+        regions = [
+            t.global_index[s.local : s.local + s.own_exchange]
+            for t, s in zip(ranks.tokens[r * ulysses:(r + 1) * ulysses],
+                            ranks.sizes[r * ulysses:(r + 1) * ulysses])
+        ]
+        assert torch.equal(torch.cat(regions), ranks.streams[r].global_index)
+
+
+def design_rule_streams(lengths: tuple[int, ...], ring: int) -> list[list[int]]:
+    """The zigzag rule as plain loops: each ring rank's stream of global indices (-1 for a pad)."""
     streams: list[list[int]] = [[] for _ in range(ring)]
     start = 0
     for length in lengths:
@@ -47,84 +127,96 @@ def design_rule_streams(lengths: tuple[int, ...], ulysses: int, ring: int) -> li
             mirror = 2 * ring - 1 - r
             streams[r] += padded[r * c:(r + 1) * c] + padded[mirror * c:(mirror + 1) * c]
         start += length
-    tail = next(e for e in range(0, 2 * ulysses + 1, 2) if (len(streams[0]) + e) % ulysses == 0)
-    return [s + [-1] * tail for s in streams]
-
-
-def causal_work(stream: layout.StreamTokens) -> int:
-    """Causal (query, key) pairs of real tokens whose queries this ring rank holds."""
-    return int((stream.position[stream.valid] + 1).sum())
+    return streams
 
 
 @SETTINGS
 @given(lengths_st, size_st, size_st)
-def test_layout_follows_the_design_rule(lengths, ulysses, ring):
-    built = build_layout(lengths, ulysses, ring)
-    expected = design_rule_streams(lengths, ulysses, ring)
-    assert [s.global_index.tolist() for s in built.streams] == expected
+def test_zigzag_follows_the_design_rule_sliced_by_ulysses_rank(lengths, ulysses, ring):
+    ranks = build(lengths, ulysses, ring, "zigzag")
+    for r, expected in enumerate(design_rule_streams(lengths, ring)):
+        held = torch.cat([t.global_index for t in ranks.tokens[r * ulysses:(r + 1) * ulysses]])
+        assert held[: len(expected)].tolist() == expected
+        assert (held[len(expected):] == -1).all()
+
+
+@SETTINGS
+@given(lengths_st, size_st, size_st, placement_st)
+def test_attention_work_counts_the_pairs_of_the_held_queries(lengths, ulysses, ring, placement):
+    ranks = build(lengths, ulysses, ring, placement)
+    counted = torch.tensor(rank_work(ranks, ulysses), dtype=torch.float64)
+    computed = layout.attention_work(ranks.batch).reshape(-1).double()
+    torch.testing.assert_close(computed, counted)
+    assert math.isclose(float(counted.sum()), sum(n * (n + 1) // 2 for n in lengths))
+
+
+@SETTINGS
+@given(lengths_st, size_st, size_st, placement_st)
+def test_placement_is_deterministic(lengths, ulysses, ring, placement):
+    first = layout.batch_layout(cu_seqlens(lengths), ulysses, ring, PLACEMENTS[placement])
+    again = layout.batch_layout(cu_seqlens(lengths), ulysses, ring, PLACEMENTS[placement])
+    for name in ("kind", "ring_rank", "ulysses_rank", "local_extent", "exchange_extent"):
+        assert torch.equal(getattr(first, name), getattr(again, name))
 
 
 @SETTINGS
 @given(lengths_st, size_st, size_st)
-def test_every_real_token_lands_exactly_once(lengths, ulysses, ring):
-    held = torch.cat(build_layout(lengths, ulysses, ring).local)
-    assert sorted(held[held >= 0].tolist()) == list(range(sum(lengths)))
+def test_balanced_keeps_short_documents_whole_but_one_per_rank(lengths, ulysses, ring):
+    """Documents of at most 1/8 of a rank's tokens are LOCAL, except at most one per rank
+    that is cut at a rank boundary (or all, when the batch falls back to zigzag)."""
+    batch = layout.batch_layout(cu_seqlens(lengths), ulysses, ring, PLACEMENTS["balanced"])
+    if bool((batch.kind == layout.Kind.RING).all()):
+        return  # the zigzag fallback
+    short = batch.lengths * ulysses * ring * 8 <= sum(lengths)
+    moved = short & (batch.kind != layout.Kind.LOCAL) & (batch.lengths > 0)
+    assert int(moved.sum()) <= ulysses * ring
 
 
-@SETTINGS
-@given(lengths_st, size_st, size_st)
-def test_every_rank_holds_the_same_token_count_and_ulysses_divides_the_stream(lengths, ulysses, ring):
-    built = build_layout(lengths, ulysses, ring)
-    assert {t.numel() for t in built.local} == {built.stream_length // ulysses}
-    assert built.stream_length % ulysses == 0
-    assert all(s.global_index.numel() == built.stream_length for s in built.streams)
+def packed_batches() -> dict[str, tuple[int, ...]]:
+    """The batches of the GPU benchmark (131 072 tokens), drawn the same way."""
+    generator = torch.Generator().manual_seed(0)
+    short = torch.randint(128, 2049, (202,), generator=generator)
+    log_uniform = torch.empty(25).uniform_(math.log(256), math.log(32768), generator=generator)
+    return {
+        "one-document": (131072,),
+        "log-uniform": tuple(torch.exp(log_uniform).long().tolist()),
+        "short": tuple(short.tolist()),
+    }
 
 
-@SETTINGS
-@given(lengths_st, size_st, size_st, st.integers(1, 3))
-def test_shard_then_unshard_is_identity(lengths, ulysses, ring, features):
-    x = torch.arange(sum(lengths) * features, dtype=torch.float32).reshape(-1, features)
-    back = torch.full_like(x, float("nan"))
-    for index in build_layout(lengths, ulysses, ring).local:
-        shard = x[index.clamp(min=0)]  # what plan.shard does, pads aside
-        back[index[index >= 0]] = shard[index >= 0]
-    assert torch.equal(back, x)
+BIG_MESHES = ((2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (8, 1), (4, 2), (2, 4), (8, 4))
 
 
-@SETTINGS
-@given(lengths_st, size_st, size_st)
-def test_real_tokens_of_each_document_are_an_increasing_prefix_of_its_stream_part(lengths, ulysses, ring):
-    for stream in build_layout(lengths, ulysses, ring).streams:
-        for doc in stream.doc.unique().tolist():
-            part = stream.doc == doc
-            valid, position = stream.valid[part], stream.position[part]
-            real = int(valid.sum())
-            assert valid[:real].all() and not valid[real:].any()
-            assert (position[1:] > position[:-1]).all()
+@pytest.mark.parametrize("mesh", BIG_MESHES, ids=lambda m: f"u{m[0]}xr{m[1]}")
+@pytest.mark.parametrize("name", sorted(packed_batches()))
+def test_balanced_balances_work_and_tokens_on_the_benchmark_batches(name, mesh):
+    lengths = packed_batches()[name]
+    balanced = build(lengths, *mesh, "balanced")
+    zigzag = build(lengths, *mesh, "zigzag")
+    assert pad_fraction(balanced, lengths) < 0.02
+    assert imbalance(rank_work(balanced, mesh[0])) < 0.05
+    assert pad_fraction(balanced, lengths) <= max(pad_fraction(zigzag, lengths), 0.02)
+    short = balanced.batch.lengths * mesh[0] * mesh[1] * 8 <= sum(lengths)
+    moved = short & (balanced.batch.kind != layout.Kind.LOCAL)
+    assert int(moved.sum()) <= mesh[0] * mesh[1], "short documents must stay whole"
 
 
 @st.composite
-def lengths_multiple_of_2r(draw):
-    ring = draw(st.integers(1, 4))
-    lengths = draw(st.lists(st.integers(0, 6).map(lambda m: 2 * ring * m), min_size=1, max_size=8))
-    return tuple(lengths), ring
+def realistic_batch(draw):
+    """A packed training batch: 64 to 400 documents of log-uniform length 32..8192."""
+    count = draw(st.integers(64, 400))
+    seed = draw(st.integers(0, 2**31 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    logs = torch.empty(count).uniform_(math.log(32), math.log(8192), generator=generator)
+    return tuple(torch.exp(logs).long().tolist())
 
 
-@SETTINGS
-@given(lengths_multiple_of_2r(), size_st)
-def test_causal_work_is_equal_when_lengths_are_multiples_of_2r(lengths_and_ring, ulysses):
-    lengths, ring = lengths_and_ring
-    work = {causal_work(s) for s in build_layout(lengths, ulysses, ring).streams}
-    assert len(work) == 1, f"causal work per ring rank differs: {work}"
-
-
-@SETTINGS
-@given(lengths_st, size_st, size_st)
-def test_causal_work_imbalance_is_bounded_by_the_padding(lengths, ulysses, ring):
-    """With padding to P_i, every ring rank would do the same work; a pad at position p only
-    removes the p + 1 pairs of its query, so the imbalance is at most the pads' pairs."""
-    work = [causal_work(s) for s in build_layout(lengths, ulysses, ring).streams]
-    padded = [-(-n // (2 * ring)) * 2 * ring for n in lengths]
-    bound = sum(sum(p + 1 for p in range(n, pn)) for n, pn in zip(lengths, padded))
-    assert max(work) - min(work) <= bound
-    assert sum(work) == sum(n * (n + 1) // 2 for n in lengths)
+@settings(max_examples=25, deadline=None)
+@given(realistic_batch(), st.sampled_from(BIG_MESHES))
+def test_balanced_is_balanced_on_random_batches_and_never_worse_than_zigzag(lengths, mesh):
+    balanced = build(lengths, *mesh, "balanced")
+    zigzag = build(lengths, *mesh, "zigzag")
+    pads = pad_fraction(balanced, lengths)
+    assert pads < 0.02 or pads <= pad_fraction(zigzag, lengths)
+    work = imbalance(rank_work(balanced, mesh[0]))
+    assert work < 0.05 or work <= imbalance(rank_work(zigzag, mesh[0]))

@@ -1,4 +1,4 @@
-"""The passes of the ``hcp`` backend in one process (DESIGN §5): matching attention nodes in
+"""The passes of the ``hcp`` backend in one process (docs/design.md §5): matching attention nodes in
 Dynamo graphs (``find_attention``), the decorator's scoping, the rewrite and its report, the
 backend's options and errors, ``explain`` and the dump folder.
 
@@ -29,8 +29,9 @@ from torch.utils._pytree import tree_map_only
 import hcp_compile as hc
 from attention_reference import reference_attention, reference_with_grads
 from checks import assert_matches
+from compile_cases import counting_runs
 from cp_cases import HEAD_DIM, cu_seqlens, seeded
-from hcp_compile.compiled import check_layout, hierarchical_varlen_attention
+from hcp_compile.compiled import checked_layout, hierarchical_varlen_attention
 from hcp_compile.marking import AttentionMark
 from hcp_compile.mesh import CPGroups, resolve_groups
 from hcp_compile.passes import report
@@ -409,7 +410,7 @@ class ThreeCalls(nn.Module):
 def rewritten_three_calls(groups: CPGroups, kernel: str = "auto"):
     q, k, v = qkv()
     (gm,) = capture(ThreeCalls(), q, k, v, CU, cu_seqlens((12,)))
-    done = rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(groups, kernel, True))
+    done = rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(groups, kernel, True, "balanced"))
     return gm, done
 
 
@@ -418,19 +419,22 @@ def test_rewrite_replaces_every_match_and_checks_each_cu_seqlens_once():
     graph = gm.graph
     assert find_attention(graph) == []  # no matched op is left
     attention = calls_to(graph, hierarchical_varlen_attention)
-    checks = calls_to(graph, check_layout)
+    checks = calls_to(graph, checked_layout)
     assert len(attention) == 3 and len(checks) == 2
     inputs = placeholders(gm)
     assert [c.args[0] for c in checks] == [inputs["l_cu_"], inputs["l_other_cu_"]]
-    assert all(c.kwargs == {"ulysses_group": "ulysses-group", "ring_group": "ring-group", "agree": True}
+    assert all(c.kwargs == {"ulysses_group": "ulysses-group", "ring_group": "ring-group",
+                            "placement": "balanced", "agree": True}
                for c in checks)
+    # every call reads the checked layout of its own cu_seqlens
+    assert [a.args[4] for a in attention] == [checks[0], checks[0], checks[1]]
     scale = HEAD_DIM**-0.5
     assert [(a.kwargs["causal"], a.kwargs["scale"], a.kwargs["window"], a.kwargs["return_lse"])
             for a in attention] == [(True, scale, (-1, -1), False), (False, scale, (-1, -1), True),
                                     (False, scale, (2, 3), False)]
     assert all(a.kwargs["kernel"] == "torch" and a.kwargs["ulysses_group"] == "ulysses-group"
                and a.kwargs["ring_group"] == "ring-group" for a in attention)
-    assert [a.args[4] for a in attention] == [7, 7, 12]
+    assert [a.args[3] for a in attention] == [7, 7, 12]
     assert [(r.heads_q, r.heads_kv, r.head_dim, r.dtype, r.local_tokens) for r in done] == [
         (4, 2, HEAD_DIM, torch.float32, 12)] * 3
     assert [(r.returns_lse, r.checked, r.kernel) for r in done] == [
@@ -449,11 +453,12 @@ def test_report_table_rows_and_collectives():
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
     assert [row[1] for row in rows] == ["hcp::varlen_attention", "torch_attn::_varlen_attn",
                                         "hcp::varlen_attention"]
-    assert all(row[2:7] == ["4/2", str(HEAD_DIM), "float32", "2 x 2", "torch"] for row in rows)
-    assert [row[7] for row in rows] == ["3 all_to_all, 1 ring, 2 all_reduce (check)",
+    assert all(row[2:8] == ["4/2", str(HEAD_DIM), "float32", "2 x 2", "balanced", "torch"]
+               for row in rows)
+    assert [row[8] for row in rows] == ["3 all_to_all, 1 ring, 2 all_reduce (check)",
                                         "4 all_to_all, 1 ring",
                                         "3 all_to_all, 1 ring, 2 all_reduce (check)"]
-    assert all(row[8] == "3 all_to_all, 3 ring" and row[11] == "2" for row in rows)
+    assert all(row[9] == "3 all_to_all, 3 ring" and row[12] == "2" for row in rows)
     assert report.table([], stand_in_groups(2, 2), agree=True) == "no attention node with cu_seqlens was found"
 
 
@@ -477,7 +482,7 @@ def test_rewrite_refuses_head_counts_the_mesh_cannot_split(heads_q, heads_kv, ul
     (gm,) = capture(Layers(HcpAttention()), q, k, v, CU, CU)
     with pytest.raises(UnsupportedAttention, match="hcp::varlen_attention at layers.1.attn") as raised:
         rewrite_attention(gm.graph, find_attention(gm.graph),
-                          RewriteConfig(stand_in_groups(ulysses, 1), "auto", True))
+                          RewriteConfig(stand_in_groups(ulysses, 1), "auto", True, "balanced"))
     assert message in str(raised.value)
 
 
@@ -486,7 +491,7 @@ def test_rewrite_accepts_kv_heads_that_divide_or_are_divisible_by_ulysses(ulysse
     q, k, v = qkv(heads_q=8, heads_kv=heads_kv)
     (gm,) = capture(Layers(HcpAttention()), q, k, v, CU, CU)
     (done,) = rewrite_attention(gm.graph, find_attention(gm.graph),
-                                RewriteConfig(stand_in_groups(ulysses, 2), "auto", True))
+                                RewriteConfig(stand_in_groups(ulysses, 2), "auto", True, "balanced"))
     assert (done.heads_q, done.heads_kv) == (8, heads_kv)
 
 
@@ -498,7 +503,7 @@ def test_rewrite_refuses_outputs_other_than_out_and_lse():
     q, k, v = qkv()
     (gm,) = capture(uses_third_output, q, k, v, CU)
     with pytest.raises(UnsupportedAttention, match="output 2 of the op is used"):
-        rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "auto", True))
+        rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "auto", True, "balanced"))
 
 
 def test_mark_kernel_overrides_the_backend_kernel():
@@ -508,25 +513,25 @@ def test_mark_kernel_overrides_the_backend_kernel():
     q, k, v = qkv()
     (gm,) = capture(Two(Marked(), Marked()), q, k, v, CU)
     # the backend asks for flash, which cannot run on CPU; the marks' "torch" wins
-    done = rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "flash", True))
+    done = rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "flash", True, "balanced"))
     assert [r.kernel for r in done] == ["torch", "torch"]
     (gm,) = capture(Two(Plain(), Plain()), q, k, v, CU)
     with pytest.raises(hc.InputError, match="kernel='flash' needs CUDA"):
-        rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "flash", True))
+        rewrite_attention(gm.graph, find_attention(gm.graph), RewriteConfig(stand_in_groups(2, 2), "flash", True, "balanced"))
 
 
 def test_pass_uuid_is_stable_and_keyed_by_options_and_marks(mesh):
     groups = resolve_groups(mesh)
 
-    def uuid(kernel="auto", agree=True):
-        return HierarchicalCPPass(RewriteConfig(groups, kernel, agree)).uuid()
+    def uuid(kernel="auto", agree=True, placement="balanced"):
+        return HierarchicalCPPass(RewriteConfig(groups, kernel, agree, placement)).uuid()
 
     gc.collect()  # the marks are weakly held: no marked class of another test may vanish now
     gc.disable()
     try:
         first = uuid()
         assert uuid() == first
-        assert len({first, uuid(kernel="torch"), uuid(agree=False)}) == 3
+        assert len({first, uuid(kernel="torch"), uuid(agree=False), uuid(placement="zigzag")}) == 4
         newly_marked = hc.attention(type("NewlyMarked", (Plain,), {}))
         assert uuid() != first
         del newly_marked
@@ -556,7 +561,7 @@ def test_invalid_backend_options_raise(options, message):
 def test_unknown_option_through_torch_compile_names_it():
     q, k, v = qkv()
     compiled = torch.compile(Plain(), backend="hcp", options={"inner": "aot_eager", "dump": "/tmp"})
-    with pytest.raises(RuntimeError, match=r"InputError: options: unknown \['dump'\]"):
+    with pytest.raises(hc.InputError, match=r"options: unknown \['dump'\]"):
         compiled(q, k, v, CU)
 
 
@@ -607,10 +612,14 @@ class TorchVarlenModel(nn.Module):
 
 
 def test_explain_reports_without_running_the_model(mesh):
-    """The model cannot run on CPU (varlen_attn has no CPU kernel), yet explain reports."""
+    """The model cannot run on CPU (varlen_attn has no CPU kernel), yet explain reports,
+    calling nothing that running the model would call; compiled and run, the model calls all
+    of it (so the counting sees a run)."""
     model = TorchVarlenModel()
     x = torch.randn(12, 16, requires_grad=True)
-    explanation = hc.explain(model, x, CU, 7, mesh=mesh)
+    with counting_runs() as runs:
+        explanation = hc.explain(model, x, CU, 7, mesh=mesh)
+    assert set(runs.values()) == {0}, f"explain ran the model: {runs}"
     (graph,) = explanation.graphs
     assert [r.match.module_path for r in graph.rewritten] == ["blocks.0", "blocks.1"]
     assert [r.match.op for r in graph.rewritten] == ["torch_attn::_varlen_attn"] * 2
@@ -621,9 +630,12 @@ def test_explain_reports_without_running_the_model(mesh):
     (table,) = explanation.tables
     assert "| blocks.0 " in table and "| blocks.1 " in table and "1 x 1" in table
     assert str(explanation).startswith("graph 0: 2 attention node(s) rewritten\n|")
-    assert x.grad is None and all(p.grad is None for p in model.parameters())
     with pytest.raises(hc.InputError, match="unknown"):
         hc.explain(model, x, CU, 7, mesh=mesh, bogus=True)
+    with counting_runs() as runs:
+        torch.compile(model, backend=hc.backend(mesh=mesh, inner="aot_eager"))(
+            hc.shard_plan(CU, mesh).shard(x), CU, 7)
+    assert 0 not in runs.values(), f"the counting missed a run: {runs}"
 
 
 def test_explain_of_a_model_without_attention(mesh):
@@ -740,3 +752,49 @@ def test_attention_inside_a_checkpoint_region_is_matched():
     (match,) = find_attention(gm.graph)
     assert match.node.graph is not gm.graph  # found in the checkpoint body
     assert match.op == "hcp::varlen_attention"
+
+
+# --------------------------------------------------------------------------------------------
+# the compiled batch check (one rank), and nested contexts
+# --------------------------------------------------------------------------------------------
+
+class GivenMaxSeqlen(nn.Module):
+    def forward(self, q, k, v, cu, max_seqlen: int):
+        return hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True)
+
+
+def compiled_on(mesh, model: nn.Module):
+    return torch.compile(model, backend="hcp", options={"mesh": mesh, "inner": "aot_eager"})
+
+
+def test_compiled_refuses_max_seqlen_below_the_longest_document(mesh):
+    q, k, v = qkv()
+    with pytest.raises(hc.InputError, match="max_seqlen must be at least the longest document"):
+        compiled_on(mesh, GivenMaxSeqlen())(q, k, v, CU, 6)
+
+
+def test_compiled_refuses_int64_cu_seqlens_at_compile_time(mesh):
+    q, k, v = qkv()
+    with pytest.raises(hc.InputError, match="cu_seqlens_q: expected dtype torch.int32"):
+        compiled_on(mesh, Plain())(q, k, v, CU.long())
+
+
+def test_compiled_refuses_a_batch_planned_with_another_placement(mesh):
+    q, k, v = qkv()
+    cu = CU.clone()
+    hc.shard_plan(cu, mesh, placement="zigzag")  # the backend's placement is "balanced"
+    with pytest.raises(hc.InputError, match="sharded by shard_plan for another mesh shape or placement"):
+        compiled_on(mesh, Plain())(q, k, v, cu)
+
+
+def test_nested_context_parallel_restores_each_outer_context(mesh):
+    from hcp_compile.context import active_context
+
+    outer, inner = hc.context_parallel(mesh), hc.context_parallel(mesh, placement="zigzag")
+    with outer:
+        with inner:
+            with inner:  # the same context entered twice
+                assert active_context() is inner
+            assert active_context() is inner
+        assert active_context() is outer
+    assert active_context() is None

@@ -13,7 +13,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
-# what the flash kernels reach on an H200 for fwd+bwd (DESIGN §7): turns FLOPs into time
+# what the flash kernels reach on an H200 for fwd+bwd (docs/design.md §7): turns FLOPs into time
 ATTENTION_FLOPS_PER_S = 318e12
 
 
@@ -44,9 +44,18 @@ def _block_backward_flops(dout_shape, q_shape, k_shape, v_shape, output_shape, l
     return block_flops(q_shape, k_shape, max_k, causal, backward=True)
 
 
+# what a size read from the batch (the layout's sizes) counts as when it has no hint: the
+# value Inductor itself assumes for such sizes
+UNKNOWN_SIZE = 8192
+
+
 def size_hint(size: int | torch.SymInt) -> int:
-    """A size as an int, without adding a guard for a symbolic one."""
-    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
+    """A size as an int, without adding a guard for a symbolic one (``UNKNOWN_SIZE`` for a
+    size that depends on the batch's values)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    hint = size.node.hint
+    return int(hint) if hint is not None else UNKNOWN_SIZE
 
 
 def estimate_block_runtime_ms(node: fx.Node, override_size: int | None = None) -> float | None:

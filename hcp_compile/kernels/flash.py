@@ -34,6 +34,9 @@ def forward(
     q_positions: Tensor | None, k_positions: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     left, right = _window(window_left, window_right, q_positions)
+    if q.shape[0] == 0 or k.shape[0] == 0:  # an empty region or ring section: nothing to see
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+        return torch.zeros_like(q), lse
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
         scale=scale, window_size_left=left, window_size_right=right,
@@ -48,6 +51,8 @@ def backward(
     q_positions: Tensor | None, k_positions: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     left, right = _window(window_left, window_right, q_positions)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
     unused = torch.empty(0, device=q.device)
     return torch.ops.aten._flash_attention_backward(
