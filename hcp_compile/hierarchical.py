@@ -61,14 +61,14 @@ def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -
     """Merged ``(out, lse)`` of the exchange stream's queries: the own step against the whole
     stream, each further step against another ring rank's ring section (the first
     ``ring_width`` rows, all a transfer carries). Pad rows come out as (0, -inf)."""
-    ring, rank = groups.ring_size, groups.ring_rank
+    ring, rank, steps = groups.ring_size, groups.ring_rank, len(sched.steps)
     kv_heads = kv.shape[1] // 2
     section = (sched.sizes.ring_width, *kv.shape[1:])
     out = lse = incoming = None
     for index, step in enumerate(sched.steps):
         current = kv if index == 0 else arrived(incoming, section)
         # issue the next transfer before this step's compute, so the two can overlap
-        if index + 1 < ring:
+        if index + 1 < steps:
             ring_section = current.split([section[0], current.shape[0] - section[0]])[0]
             incoming = ring_shift(ring_section, groups.ring_group, rank, ring)
         if step.active:
@@ -87,7 +87,7 @@ def ring_backward(
     its owner after the last step; the GROUP documents' dKV stays home. Sums of several blocks
     are kept in fp32 (float64 for float64 inputs); a block's own gradient and the finished sum
     travel in the input dtype, which rounds nothing that the result would not."""
-    ring, rank = groups.ring_size, groups.ring_rank
+    ring, rank, steps = groups.ring_size, groups.ring_rank, len(sched.steps)
     kv_heads = kv.shape[1] // 2
     acc = accumulate_dtype(q.dtype)
     width = sched.sizes.ring_width
@@ -98,12 +98,12 @@ def ring_backward(
     # the forward's identical ones (or moves them into the forward) and keeps every rank's KV
     # alive until the backward.
     own_section = kv.split([width, kv.shape[0] - width])[0]
-    message = torch.cat([own_section.reshape(-1), carried.to(kv.dtype)]) if ring > 1 else None
+    message = torch.cat([own_section.reshape(-1), carried.to(kv.dtype)]) if steps > 1 else None
     for index, step in enumerate(sched.steps):
         if index > 0:
             message = arrived(incoming, message.shape)
         current = kv if index == 0 else message[: own_section.numel()].view(section)
-        if index + 1 < ring:
+        if index + 1 < steps:
             incoming = ring_shift(message, groups.ring_group, rank, ring)
         dkv = None
         if step.active:
@@ -120,12 +120,12 @@ def ring_backward(
             dkv = received if dkv is None else received + dkv
         if dkv is None:
             dkv = torch.zeros(section, dtype=kv.dtype, device=kv.device)
-        if ring > 1:
-            last_hop = index == ring - 1
+        if steps > 1:
+            last_hop = index == steps - 1
             travelling = ring_shift(dkv.to(kv.dtype) if last_hop else dkv, groups.ring_group, rank, ring)
         else:
             travelling = dkv
-    ring_dkv = arrived(travelling, section) if ring > 1 else travelling
+    ring_dkv = arrived(travelling, section) if steps > 1 else travelling
     return dq.to(q.dtype), torch.cat([ring_dkv.to(kv.dtype), home.to(kv.dtype)])
 
 

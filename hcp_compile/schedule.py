@@ -46,16 +46,19 @@ def build_schedule(
     ring = batch.ring
     windowed = window != (-1, -1)
     own = layout.stream_table(batch, ring_rank)
-    sources = [(ring_rank - s) % ring for s in range(ring)]
+    # no ring section (a batch of short documents): nothing goes round the ring, so the
+    # schedule has the own step only; a symbolic width (a compiled graph) keeps every step
+    steps = 1 if isinstance(sizes.ring_width, int) and sizes.ring_width == 0 else ring
+    sources = [(ring_rank - s) % ring for s in range(steps)]
     kinds = [layout.step_kind(ring_rank, src, causal) for src in sources]
     tables = [own] + [layout.stream_table(batch, src, with_group=False) for src in sources[1:]]
-    lengths = [sizes.stream] + [sizes.ring_width] * (ring - 1)
+    lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
     positions = [
         layout.stream_tokens(table, src, ring, length).position if windowed else None
         for table, src, length in zip(tables, sources, lengths)
     ]
-    active = [True] * ring
-    if windowed and skip_outside_window and ring > 1:
+    active = [True] * steps
+    if windowed and skip_outside_window and steps > 1:
         seen = torch.stack([
             layout.step_sees_any_key(own, table, ring_rank, src, ring, kind, *window)
             for table, src, kind in zip(tables[1:], sources[1:], kinds[1:])

@@ -407,16 +407,3 @@ def test_inductor_graphs_hold_the_rewritten_collectives(cp_world):
             got = {k: counted[k] for k in ("ulysses", "ring", "all_reduce")}
             assert got == expected[graph], f"rank {rank} {name}: {got}, expected {expected[graph]}"
             assert counted["other_group"] == 0
-
-
-@pytest.mark.parametrize("mesh", COMPILE_MESHES, ids=mesh_id)
-def test_compiled_short_documents_send_nothing_round_the_ring(cp_world, mesh):
-    """The same compiled graph, two batches: short documents move no token round the ring
-    (and, within a Ulysses group, at most one document per rank); long ones do."""
-    ulysses, ring = mesh
-    for rank, sent in enumerate(compile_world(cp_world, mesh).values("traffic-compiled")):
-        assert sent["short"]["ring"] == 0, f"rank {rank}: {sent}"
-        if ring > 1:
-            assert sent["long"]["ring"] > 0, f"rank {rank}: {sent}"
-        if ulysses > 1:
-            assert sent["short"]["ulysses"] * 4 < sent["long"]["ulysses"], f"rank {rank}: {sent}"

@@ -39,7 +39,9 @@ class CostModel:
     """What the rule weighs. The defaults describe H200s with bf16 GQA attention (32 query and
     8 key/value heads of 128) and a ring that crosses nodes."""
 
-    balance_tolerance: float = 0.05  # share of a rank's causal work one document may hold
+    # share of a rank's causal work one document may hold: half the 5 % the ranks may differ
+    # by, so that dealing whole documents stays inside it
+    balance_tolerance: float = 0.025
     short_fraction: float = 1 / 8  # documents up to this share of a rank's tokens stay whole
     max_pad_fraction: float = 0.02  # more pads than this: fall back to zigzag if it pads less
     attention_flops_per_s: float = 375e12  # one GPU, fwd+bwd, on long documents
@@ -66,12 +68,12 @@ def balanced(lengths: Tensor, ulysses: int, ring: int, cost: CostModel = DEFAULT
     total = lengths.sum()
     work = lengths * lengths
     total_work = work.sum()
-    tolerance = 1 / cost.balance_tolerance  # compare in integers: work * ranks * 20 > total
+    tolerance = round(1 / cost.balance_tolerance)  # compare in integers: work * ranks * 40 > total
     short = lengths * ranks * round(1 / cost.short_fraction) <= total
-    lumpy = ~short & (work * ranks * round(tolerance) > total_work)
+    lumpy = ~short & (work * ranks * tolerance > total_work)
     no = torch.zeros_like(lumpy)
     if ring > 1:
-        group_cannot_absorb = work * ring * round(tolerance) > total_work
+        group_cannot_absorb = work * ring * tolerance > total_work
         ring_doc = lumpy & (group_cannot_absorb | (ulysses == 1) | cost.ring_hides_transfers(lengths, ring))
     else:
         ring_doc = no
