@@ -12,7 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import layout, validation
 from .hierarchical import HierarchicalAttention
 from .kernels import KERNEL_CHOICES, resolve_kernel
-from .layout import RankSizes
+from .layout import BatchLayout, RankSizes
 from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
 from .placements import DEFAULT_PLACEMENT, PLACEMENTS, check_placement, placement_rule
 from .plan import check_plan_agrees
@@ -63,6 +63,7 @@ class _BatchFacts:
 
     version: int
     values: Tensor  # host copy, int64
+    layout: BatchLayout  # on the host; the schedule moves it to the attention's device
     sizes: RankSizes  # this rank's sizes under the layout
     fingerprint: int
 
@@ -119,7 +120,7 @@ class ContextParallel:
                 groups.ulysses_rank,
             )
             fingerprint = int(validation.batch_fingerprint(values, self._placement_index()))
-            facts = _BatchFacts(cu_seqlens._version, values, sizes, fingerprint)
+            facts = _BatchFacts(cu_seqlens._version, values, batch, sizes, fingerprint)
             self._facts_of[cu_seqlens] = facts
         return facts
 
@@ -138,12 +139,8 @@ class ContextParallel:
             for stale in [old for old in per_tensor if old[0] != key[0]]:
                 del per_tensor[stale]  # the tensor was written in place since
             groups = self.groups
-            batch = layout.batch_layout(
-                facts.values.to(q.device), groups.ulysses_size, groups.ring_size,
-                placement_rule(self.options.placement),
-            )
             per_tensor[key] = build_schedule(
-                batch, facts.sizes, max_seqlen, groups.ring_rank, causal=causal, scale=scale,
+                facts.layout.to(q.device), facts.sizes, max_seqlen, groups.ring_rank, causal=causal, scale=scale,
                 window=window, kernel=kernel, skip_outside_window=self.options.skip_outside_window,
             )
         return per_tensor[key]
