@@ -17,6 +17,7 @@ import json
 import math
 import os
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -57,6 +58,24 @@ class Attention(nn.Module):
         )
 
 
+def profile_step(fn, inputs: list[torch.Tensor], cu: torch.Tensor, longest: int, label: str,
+                 out_dir: str | None) -> None:
+    """Rank 0's top ops of one forward + backward (CPU and CUDA time), and its Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*inputs, cu, longest).sum().backward()
+        torch.cuda.synchronize()
+    if dist.get_rank() != 0:
+        return
+    print(f"profile {label}:")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    if out_dir:
+        prof.export_chrome_trace(str(Path(out_dir) / f"trace_{label.replace(' ', '_')}.json"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ulysses", type=int, required=True)
@@ -68,6 +87,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--no-compile", action="store_true", help="eager modes only")
+    parser.add_argument("--batches", nargs="*", default=None,
+                        help="run only the batches whose name contains one of these words")
+    parser.add_argument("--placements", nargs="*", default=list(PLACEMENTS), choices=PLACEMENTS)
+    parser.add_argument("--kernel", default="flash", choices=("flash", "flex", "auto"),
+                        help="the block kernel, one GPU and CP alike")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace one CP step per mode into --out and print its top ops")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON")
     args = parser.parse_args()
 
@@ -83,6 +109,8 @@ def main() -> None:
             print(text, flush=True)
 
     for name, lengths in packed_batches(args.tokens).items():
+        if args.batches and not any(word in name for word in args.batches):
+            continue
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         longest = max(lengths)
         shapes = [(args.tokens, h, args.head_dim) for h in (args.heads, args.kv_heads, args.kv_heads)]
@@ -100,27 +128,41 @@ def main() -> None:
                 f"efficiency {rows[-1]['efficiency']:.3f}")
 
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        single_ms = time_fwd_bwd(lambda *t: attend(*t, cu, longest), full, args.warmup, args.iters)
+        scale = args.head_dim ** -0.5
+
+        def one_gpu(q, k, v):  # the single-device op with the benchmark's kernel
+            return torch.ops.hcp.varlen_attention(
+                q, k, v, cu, cu, longest, longest, True, scale, -1, -1, args.kernel
+            )[0]
+
+        single_ms = time_fwd_bwd(one_gpu, full, args.warmup, args.iters)
         record("1 GPU", "-", single_ms, 1)
-        for placement in PLACEMENTS:
+        for placement in args.placements:
             plan = hcp_compile.shard_plan(cu, mesh, placement=placement)
             local = [plan.shard(t).requires_grad_() for t in (q, k, v)]
-            with hcp_compile.context_parallel(mesh, kernel="flash", placement=placement):
+            with hcp_compile.context_parallel(mesh, kernel=args.kernel, placement=placement):
                 ms = time_fwd_bwd(lambda *t: attend(*t, cu, longest), local, args.warmup, args.iters)
             record("eager", placement, ms, world)
+            if args.profile:
+                with hcp_compile.context_parallel(mesh, kernel=args.kernel, placement=placement):
+                    profile_step(attend, local, cu, longest, f"{name}-eager-{placement}", args.out)
             if not args.no_compile:
                 torch._dynamo.reset()
-                backend = hcp_compile.backend(mesh=mesh, placement=placement, kernel="flash")
+                backend = hcp_compile.backend(mesh=mesh, placement=placement, kernel=args.kernel)
                 compiled = torch.compile(attend, backend=backend)
                 started = time.perf_counter()
                 try:  # a compiler failure is reported with the eager rows, not fatal
                     compiled(*local, cu, longest).sum().backward()  # compiles fwd and bwd
                 except Exception as error:  # noqa: BLE001
                     say(f"  compiled {placement}: FAILED {str(error)[:300]}")
+                    if rank == 0:
+                        traceback.print_exc()
                     continue
                 say(f"  compiled in {time.perf_counter() - started:.1f} s")
                 ms = time_fwd_bwd(lambda *t: compiled(*t, cu, longest), local, args.warmup, args.iters)
                 record("compiled", placement, ms, world)
+                if args.profile:
+                    profile_step(compiled, local, cu, longest, f"{name}-compiled-{placement}", args.out)
             if rank == 0:
                 print(plan.summary(args.heads, args.kv_heads, args.head_dim), flush=True)
     if rank == 0:

@@ -70,7 +70,7 @@ def placement(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> layout.Ba
 
 
 def rank_sizes(batch: layout.BatchLayout) -> layout.RankSizes:
-    return layout.rank_sizes(layout.rank_size_values(batch, 0, 0).tolist(), 0)
+    return layout.rank_sizes(layout.rank_size_values(batch, 0, 0).tolist(), 0, batch.ulysses)
 
 
 def own_tokens(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> layout.StreamTokens:

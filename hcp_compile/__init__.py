@@ -5,7 +5,7 @@ from .backend import BackendOptions, backend
 from .context import CPOptions, context_parallel
 from .explain import Explanation, explain
 from .marking import AttentionMark, attention
-from .mesh import make_mesh
+from .mesh import AgreementTimeout, make_mesh
 from .ops import varlen_attention
 from .packing import cu_seqlens_from_position_ids
 from .plan import ShardPlan, shard_plan
@@ -15,6 +15,7 @@ from .hf import register_when_imported as _register_with_transformers
 _register_with_transformers()  # attn_implementation="hcp", without importing transformers
 
 __all__ = [
+    "AgreementTimeout",
     "AttentionMark",
     "BackendOptions",
     "Explanation",

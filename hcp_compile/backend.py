@@ -28,6 +28,10 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 # its shapes, which fails for the sizes the rewritten graph reads from the batch; later
 # versions estimate them (measured on 2.11 and 2.14, docs/design.md §5)
 _OVERLAP_SCHEDULING_TAKES_BATCH_SIZES = torch.__version__ >= "2.12"
+# torch 2.11's launcher of a 2-D tiled Triton kernel divides by its y grid, which is 0 when a
+# batch-dependent size is 0 at run time (an empty exchange stream: every document LOCAL);
+# one tile per kernel keeps those kernels 1-D (measured on 2.11; docs/design.md §5.5)
+_TILED_KERNELS_TAKE_EMPTY_SIZES = torch.__version__ >= "2.12"
 DUMP_ENV = "HCP_DUMP_DIR"
 
 
@@ -251,6 +255,8 @@ def _inductor(
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches: dict[str, Any] = {"pre_grad_custom_pass": rewrite}
+    if groups.device_type == "cuda" and not _TILED_KERNELS_TAKE_EMPTY_SIZES:
+        patches["triton.max_tiles"] = 1
     overlap = getattr(inductor_config, "aten_distributed_optimizations", None)
     if groups.device_type == "cuda" and hasattr(overlap, "enable_overlap_scheduling") and (
         _OVERLAP_SCHEDULING_TAKES_BATCH_SIZES

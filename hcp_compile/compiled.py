@@ -9,6 +9,8 @@ the graph's data-dependent sizes (docs/design.md §5).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
 
 import torch
@@ -17,59 +19,39 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import layout, validation
 from .hierarchical import HierarchicalAttention
-from .layout import BatchLayout, RankSizes
+from .layout import BatchLayout
 from .mesh import CPGroups, resolve_groups
 from .placements import PLACEMENTS, placement_rule
 from .plan import check_plan_agrees
 from .schedule import build_schedule
 
-# the checks of one batch, in the order of the agreed flag vector
-_CHECKS = (
-    "cu_seqlens must start at 0 and never decrease",
-    "q.shape[0] must be the rank's token count under shard_plan(cu_seqlens, mesh, "
-    "placement=...) of the backend's mesh and placement",
-    "cu_seqlens_k must equal cu_seqlens_q",
-    "max_seqlen must be at least the longest document",
-    "the batch was sharded by shard_plan for another mesh shape or placement",
-)
-
 
 def checked_layout(
-    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, local_tokens: int | torch.SymInt,
-    max_seqlen: int | torch.SymInt, *, ulysses_group: str, ring_group: str, placement: str,
-    agree: bool,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tokens: tuple[int | torch.SymInt, ...],
+    max_seqlens: tuple[int | torch.SymInt, ...], *, ulysses_group: str, ring_group: str,
+    placement: str, agree: bool,
 ) -> tuple[BatchLayout, tuple[int, ...]]:
     """Check the batch on the device and return its layout with this rank's sizes (the values
     of :func:`layout.rank_size_values`) read to the host: symbolic ints in a graph. Every
-    attention call of the batch reuses both.
+    attention call of the batch reuses both. ``tokens``: the token counts of q, k and v;
+    ``max_seqlens``: ``max_seqlen_q`` and ``max_seqlen_k``.
 
-    With ``agree`` the checks' outcome and a fingerprint of ``cu_seqlens`` are all-reduced over
-    the mesh first, so every rank raises together (also when the ranks were given different
-    batches) instead of some ranks waiting in the next collective."""
+    The rules are :data:`validation.DEVICE_RULES`. With ``agree`` their outcome and a
+    fingerprint of ``cu_seqlens`` are all-reduced over the mesh first, so every rank raises
+    together (also when the ranks were given different batches) instead of some ranks waiting
+    in the next collective."""
     groups = groups_from_names(ulysses_group, ring_group)
     cu = cu_seqlens_q.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
     ulysses, ring = groups.ulysses_size, groups.ring_size
     batch = BatchLayout(
-        ulysses, ring, cu[:-1], lengths,
+        ulysses, ring, cu[:-1], cu[1:] - cu[:-1],
         *torch.ops.hcp.batch_layout(cu_seqlens_q, ulysses, ring, placement),
     )
     values = layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank)
-    if cu_seqlens_k is cu_seqlens_q:
-        k_matches = torch.ones((), dtype=torch.bool, device=cu.device)
-    elif cu_seqlens_k.shape == cu_seqlens_q.shape:
-        k_matches = (cu_seqlens_k.to(torch.int64) == cu).all()
-    else:
-        k_matches = torch.zeros((), dtype=torch.bool, device=cu.device)
-    failed = torch.stack([
-        (cu[0] != 0) | (lengths < 0).any(),
-        values[0] != local_tokens,
-        ~k_matches,
-        lengths.max() > max_seqlen,
-        torch.ops.hcp.plan_disagrees(
-            cu_seqlens_q, groups.ulysses_size, groups.ring_size, placement
-        ).reshape(()),
-    ]).to(torch.int64)
+    failed = validation.batch_failures(
+        cu_seqlens_q, cu_seqlens_k, values[0], tokens, max_seqlens,
+        torch.ops.hcp.plan_disagrees(cu_seqlens_q, ulysses, ring, placement),
+    )
     fingerprint = validation.batch_fingerprint(cu, list(PLACEMENTS).index(placement))
     flags = torch.cat([failed, torch.stack([fingerprint, -fingerprint])])
     if agree:
@@ -88,11 +70,23 @@ _DECIDED = ("kind", "ring_rank", "ulysses_rank", "chunk", "local_extent", "excha
 def batch_layout_op(cu_seqlens: Tensor, ulysses: int, ring: int, placement: str) -> tuple[
     Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
 ]:
-    """:func:`layout.batch_layout`'s decided fields, as one opaque op: the compiled graph runs
-    the placement rule's sorts and searches as they are instead of generating kernels for
-    them (docs/design.md §5)."""
-    batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(placement))
-    return tuple(getattr(batch, name).clone() for name in _DECIDED)
+    """:func:`layout.batch_layout`'s decided fields, as one opaque op. The rule runs on the
+    host, once per distinct batch: on a GPU its hundreds of small sorts, scans and searches
+    cost milliseconds of launches per call, the host copy of ``cu_seqlens`` microseconds
+    (docs/design.md §5.3)."""
+    host = cu_seqlens.cpu()
+    decided = _host_layout(host.numpy().tobytes(), str(host.dtype), ulysses, ring, placement)
+    return tuple(t.to(cu_seqlens.device, copy=True) for t in decided)
+
+
+@functools.lru_cache(maxsize=8)
+def _host_layout(
+    cu_bytes: bytes, dtype: str, ulysses: int, ring: int, placement: str
+) -> tuple[Tensor, ...]:
+    """The decided fields for a batch given by value (the cache key), on the host."""
+    cu = torch.frombuffer(bytearray(cu_bytes), dtype=getattr(torch, dtype.removeprefix("torch.")))
+    batch = layout.batch_layout(cu, ulysses, ring, placement_rule(placement))
+    return tuple(getattr(batch, name) for name in _DECIDED)
 
 
 @batch_layout_op.register_fake
@@ -123,15 +117,9 @@ def raise_if_rejected(flags: Tensor, sizes: Tensor) -> Tensor:
     """Raise :class:`InputError` on the host if the agreed ``flags`` reject the batch, else
     pass ``sizes`` on (the host read it needs is the one the sizes need anyway)."""
     *failed, highest, negated_lowest = flags.tolist()
-    reasons = [check for check, bad in zip(_CHECKS, failed) if bad]
-    if highest != -negated_lowest:
-        reasons.append("every rank must pass the same cu_seqlens (the ranks got different ones)")
-    if reasons:
-        raise validation.InputError(
-            "cu_seqlens: the batch does not match the local shards on some rank of the "
-            f"context-parallel mesh: {'; '.join(reasons)}; pass the global cu_seqlens and "
-            "plan.shard(x) of the same batch, mesh and placement"
-        )
+    error = validation.rejected_batch_error(failed, batches_differ=highest != -negated_lowest)
+    if error is not None:
+        raise error
     return sizes.clone()
 
 
@@ -150,12 +138,14 @@ def hierarchical_varlen_attention(
     laid out by ``shard_plan``; ``batch`` comes from :func:`checked_layout`. The groups are
     given by name so that the call prints as readable code in a dumped graph."""
     groups = groups_from_names(ulysses_group, ring_group)
-    batch_layout, (_tokens, local, ring_width, *exchange) = batch
-    for size in (local, ring_width, *exchange):
+    batch_layout, values = batch
+    for size in values[1:]:
         _check_is_size(size)
-    rank_sizes = RankSizes(q.shape[0], local, tuple(exchange), ring_width, groups.ulysses_rank)
-    torch._check(local + rank_sizes.own_exchange <= q.shape[0])
-    torch._check(ring_width <= rank_sizes.stream)
+    rank_sizes = dataclasses.replace(
+        layout.rank_sizes(values, groups.ulysses_rank, groups.ulysses_size), tokens=q.shape[0]
+    )
+    torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
+    torch._check(rank_sizes.ring_width <= rank_sizes.stream)
     sched = build_schedule(
         batch_layout.to(q.device), rank_sizes, max_seqlen, groups.ring_rank, causal=causal, scale=float(scale),
         window=window, kernel=kernel, skip_outside_window=False,

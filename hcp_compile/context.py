@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextvars
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import layout, validation
 from .hierarchical import HierarchicalAttention
-from .kernels import KERNEL_CHOICES, resolve_kernel
+from .kernels import KERNEL_CHOICES, BlockRequest, resolve_kernel
 from .layout import BatchLayout, RankSizes
 from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
 from .placements import DEFAULT_PLACEMENT, PLACEMENTS, check_placement, placement_rule
@@ -30,8 +29,9 @@ class CPOptions:
 
     placement: the token layout rule, as given to ``shard_plan`` (``"balanced"``: short
         documents whole on one rank, or ``"zigzag"``: every document round the ring).
-    kernel: ``"auto"`` (flash on CUDA in fp16/bf16, else the plain-PyTorch kernel),
-        ``"flash"`` or ``"torch"``.
+    kernel: ``"auto"`` (the fastest kernel measured on the device that supports the call,
+        kernels/measured.json; unmeasured devices: flash where it can run, else the
+        plain-PyTorch kernel), ``"flex"``, ``"flash"`` or ``"torch"``.
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
         outside it (costs one small device-to-host read per new ``cu_seqlens``).
     agree_across_ranks: before the first collective of every call, all ranks agree that
@@ -40,17 +40,23 @@ class CPOptions:
         ``init_process_group("cpu:gloo,cuda:nccl")``, it does not wait for the GPU). Off:
         checks stay local, which is cheaper, but one rank's bad input can leave the other
         ranks waiting in a collective.
+    agreement_timeout_s: how long that agreement waits for the other ranks before it raises
+        :class:`hcp_compile.AgreementTimeout` (a rank that skipped the call, e.g. because it
+        caught an exception and went on, would leave the others waiting); None: the process
+        group's own timeout (``init_process_group(timeout=...)``).
     """
 
     placement: str = DEFAULT_PLACEMENT
     kernel: str = "auto"
     skip_outside_window: bool = True
     agree_across_ranks: bool = True
+    agreement_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
         if self.kernel not in KERNEL_CHOICES:
             raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
+        validation.check_timeout(self.agreement_timeout_s, "agreement_timeout_s")
 
 
 def active_context() -> "ContextParallel | None":
@@ -101,10 +107,15 @@ class ContextParallel:
         except InputError as exc:
             error = exc
         if self.options.agree_across_ranks:
-            agree_on_error(self.groups, error, facts.fingerprint if facts is not None else None)
+            agree_on_error(
+                self.groups, error, facts.fingerprint if facts is not None else None,
+                timeout_s=self.options.agreement_timeout_s,
+            )
         elif error is not None:
             raise error
-        sched = self._schedule(q, cu_seqlens_q, facts, max_seqlen_q, causal, scale, window, kernel)
+        # max_seqlen only bounds the kernels' segments: the larger one is right for both
+        max_seqlen = max(max_seqlen_q, max_seqlen_k)
+        sched = self._schedule(q, cu_seqlens_q, facts, max_seqlen, causal, scale, window, kernel)
         return HierarchicalAttention.apply(q, k, v, sched, self.groups, False)
 
     def _facts(self, cu_seqlens: Tensor) -> _BatchFacts:
@@ -117,7 +128,7 @@ class ContextParallel:
             )
             sizes = layout.rank_sizes(
                 layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank).tolist(),
-                groups.ulysses_rank,
+                groups.ulysses_rank, groups.ulysses_size,
             )
             fingerprint = int(validation.batch_fingerprint(values, self._placement_index()))
             facts = _BatchFacts(cu_seqlens._version, values, batch, sizes, fingerprint)
@@ -142,43 +153,30 @@ class ContextParallel:
             per_tensor[key] = build_schedule(
                 facts.layout.to(q.device), facts.sizes, max_seqlen, groups.ring_rank, causal=causal, scale=scale,
                 window=window, kernel=kernel, skip_outside_window=self.options.skip_outside_window,
+                cacheable=True,
             )
         return per_tensor[key]
 
     def _check_call(self, q, k, v, cu_q, cu_k, max_q, max_k, window, facts: _BatchFacts) -> str:
-        """All checks of one call (no collective); returns the kernel to run."""
-        groups = self.groups
+        """The rules of one call (validation.py; no collective); returns the kernel to run."""
+        groups, placement = self.groups, self.options.placement
         validation.check_qkv(q, k, v)
-        if cu_k is not cu_q and not torch.equal(
-            facts.values, validation.check_cu_seqlens(cu_k, "cu_seqlens_k")
-        ):
-            raise InputError(
-                "cu_seqlens_k: under context parallelism queries and keys come from the "
-                "same packed documents, so cu_seqlens_k must equal cu_seqlens_q"
+        if cu_k is not cu_q:
+            validation.check_same_documents(
+                facts.values, validation.check_cu_seqlens(cu_k, "cu_seqlens_k")
             )
-        if max_q != max_k:
-            raise InputError(
-                f"max_seqlen_k: must equal max_seqlen_q under context parallelism, got "
-                f"{max_k} and {max_q}"
-            )
-        validation.check_max_seqlen(max_q, facts.values, "max_seqlen_q")
-        ulysses = groups.ulysses_size
-        validation.check_head_split(q.shape[1], k.shape[1], ulysses)
-        check_plan_agrees(cu_q, ulysses, groups.ring_size, self.options.placement)
-        local = facts.sizes.tokens
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.shape[0] != local:
-                raise InputError(
-                    f"{name}: has {t.shape[0]} tokens but this cu_seqlens sharded over ulysses="
-                    f"{ulysses} x ring={groups.ring_size} (placement "
-                    f"{self.options.placement!r}) gives {local} per rank; pass the local shard "
-                    "from hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)"
-                )
-        kernel = resolve_kernel(self.options.kernel, q)
-        validation.check_kernel_window(
-            kernel, window, "use context_parallel(mesh, kernel='torch') or no window"
+        for name, max_seqlen in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+            validation.check_max_seqlen(max_seqlen, facts.values, name)
+        validation.check_head_split(q.shape[1], k.shape[1], groups.ulysses_size)
+        check_plan_agrees(cu_q, groups.ulysses_size, groups.ring_size, placement)
+        validation.check_shard_tokens(
+            {"q": q, "k": k, "v": v}, facts.sizes.tokens, groups.ulysses_size, groups.ring_size,
+            placement,
         )
-        return kernel
+        return resolve_kernel(
+            self.options.kernel, BlockRequest.of(q, k, window, context_parallel=True),
+            "context_parallel(mesh, kernel=...)",
+        )
 
 
 def context_parallel(mesh: MeshLike, **options) -> ContextParallel:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernels  # noqa: F401  (registers torch.ops.hcp.block_*)
+from .kernels import BlockSpec, run_backward, run_forward
 from .collectives import arrived, gather_heads, ring_shift, scatter_heads
 from .kernels.precision import accumulate_dtype
 from .layout import StepKind
@@ -22,22 +22,19 @@ def kv_head_repeat(kv_heads: int, ulysses: int) -> int:
     return ulysses // kv_heads if kv_heads < ulysses else 1
 
 
-def _window_args(sched: RingSchedule) -> tuple:
-    return sched.scale, sched.window_left, sched.window_right
-
-
-def _step_args(step: RingStep, sched: RingSchedule) -> tuple:
-    return (
+def _step_spec(step: RingStep, sched: RingSchedule) -> BlockSpec:
+    return BlockSpec(
         step.cu_q, step.cu_k, sched.max_seqlen, sched.max_seqlen, step.kind is StepKind.DIAGONAL,
-        *_window_args(sched), sched.q_positions, step.k_positions, sched.kernel,
+        sched.scale, sched.window_left, sched.window_right, sched.q_positions, step.k_positions,
+        step.cache_key,
     )
 
 
-def _local_args(sched: RingSchedule) -> tuple:
+def _local_spec(sched: RingSchedule) -> BlockSpec:
     # whole documents: positions inside their segments are positions inside the documents
-    return (
+    return BlockSpec(
         sched.local_cu, sched.local_cu, sched.max_seqlen, sched.max_seqlen, sched.causal,
-        *_window_args(sched), None, None, sched.kernel,
+        sched.scale, sched.window_left, sched.window_right, cache_key=sched.local_cache_key,
     )
 
 
@@ -73,7 +70,7 @@ def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -
             incoming = ring_shift(ring_section, groups.ring_group, rank, ring)
         if step.active:
             k, v = current.split(kv_heads, dim=1)
-            block_out, block_lse = torch.ops.hcp.block_forward(q, k, v, *_step_args(step, sched))
+            block_out, block_lse = run_forward(sched.kernel, q, k, v, _step_spec(step, sched))
             out, lse = merge_partials(out, lse, block_out, block_lse)
     return out.to(q.dtype), lse
 
@@ -108,8 +105,8 @@ def ring_backward(
         dkv = None
         if step.active:
             k, v = current.split(kv_heads, dim=1)
-            dq_block, dk_block, dv_block = torch.ops.hcp.block_backward(
-                dout, q, k, v, out, lse, *_step_args(step, sched)
+            dq_block, dk_block, dv_block = run_backward(
+                sched.kernel, dout, q, k, v, out, lse, _step_spec(step, sched)
             )
             dq = dq_block if dq is None else dq.to(acc) + dq_block
             dkv = torch.cat([dk_block, dv_block], dim=1)
@@ -153,7 +150,7 @@ class HierarchicalAttention(torch.autograd.Function):
         return_lse: bool,
     ):
         (q_l, q_x), (k_l, k_x), (v_l, v_x) = (_split_regions(t, sched) for t in (q, k, v))
-        out_l, lse_l = torch.ops.hcp.block_forward(q_l, k_l, v_l, *_local_args(sched))
+        out_l, lse_l = run_forward(sched.kernel, q_l, k_l, v_l, _local_spec(sched))
         repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
         if repeat > 1:
             k_x, v_x = k_x.repeat_interleave(repeat, dim=1), v_x.repeat_interleave(repeat, dim=1)
@@ -182,8 +179,8 @@ class HierarchicalAttention(torch.autograd.Function):
         q_l, k_l, v_l, out_l, lse_l, q_s, kv_s, out_s, lse_s = ctx.saved_tensors
         sched, groups = ctx.sched, ctx.groups
         dout_l, dout_x = _split_regions(dout.contiguous(), sched)
-        dq_l, dk_l, dv_l = torch.ops.hcp.block_backward(
-            dout_l, q_l, k_l, v_l, out_l, lse_l, *_local_args(sched)
+        dq_l, dk_l, dv_l = run_backward(
+            sched.kernel, dout_l, q_l, k_l, v_l, out_l, lse_l, _local_spec(sched)
         )
         ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
         back = (*ulysses, groups.ulysses_rank)

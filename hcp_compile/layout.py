@@ -125,6 +125,11 @@ class RankSizes:
     exchange: tuple[int, ...]  # the exchange region of every Ulysses rank of its ring rank
     ring_width: int  # W
     ulysses_rank: int
+    # entries (documents, or document parts) that hold tokens in the local region and in each
+    # ring step (step s pairs this ring rank's queries with ring rank (r - s) mod R's keys):
+    # the segment tables keep these and drop the empty rest (docs/design.md §3.3)
+    local_entries: int
+    step_entries: tuple[int, ...]
 
     @property
     def own_exchange(self) -> int:
@@ -141,25 +146,50 @@ class RankSizes:
 
 
 def rank_size_values(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> Tensor:
-    """``[T, local, W, exchange_0..exchange_{A-1}]`` of rank ``(ring_rank, ulysses_rank)``."""
+    """``[T, local, W, exchange_0..exchange_{A-1}, local_entries, step_entries_0..R-1]`` of
+    rank ``(ring_rank, ulysses_rank)``."""
+    own = stream_table(layout, ring_rank)
+    sources = [(ring_rank - s) % layout.ring for s in range(1, layout.ring)]
+    step_entries = [step_active(own, None).sum()] + [
+        step_active(own, stream_table(layout, src, with_group=False)).sum() for src in sources
+    ]
     return torch.cat([
         torch.stack([
             layout.local_tokens, layout.local_extent[ring_rank, ulysses_rank], layout.ring_width,
         ]),
         layout.exchange_extent[ring_rank],
+        torch.stack([layout.is_local_on(ring_rank, ulysses_rank).sum(), *step_entries]),
     ])
 
 
-def rank_sizes(values: list, ulysses_rank: int) -> RankSizes:
+def rank_sizes(values: list, ulysses_rank: int, ulysses: int) -> RankSizes:
     """:class:`RankSizes` from the values of :func:`rank_size_values` (read to the host)."""
-    tokens, local, ring_width, *exchange = values
-    return RankSizes(tokens, local, tuple(exchange), ring_width, ulysses_rank)
+    tokens, local, ring_width, *rest = values
+    exchange, (local_entries, *step_entries) = rest[:ulysses], rest[ulysses:]
+    return RankSizes(
+        tokens, local, tuple(exchange), ring_width, ulysses_rank, local_entries,
+        tuple(step_entries),
+    )
+
+
+def active_first(active: Tensor) -> Tensor:
+    """The order that puts the ``active`` entries first, each group in its own order: empty
+    entries moved to the end keep every token's row, and a table cut after the active ones
+    then spends no kernel work (flash pads every segment to 128 rows) on the rest."""
+    return torch.argsort(torch.logical_not(active).to(torch.int8), stable=True)
+
+
+def leading_segments(cu: Tensor, segments: int | torch.SymInt) -> Tensor:
+    """The first ``segments`` segments of ``cu`` (whose later segments are empty)."""
+    torch._check(segments + 1 <= cu.shape[0])
+    return cu.narrow(0, 0, segments + 1)
 
 
 def local_segments(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> Tensor:
     """int32 ``cu_seqlens`` of a rank's local region: one segment per document of the batch,
-    empty unless the document is LOCAL on that rank."""
-    widths = torch.where(layout.is_local_on(ring_rank, ulysses_rank), layout.lengths, 0)
+    its LOCAL documents first (in order), the others empty."""
+    local = layout.is_local_on(ring_rank, ulysses_rank)
+    widths = torch.where(local, layout.lengths, 0)[active_first(local)]
     return torch.nn.functional.pad(torch.cumsum(widths, 0), (1, 0)).to(torch.int32)
 
 
@@ -297,7 +327,9 @@ def step_segments(
     ``ring_rank``'s exchange stream against the keys of ``source``'s (its ring section only,
     unless ``source`` is this rank).
 
-    Every entry becomes four aligned segments on both sides: ``a`` (queries that take no
+    The entries holding queries or keys come first (:func:`step_active`, the count is in
+    :class:`RankSizes`), the empty ones after them. Every entry becomes four aligned segments
+    on both sides: ``a`` (queries that take no
     part in this step, matched with no keys), ``b`` (real queries x the real keys the step
     should see), ``c`` (pad queries x no keys) and ``d`` (no queries x pad keys). Any varlen
     kernel then computes exactly the step's block without gathering rows, and its contract
@@ -322,11 +354,19 @@ def step_segments(
     k_real = torch.where(k_table.is_ring, ring_k_real, widths_k if own else zero)
     q_parts = (q_skip, q_real, widths_q - q_skip - q_real, zero)
     k_parts = (zero, k_real, zero, widths_k - k_real)
-    return _cumulative(q_parts), _cumulative(k_parts)
+    order = active_first(step_active(q_table, None if own else k_table))
+    return _cumulative(q_parts, order), _cumulative(k_parts, order)
 
 
-def _cumulative(parts: tuple[Tensor, ...]) -> Tensor:
-    lengths = torch.stack(parts, dim=1).reshape(-1)
+def step_active(q_table: StreamTable, k_table: StreamTable | None) -> Tensor:
+    """Entries of a step that hold queries or keys (``k_table`` None: the own step, where
+    keys and queries are the same stream)."""
+    active = q_table.widths > 0
+    return active if k_table is None else active | (k_table.widths > 0)
+
+
+def _cumulative(parts: tuple[Tensor, ...], order: Tensor) -> Tensor:
+    lengths = torch.stack(parts, dim=1)[order].reshape(-1)
     return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
 
 

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from . import validation
 from .context import active_context
-from .kernels import KERNELS, block_backward, resolve_kernel
+from .kernels import KERNELS, BlockRequest, BlockSpec, resolve_kernel, run_backward
 from .kernels.precision import accumulate_dtype
 
 
@@ -31,10 +31,14 @@ def varlen_attention_op(
             "tokens; compile with backend='hcp' (options={'mesh': mesh}) or run eagerly"
         )
     _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return KERNELS[resolve_kernel(kernel, q)].forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-        window_left, window_right, None, None,
-    )
+    spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     window_left, window_right)
+    return KERNELS[_kernel(kernel, q, k, window_left, window_right)].forward(q, k, v, spec)
+
+
+def _kernel(name: str, q: Tensor, k: Tensor, window_left: int, window_right: int) -> str:
+    request = BlockRequest.of(q, k, (window_left, window_right))
+    return resolve_kernel(name, request, "the op's kernel argument")
 
 
 @varlen_attention_op.register_fake
@@ -51,12 +55,14 @@ def _setup_context(ctx, inputs, output) -> None:
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, causal, scale, left, right, None, None, resolve_kernel(kernel, q))
+    ctx.args = (max_q, max_k, causal, scale, left, right)
+    ctx.kernel = _kernel(kernel, q, k, left, right)
 
 
 def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = block_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    spec = BlockSpec(cu_q, cu_k, *ctx.args)
+    dq, dk, dv = run_backward(ctx.kernel, grad_out, q, k, v, out, lse, spec)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -78,7 +84,7 @@ def varlen_attention(
     and ``right`` after it (-1: unlimited).
     """
     if not torch.compiler.is_compiling():
-        _check_argument_types(
+        validation.check_argument_types(
             {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
             {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k},
         )
@@ -99,20 +105,6 @@ def varlen_attention(
     return out
 
 
-def _check_argument_types(tensors: dict[str, object], ints: dict[str, object]) -> None:
-    """The Python types, which the op's schema would reject with a dispatcher error or
-    coerce (a float ``max_seqlen`` becomes an int); the values are checked by the op (one
-    device) or by ``context_parallel``."""
-    for name, value in tensors.items():
-        if not isinstance(value, Tensor):
-            raise validation.InputError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    for name, value in ints.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise validation.InputError(
-                f"{name}: got {value!r}; expected an int, the longest document length (or larger)"
-            )
-
-
 def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
     """Shapes, dtypes, ``cu_seqlens`` against the token counts, ``max_seqlen`` against the
     longest document (the flash kernel sizes its grid by it). ``cu_seqlens`` is read on the
@@ -125,8 +117,4 @@ def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
         values = validation.check_cu_seqlens(cu, name)
         validation.check_token_count(values, tokens, name, tensor_name)
         validation.check_max_seqlen(max_len, values, max_name)
-    if cu_q.numel() != cu_k.numel():
-        raise validation.InputError(
-            f"cu_seqlens_q, cu_seqlens_k: expected the same number of documents, got "
-            f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
-        )
+    validation.check_document_counts(cu_q, cu_k)

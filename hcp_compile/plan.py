@@ -9,7 +9,7 @@ from tabulate import tabulate
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import layout
+from . import layout, validation
 from .collectives import gather_tokens
 from .hierarchical import kv_head_repeat
 from .layout import BatchLayout, Kind, RankSizes
@@ -32,12 +32,10 @@ def check_plan_agrees(cu_seqlens: Tensor, ulysses: int, ring: int, placement: st
         return
     planned = made[1]
     if planned != (ulysses, ring, placement):
-        raise InputError(
-            f"cu_seqlens: this batch was sharded by shard_plan for ulysses={planned[0]} x "
-            f"ring={planned[1]} with placement={planned[2]!r}, but the attention runs on "
-            f"ulysses={ulysses} x ring={ring} with placement={placement!r}; "
-            "give shard_plan the mesh and placement of context_parallel (or of the hcp "
-            "backend's options)"
+        raise validation.PLANNED_FOR_THIS_MESH.error(
+            f"a batch sharded for ulysses={planned[0]} x ring={planned[1]} with "
+            f"placement={planned[2]!r}, but the attention runs on ulysses={ulysses} x "
+            f"ring={ring} with placement={placement!r}"
         )
 
 
@@ -118,7 +116,7 @@ class ShardPlan:
                 f"x_local: expected this rank's shard with {self.local_tokens} tokens on dim 0, "
                 f"got {got}; pass a tensor produced by plan.shard or by attention on its output"
             )
-        agree_on_error(self.groups, error)
+        agree_on_error(self.groups, error, caller="plan.unshard")
         gathered = _GatherShards.apply(x_local, self.groups)
         return gathered.index_select(0, self._unshard_index.to(x_local.device))
 
@@ -172,7 +170,7 @@ def _every_rank_sizes(batch: BatchLayout) -> list[list[RankSizes]]:
         layout.rank_size_values(batch, r, a)
         for r in range(batch.ring) for a in range(batch.ulysses)
     ]).tolist()
-    return [[layout.rank_sizes(values[r * batch.ulysses + a], a) for a in range(batch.ulysses)]
+    return [[layout.rank_sizes(values[r * batch.ulysses + a], a, batch.ulysses) for a in range(batch.ulysses)]
             for r in range(batch.ring)]
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import layout
+from .kernels.contract import new_cache_key
 from .layout import BatchLayout, RankSizes, StepKind
 
 
@@ -21,12 +22,14 @@ class RingStep:
     cu_k: Tensor  # int32 segmentation of the keys: the own stream, or the source's ring section
     k_positions: Tensor | None  # positions of the keys inside their documents (window only)
     active: bool  # False when the step is wholly outside the window: compute skipped
+    cache_key: int  # BlockSpec.cache_key of the step's blocks (-1: kernels cache nothing)
 
 
 @dataclass(frozen=True)
 class RingSchedule:
     sizes: RankSizes
     local_cu: Tensor  # int32 segmentation of the local region (its LOCAL documents)
+    local_cache_key: int  # BlockSpec.cache_key of the local block
     steps: tuple[RingStep, ...]
     q_positions: Tensor | None  # positions of the exchange stream's tokens (window only)
     max_seqlen: int  # bound of every segment length, for the kernels' grids
@@ -40,9 +43,12 @@ class RingSchedule:
 def build_schedule(
     batch: BatchLayout, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int, *,
     causal: bool, scale: float, window: tuple[int, int], kernel: str, skip_outside_window: bool,
+    cacheable: bool = False,
 ) -> RingSchedule:
     """Schedule of rank ``(ring_rank, sizes.ulysses_rank)``; ``skip_outside_window`` reads one
-    small tensor on the host."""
+    small tensor on the host. ``cacheable``: the schedule's tensors keep their values for as
+    long as they live (eager; not in a compiled graph, whose buffers Inductor reuses), so its
+    blocks get cache keys and kernels may reuse what they derive from them."""
     ring = batch.ring
     windowed = window != (-1, -1)
     own = layout.stream_table(batch, ring_rank)
@@ -64,13 +70,19 @@ def build_schedule(
             for table, src, kind in zip(tables[1:], sources[1:], kinds[1:])
         ])
         active = [True, *seen.tolist()]
+    key = new_cache_key if cacheable else lambda: -1
     steps = tuple(
-        RingStep(src, kind, *layout.step_segments(own, table, ring_rank, src, ring, kind), pos, bool(on))
-        for src, kind, table, pos, on in zip(sources, kinds, tables, positions, active)
+        RingStep(src, kind, *_step_tables(own, table, ring_rank, src, ring, kind, entries), pos,
+                 bool(on), key())
+        for src, kind, table, pos, on, entries in zip(
+            sources, kinds, tables, positions, active, sizes.step_entries
+        )
     )
+    local_cu = layout.local_segments(batch, ring_rank, sizes.ulysses_rank)
     return RingSchedule(
         sizes=sizes,
-        local_cu=layout.local_segments(batch, ring_rank, sizes.ulysses_rank),
+        local_cu=layout.leading_segments(local_cu, sizes.local_entries),
+        local_cache_key=key(),
         steps=steps,
         q_positions=positions[0],
         max_seqlen=layout.step_max_seqlen(max_seqlen, ring),
@@ -80,3 +92,12 @@ def build_schedule(
         window_right=window[1],
         kernel=kernel,
     )
+
+
+def _step_tables(
+    own: layout.StreamTable, table: layout.StreamTable, ring_rank: int, source: int, ring: int,
+    kind: StepKind, entries: int | torch.SymInt,
+) -> tuple[Tensor, Tensor]:
+    """The step's ``(cu_q, cu_k)`` cut after its ``entries`` active entries (4 segments each)."""
+    cu_q, cu_k = layout.step_segments(own, table, ring_rank, source, ring, kind)
+    return layout.leading_segments(cu_q, 4 * entries), layout.leading_segments(cu_k, 4 * entries)

@@ -1,8 +1,19 @@
-"""Input checks with errors that name the argument, what was expected and how to fix it.
+"""The input contract of hcp_compile (docs/design.md §9): every rule, its condition and its
+message, in one place.
 
-All of them run before any collective (docs/design.md §9: no hangs)."""
+Errors name the argument, say what was expected and how to fix it. The single-device op,
+the eager CP path (``context.py``, on the host), the compiled path at compile time
+(``passes/rewrite.py``: what the graph alone decides) and the compiled path on the device
+(``compiled.checked_layout``: the batch) all call the functions here. A rule checked on the
+device has a tensor form next to its host form and the same message; the device flags carry
+no values, so there the message leaves out what was found. All checks run before any
+collective.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -13,21 +24,160 @@ class InputError(ValueError):
     """Bad input to hcp_compile: the message names the argument and the fix."""
 
 
+@dataclass(frozen=True)
+class Rule:
+    """One rule of the contract: ``"<argument>: <expected>[, got <found>]; <fix>"``."""
+
+    argument: str
+    expected: str
+    fix: str
+
+    def message(self, found: str = "", argument: str = "") -> str:
+        got = f", got {found}" if found else ""
+        return f"{argument or self.argument}: {self.expected}{got}; {self.fix}"
+
+    def error(self, found: str = "", argument: str = "") -> InputError:
+        return InputError(self.message(found, argument))
+
+
+# --------------------------------------------------------------------------------------------
+# the batch rules: checked on the host (single device, eager CP) and on the device (compiled)
+# --------------------------------------------------------------------------------------------
+
+CU_STARTS_AT_0 = Rule("cu_seqlens", "must start at 0", "prepend a 0")
+CU_NON_DECREASING = Rule(
+    "cu_seqlens", "must be non-decreasing (cumulative document lengths)",
+    "pass the running sum of the document lengths, starting at 0",
+)
+MAX_SEQLEN_COVERS = Rule(
+    "max_seqlen", "must be an int at least the longest document's length",
+    "pass the longest document length (or larger)",
+)
+SHARD_TOKENS = Rule(
+    "q, k, v", "under context parallelism must hold this rank's token count under "
+    "shard_plan(cu_seqlens, mesh, placement=...) for the attention's mesh and placement",
+    "pass the local shards, hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)",
+)
+SAME_DOCUMENTS = Rule(
+    "cu_seqlens_k", "must equal cu_seqlens_q under context parallelism (queries and keys "
+    "come from the same packed documents)", "pass the same cu_seqlens for both",
+)
+PLANNED_FOR_THIS_MESH = Rule(
+    "cu_seqlens", "must be the batch shard_plan laid out for the attention's mesh shape and "
+    "placement", "give shard_plan the mesh and placement of context_parallel (or of the hcp "
+    "backend's options)",
+)
+SAME_BATCH = Rule(
+    "cu_seqlens", "must be the same global cu_seqlens on every rank of the context-parallel "
+    "mesh (the one its shards were cut from)", "check the data loader: all ranks of a "
+    "context-parallel group read the same batch",
+)
+
+BATCHES_DIFFER = "another cu_seqlens on some rank (the ranks were given different batches)"
+
+# what the compiled path checks on the device, in the order of its flags (batch_failures)
+DEVICE_RULES = (
+    CU_STARTS_AT_0, CU_NON_DECREASING, SHARD_TOKENS, SAME_DOCUMENTS, MAX_SEQLEN_COVERS,
+    PLANNED_FOR_THIS_MESH,
+)
+
+
 def check_cu_seqlens(cu_seqlens: Tensor, name: str = "cu_seqlens") -> Tensor:
     """Validate a cumulative-lengths tensor; return its values as a CPU int64 tensor."""
     check_cu_seqlens_dtype(cu_seqlens, name)
     values = host_copy(cu_seqlens)
     if values[0] != 0:
-        raise InputError(f"{name}: must start at 0, got {int(values[0])}; prepend a 0")
+        raise CU_STARTS_AT_0.error(str(int(values[0])), name)
     decreasing = (values[1:] < values[:-1]).nonzero()
     if decreasing.numel():
         i = int(decreasing[0]) + 1
-        raise InputError(
-            f"{name}: must be non-decreasing (cumulative document lengths), but entry {i} "
-            f"({int(values[i])}) < entry {i - 1} ({int(values[i - 1])})"
+        raise CU_NON_DECREASING.error(
+            f"entry {i} ({int(values[i])}) < entry {i - 1} ({int(values[i - 1])})", name
         )
     return values
 
+
+def check_max_seqlen(max_seqlen: int, cu_values: Tensor, name: str) -> None:
+    longest = max_length(cu_values)
+    if not isinstance(max_seqlen, int) or max_seqlen < longest:
+        raise MAX_SEQLEN_COVERS.error(
+            f"{max_seqlen!r} while the longest document in cu_seqlens has {longest} tokens", name
+        )
+
+
+def check_shard_tokens(
+    tensors: Mapping[str, Tensor], rank_tokens: int, ulysses: int, ring: int, placement: str
+) -> None:
+    """q, k and v each hold the rank's token count of the batch's layout."""
+    for name, t in tensors.items():
+        if t.shape[0] != rank_tokens:
+            raise SHARD_TOKENS.error(
+                f"{t.shape[0]} tokens where this cu_seqlens sharded over "
+                f"ulysses={ulysses} x ring={ring} (placement {placement!r}) gives "
+                f"{rank_tokens} per rank", name,
+            )
+
+
+def check_same_token_counts(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """What a compiled graph decides of :data:`SHARD_TOKENS` at compile time: q, k and v hold
+    the same number of tokens (whether it is the rank's count depends on the batch: checked
+    on the device)."""
+    counts = (q.shape[0], k.shape[0], v.shape[0])
+    if counts[1] != counts[0] or counts[2] != counts[0]:
+        raise SHARD_TOKENS.error(f"{counts[0]}, {counts[1]} and {counts[2]} tokens (q, k, v)")
+
+
+def check_same_documents(cu_values_q: Tensor, cu_values_k: Tensor) -> None:
+    if not torch.equal(cu_values_q, cu_values_k):
+        raise SAME_DOCUMENTS.error()
+
+
+def batch_failures(
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, rank_tokens: Tensor,
+    tokens: Sequence[int | torch.SymInt], max_seqlens: Sequence[int | torch.SymInt],
+    plan_differs: Tensor,
+) -> Tensor:
+    """The tensor form of :data:`DEVICE_RULES`: int64 ``[len(DEVICE_RULES)]``, 1 where a rule
+    fails. ``rank_tokens``: the rank's token count under the layout (0-d); ``tokens``: the
+    token counts of q, k and v; ``plan_differs``: 1 when the batch was planned for another
+    mesh or placement. Traceable: no host read, no branch on values."""
+    cu = cu_seqlens_q.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    longest = lengths.max()
+    if cu_seqlens_k is cu_seqlens_q:
+        documents_differ = torch.zeros((), dtype=torch.bool, device=cu.device)
+    elif cu_seqlens_k.shape == cu_seqlens_q.shape:
+        documents_differ = (cu_seqlens_k.to(torch.int64) != cu).any()
+    else:
+        documents_differ = torch.ones((), dtype=torch.bool, device=cu.device)
+    return torch.stack([
+        cu[0] != 0,
+        (lengths < 0).any(),
+        torch.stack([rank_tokens != count for count in tokens]).any(),
+        documents_differ,
+        torch.stack([longest > bound for bound in max_seqlens]).any(),
+        plan_differs.reshape(()) != 0,
+    ]).to(torch.int64)
+
+
+def rejected_batch_error(failed: Sequence[bool], batches_differ: bool) -> InputError | None:
+    """The error of the device-side check, from its flags agreed over the mesh (None when
+    they accept the batch): every failed rule's message."""
+    messages = [rule.message() for rule, bad in zip(DEVICE_RULES, failed) if bad]
+    if batches_differ:
+        messages.append(SAME_BATCH.message(BATCHES_DIFFER))
+    if not messages:
+        return None
+    return InputError(
+        "cu_seqlens: the batch does not match the local shards on some rank of the "
+        "context-parallel mesh (checked on the device, agreed by every rank); failed:\n"
+        + "\n".join(f"  - {message}" for message in messages)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# rules of the call that the compiled path decides at compile time (and the host always)
+# --------------------------------------------------------------------------------------------
 
 def check_cu_seqlens_dtype(cu_seqlens: Tensor, name: str) -> None:
     """What can be checked of ``cu_seqlens`` without reading its values (also at compile
@@ -46,38 +196,16 @@ def check_cu_seqlens_dtype(cu_seqlens: Tensor, name: str) -> None:
         )
 
 
-_HOST_COPIES = WeakIdKeyDictionary()  # tensor -> (version, host copy)
-
-
-def host_copy(cu_seqlens: Tensor) -> Tensor:
-    """CPU int64 copy of ``cu_seqlens``, read from the device once per tensor version (every
-    layer of a model passes the same tensor, so only the first one waits for the device)."""
-    cached = _HOST_COPIES.get(cu_seqlens)
-    if cached is not None and cached[0] == cu_seqlens._version:
-        return cached[1]
-    values = cu_seqlens.detach().to("cpu", torch.int64)
-    _HOST_COPIES[cu_seqlens] = (cu_seqlens._version, values)
-    return values
-
-
-def check_token_count(cu_values: Tensor, num_tokens: int, name: str, tensor_name: str) -> None:
-    if int(cu_values[-1]) != num_tokens:
-        raise InputError(
-            f"{name}: last entry is {int(cu_values[-1])} but {tensor_name} has {num_tokens} "
-            "tokens; the last entry must equal the number of packed tokens"
-        )
-
-
-def max_length(cu_values: Tensor) -> int:
-    return int((cu_values[1:] - cu_values[:-1]).max())
-
-
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, token_counts: bool = True) -> None:
+    """Ranks, shapes, dtypes and devices of q, k, v. ``token_counts=False`` leaves out the
+    token dim, which a compiled graph knows only when it runs (checked there on the device,
+    :data:`SHARD_TOKENS`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise InputError(f"{name}: expected a tensor of shape [tokens, heads, head_dim], got {shape}")
-    if k.shape != v.shape:
+    first = 0 if token_counts else 1
+    if k.shape[first:] != v.shape[first:]:
         raise InputError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise InputError(f"q, k: head_dim differs ({q.shape[2]} vs {k.shape[2]})")
@@ -90,27 +218,6 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise InputError(
             f"q, k: query heads ({q.shape[1]}) must be a multiple of key/value heads "
             f"({k.shape[1]}) for grouped-query attention"
-        )
-
-
-def check_window(window_size: tuple[int, int]) -> tuple[int, int]:
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and w >= -1 for w in window_size)
-    ):
-        raise InputError(
-            f"window_size: expected (left, right) ints >= -1 (-1 = unlimited), got {window_size!r}"
-        )
-    return int(window_size[0]), int(window_size[1])
-
-
-def check_max_seqlen(max_seqlen: int, cu_values: Tensor, name: str) -> None:
-    longest = max_length(cu_values)
-    if not isinstance(max_seqlen, int) or max_seqlen < longest:
-        raise InputError(
-            f"{name}: got {max_seqlen!r} but the longest document in cu_seqlens has {longest} "
-            f"tokens; pass the longest document length (or larger)"
         )
 
 
@@ -128,13 +235,82 @@ def check_head_split(heads_q: int, heads_kv: int, ulysses: int) -> None:
         )
 
 
-def check_kernel_window(kernel: str, window: tuple[int, int], fix: str) -> None:
-    """The flash kernel's masks are local to a block, so it cannot window a ring step."""
-    if kernel == "flash" and window != (-1, -1):
+# --------------------------------------------------------------------------------------------
+# rules of a single-device call (and the Python types of any call)
+# --------------------------------------------------------------------------------------------
+
+def check_argument_types(tensors: Mapping[str, object], ints: Mapping[str, object]) -> None:
+    """The Python types, which the op's schema would reject with a dispatcher error or
+    coerce (a float ``max_seqlen`` becomes an int)."""
+    for name, value in tensors.items():
+        if not isinstance(value, Tensor):
+            raise InputError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    for name, value in ints.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InputError(
+                f"{name}: got {value!r}; expected an int, the longest document length (or larger)"
+            )
+
+
+def check_window(window_size: tuple[int, int]) -> tuple[int, int]:
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and w >= -1 for w in window_size)
+    ):
         raise InputError(
-            "window_size: the flash kernel cannot apply a sliding window under context "
-            f"parallelism; {fix}"
+            f"window_size: expected (left, right) ints >= -1 (-1 = unlimited), got {window_size!r}"
         )
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_token_count(cu_values: Tensor, num_tokens: int, name: str, tensor_name: str) -> None:
+    if int(cu_values[-1]) != num_tokens:
+        raise InputError(
+            f"{name}: last entry is {int(cu_values[-1])} but {tensor_name} has {num_tokens} "
+            "tokens; the last entry must equal the number of packed tokens"
+        )
+
+
+def check_document_counts(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> None:
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise InputError(
+            f"cu_seqlens_q, cu_seqlens_k: expected the same number of documents, got "
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+
+
+def check_timeout(seconds: float | None, name: str) -> None:
+    """An option holding a timeout: seconds > 0, or None for the process group's own."""
+    if seconds is None:
+        return
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise InputError(
+            f"{name}: expected a number of seconds > 0, or None for the process group's own "
+            f"timeout, got {seconds!r}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+_HOST_COPIES = WeakIdKeyDictionary()  # tensor -> (version, host copy)
+
+
+def host_copy(cu_seqlens: Tensor) -> Tensor:
+    """CPU int64 copy of ``cu_seqlens``, read from the device once per tensor version (every
+    layer of a model passes the same tensor, so only the first one waits for the device)."""
+    cached = _HOST_COPIES.get(cu_seqlens)
+    if cached is not None and cached[0] == cu_seqlens._version:
+        return cached[1]
+    values = cu_seqlens.detach().to("cpu", torch.int64)
+    _HOST_COPIES[cu_seqlens] = (cu_seqlens._version, values)
+    return values
+
+
+def max_length(cu_values: Tensor) -> int:
+    return int((cu_values[1:] - cu_values[:-1]).max())
 
 
 _FINGERPRINT_MODULUS = 2**31 - 1

@@ -18,8 +18,8 @@ import hcp_compile
 from hcp_compile.marking import marks_digest
 
 from . import report
-from .match import find_attention
-from .rewrite import RewriteConfig, Rewritten, rewrite_attention
+from .match import find_attention, find_unmarked
+from .rewrite import RewriteConfig, Rewritten, refuse_unmarked, rewrite_attention
 
 
 @dataclass
@@ -32,7 +32,8 @@ class GraphRecord:
 
 
 class HierarchicalCPPass(CustomGraphPass):
-    """Rewrite every (marked) attention node with ``cu_seqlens`` into hierarchical CP."""
+    """Rewrite every (marked) attention node with ``cu_seqlens`` into hierarchical CP, and
+    refuse the unmarked ones that take a rewritten node's ``cu_seqlens``."""
 
     def __init__(self, config: RewriteConfig, dump: "GraphDump | None" = None):
         self.config = config
@@ -50,7 +51,9 @@ class HierarchicalCPPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         record = self.record
         record.before = _readable(graph)
-        record.rewritten = rewrite_attention(graph, find_attention(graph), self.config)
+        matches, unmarked = find_attention(graph), find_unmarked(graph)
+        record.rewritten = rewrite_attention(graph, matches, self.config)
+        refuse_unmarked(graph, unmarked, matches)
         if graph.owning_module is not None:
             graph.owning_module.recompile()
         record.after = _readable(graph)

@@ -165,14 +165,8 @@ def find_attention(graph: fx.Graph) -> list[AttentionMatch]:
     body of an ``autograd.Function`` such as flash_attn's, ...): it cannot be rewritten
     there, and left alone it would attend over this rank's shard as if it were the whole
     batch."""
-    found, unreachable = _matches(graph), []
-    for name, module, region in _nested_graphs(graph):
-        nested = _matches(module.graph)
-        if region in REWRITABLE_REGIONS:
-            found += nested
-        else:
-            unreachable += [(name, region, m) for m in nested]
-    marked = any(m.mark is not None for m in found + [m for *_, m in unreachable])
+    found, unreachable = _scan(graph)
+    marked = _any_marked(found + [m for *_, m in unreachable])
     in_scope = [(name, region, m) for name, region, m in unreachable if m.mark is not None or not marked]
     if in_scope:
         where = ", ".join(f"{m.op} in {region} body {name!r} ({m.module_path or 'top level'})"
@@ -184,6 +178,32 @@ def find_attention(graph: fx.Graph) -> list[AttentionMatch]:
             "torch.nn.attention.varlen.varlen_attn (activation checkpointing is supported)"
         )
     return [m for m in found if m.mark is not None] if marked else found
+
+
+def find_unmarked(graph: fx.Graph) -> list[AttentionMatch]:
+    """The attention nodes :func:`find_attention` leaves out because other modules are
+    marked and theirs is not (in ``graph`` and its activation-checkpoint bodies)."""
+    found, unreachable = _scan(graph)
+    if not _any_marked(found + [m for *_, m in unreachable]):
+        return []
+    return [m for m in found if m.mark is None]
+
+
+def _scan(graph: fx.Graph) -> tuple[list[AttentionMatch], list[tuple[str, str, AttentionMatch]]]:
+    """The matches that can be rewritten (``graph`` and its checkpoint bodies), and those in
+    other nested graphs as ``(body name, region, match)``."""
+    found, unreachable = _matches(graph), []
+    for name, module, region in _nested_graphs(graph):
+        nested = _matches(module.graph)
+        if region in REWRITABLE_REGIONS:
+            found += nested
+        else:
+            unreachable += [(name, region, m) for m in nested]
+    return found, unreachable
+
+
+def _any_marked(matches: list[AttentionMatch]) -> bool:
+    return any(m.mark is not None for m in matches)
 
 
 def _matches(graph: fx.Graph) -> list[AttentionMatch]:

@@ -9,19 +9,20 @@ used is rewired: the attention output and the logsumexp.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import fx
 
 from hcp_compile.compiled import checked_layout, hierarchical_varlen_attention
-from hcp_compile.kernels import resolve_kernel
+from hcp_compile.kernels import BlockRequest, resolve_kernel
 from hcp_compile.kernels.cost import size_hint
 from hcp_compile.mesh import CPGroups
 from hcp_compile.validation import (
-    InputError, check_cu_seqlens_dtype, check_head_split, check_kernel_window,
+    InputError, check_cu_seqlens_dtype, check_head_split, check_qkv, check_same_token_counts,
 )
 
 from .match import AttentionMatch, UnsupportedAttention
@@ -57,11 +58,54 @@ def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: Re
     done = []
     for match in matches:
         done.append(_rewrite_one(match.node.graph, match, config, layouts))
-    for touched in {id(m.node.graph): m.node.graph for m in matches}.values():
+    _recompile_nested(graph, matches)
+    return done
+
+
+def refuse_unmarked(graph: fx.Graph, unmarked: list[AttentionMatch], rewritten: list[AttentionMatch]) -> None:
+    """Every node of ``unmarked`` (left single-device: its module is not marked, others are)
+    that takes a ``cu_seqlens`` of a ``rewritten`` node reads it through
+    :func:`refuse_single_device`, which raises on every rank alike (at compile time): the
+    node would attend over this rank's shard as if it were the whole batch. Nodes with a
+    ``cu_seqlens`` of their own (single-device attention over inputs that are not sharded)
+    stay as they are."""
+    batch = {n for m in rewritten for n in (m.call.cu_seqlens_q, m.call.cu_seqlens_k)}
+    refused = [m for m in unmarked if {m.call.cu_seqlens_q, m.call.cu_seqlens_k} & batch]
+    for match in refused:
+        node, cu = match.node, match.call.cu_seqlens_q
+        with node.graph.inserting_before(node):
+            refusal = node.graph.call_function(
+                refuse_single_device, (cu,), {"op": match.op, "module": match.module_path}
+            )
+        refusal.meta.update({k: v for k, v in cu.meta.items() if k in ("example_value", "val")})
+        # the node reads it, so no dead-code pass can drop the refusal
+        node.replace_input_with(cu, refusal)
+    _recompile_nested(graph, refused)
+
+
+def refuse_single_device(cu_seqlens: torch.Tensor, *, op: str, module: str) -> torch.Tensor:
+    """Put by :func:`refuse_unmarked` in front of an attention node that is left
+    single-device (its module is not marked, others are) although it takes the
+    ``cu_seqlens`` the marked modules attend over with context parallelism. Raises when
+    AOTAutograd traces the graph, i.e. at compile time (with ``inner="eager"``, when the graph
+    runs), on every rank alike; ``explain``, which traces nothing, still reports the graph."""
+    raise UnsupportedAttention(
+        f"{op} at {module or 'top level'}: this attention is in no module marked with "
+        "@hcp_compile.attention, so the hcp backend leaves it single-device, but it takes the "
+        "cu_seqlens of the batch the marked modules attend over with context parallelism: it "
+        "would attend over this rank's shard as if it were the whole batch; mark its module "
+        "too (@hcp_compile.attention on the class, or hcp_compile.attention(module) for one "
+        "instance), or mark no module (then every attention with cu_seqlens is rewritten)"
+    )
+
+
+def _recompile_nested(graph: fx.Graph, changed: list[AttentionMatch]) -> None:
+    """Lint the graphs ``changed`` nodes are in and recompile the nested ones (checkpoint
+    bodies); the caller recompiles ``graph``'s own module."""
+    for touched in {id(m.node.graph): m.node.graph for m in changed}.values():
         touched.lint()
         if touched is not graph and touched.owning_module is not None:
             touched.owning_module.recompile()
-    return done
 
 
 def example_value(node: fx.Node) -> Any:
@@ -73,11 +117,15 @@ def _rewrite_one(
     layouts: dict[tuple, fx.Node],
 ) -> Rewritten:
     node, call, groups = match.node, match.call, config.groups
-    q_value, k_value = example_value(call.q), example_value(call.k)
+    q_value, k_value, v_value = (example_value(t) for t in (call.q, call.k, call.v))
+    _check_static(match, q_value, k_value, v_value, groups)
     heads_q, heads_kv, head_dim = int(q_value.shape[1]), int(k_value.shape[1]), int(q_value.shape[2])
     kernel = (match.mark.kernel if match.mark and match.mark.kernel else None) or config.kernel
-    kernel = resolve_kernel(kernel, q_value)
-    _check_static(match, heads_q, heads_kv, kernel, groups)
+    with _refusing(match):
+        kernel = resolve_kernel(
+            kernel, BlockRequest.of(q_value, k_value, match.call.window, context_parallel=True),
+            "@hcp_compile.attention(kernel=...) on the module, or options={'kernel': ...}",
+        )
     outputs = _output_users(node)
     for index in outputs:
         if index not in (call.out_index, call.lse_index):
@@ -92,14 +140,16 @@ def _rewrite_one(
         "ring_group": groups.ring_group.group_name,
     }
     local_tokens = q_value.shape[0]
-    max_seqlen = call.max_seqlen_q
-    sizes_key = (graph, call.cu_seqlens_q, call.cu_seqlens_k, str(local_tokens), str(max_seqlen))
+    max_seqlen, max_seqlens = call.max_seqlen_q, (call.max_seqlen_q, call.max_seqlen_k)
+    token_counts = tuple(str(t.shape[0]) for t in (q_value, k_value, v_value))
+    sizes_key = (graph, call.cu_seqlens_q, call.cu_seqlens_k, token_counts, str(max_seqlens))
     with graph.inserting_before(node):
         is_checked = sizes_key not in layouts
         if is_checked:
-            tokens = graph.call_function(torch.ops.aten.sym_size.int, (call.q, 0))
+            tokens = tuple(graph.call_function(torch.ops.aten.sym_size.int, (t, 0))
+                           for t in (call.q, call.k, call.v))
             layouts[sizes_key] = graph.call_function(
-                checked_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens, max_seqlen),
+                checked_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens, max_seqlens),
                 {**names, "placement": config.placement, "agree": config.agree_across_ranks},
             )
         if call.max_seqlen_k is not call.max_seqlen_q and call.max_seqlen_k != call.max_seqlen_q:
@@ -133,17 +183,22 @@ def _rewrite_one(
     )
 
 
-def _check_static(match: AttentionMatch, heads_q: int, heads_kv: int, kernel: str, groups: CPGroups) -> None:
-    """The eager path's checks that the graph alone can answer, raised at compile time."""
-    try:
+def _check_static(match: AttentionMatch, q: Any, k: Any, v: Any, groups: CPGroups) -> None:
+    """The rules of validation.py that the graph alone decides, raised at compile time on
+    every rank alike (the batch's rules are checked on the device: checked_layout)."""
+    with _refusing(match):
         for name, cu in (("cu_seqlens_q", match.call.cu_seqlens_q), ("cu_seqlens_k", match.call.cu_seqlens_k)):
             check_cu_seqlens_dtype(example_value(cu), name)
-        check_head_split(heads_q, heads_kv, groups.ulysses_size)
-        check_kernel_window(
-            kernel, match.call.window,
-            "mark the module with @hcp_compile.attention(kernel='torch') or compile with "
-            "options={'kernel': 'torch'}",
-        )
+        check_qkv(q, k, v, token_counts=False)
+        check_same_token_counts(q, k, v)
+        check_head_split(int(q.shape[1]), int(k.shape[1]), groups.ulysses_size)
+
+
+@contextlib.contextmanager
+def _refusing(match: AttentionMatch) -> Iterator[None]:
+    """An InputError of a rule becomes the node's UnsupportedAttention, naming op and module."""
+    try:
+        yield
     except InputError as error:
         raise UnsupportedAttention(f"{match.op} at {match.module_path or 'top level'}: {error}") from None
 

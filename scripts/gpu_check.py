@@ -30,6 +30,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import hcp_compile  # noqa: E402
+from hcp_compile.kernels import KERNEL_CHOICES  # noqa: E402
 from _common import (  # noqa: E402
     DTYPES, GRADIENTS, PackedBatch, Result, Worker, add_launch_args, compare, context_parallel,
     launch, make_batch, max_abs_error, mixed_doc_lengths, single_device, tolerance,
@@ -69,8 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--placement", nargs="+", default=["balanced", "zigzag"],
                         choices=("balanced", "zigzag"), help="token layouts to check")
-    parser.add_argument("--kernel", choices=("auto", "flash", "torch"), default=None,
-                        help="CP kernel (default: flash on cuda, torch on cpu)")
+    parser.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
+                        help="CP kernel (default: flash on cuda, torch on cpu); the single-device "
+                             "reference runs kernel='auto'")
     parser.add_argument("--fp32-ref-max-tokens", type=int, default=QUICK_TOKENS,
                         help="also compare with a float32 reference up to this many tokens")
     args = parser.parse_args(argv)

@@ -16,7 +16,10 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 import hcp_compile  # noqa: F401  (registers the ops)
-from hcp_compile.kernels.cost import ATTENTION_FLOPS_PER_S, estimate_block_runtime_ms
+from hcp_compile.kernels import BlockSpec, run_backward, run_forward
+from hcp_compile.kernels.cost import estimate_block_runtime_ms
+from hcp_compile.kernels import measured
+from hcp_compile.kernels.measured import throughput
 from cp_cases import cu_seqlens, seeded
 
 DIM = 8
@@ -29,14 +32,12 @@ def block_inputs(lengths: tuple[int, ...], heads_q: int, heads_kv: int, dim: int
 
 
 def forward(q, k, v, cu, max_k: int, causal: bool):
-    return torch.ops.hcp.block_forward(q, k, v, cu, cu, max_k, max_k, causal, 0.3, -1, -1, None, None,
-                                       "torch")
+    return run_forward("torch", q, k, v, BlockSpec(cu, cu, max_k, max_k, causal, 0.3))
 
 
 def backward(q, k, v, cu, max_k: int, causal: bool):
     out, lse = forward(q, k, v, cu, max_k, causal)
-    return torch.ops.hcp.block_backward(out, q, k, v, out, lse, cu, cu, max_k, max_k, causal, 0.3,
-                                        -1, -1, None, None, "torch")
+    return run_backward("torch", out, q, k, v, out, lse, BlockSpec(cu, cu, max_k, max_k, causal, 0.3))
 
 
 def counted(fn, *args) -> int:
@@ -95,11 +96,14 @@ def test_the_bound_follows_max_seqlen_k_not_the_keys_of_the_block():
         flops * 20 * 20 // (12 * 12) for flops in one_doc_of_12)
 
 
-def test_runtime_hook_estimates_blocks_only_from_their_flops():
-    """The hook reads a block's shapes, max_seqlen_k and causal from its graph node; what the
-    FLOP counter counts for the same calls, at ATTENTION_FLOPS_PER_S, is its estimate."""
-    inputs = block_inputs((8, 12), heads_q=4, heads_kv=2)
-    graph = make_fx(lambda q, k, v, cu: backward(q, k, v, cu, 12, True), tracing_mode="fake")(*inputs)
+def hook_estimates(inputs, kernel: str = "torch") -> dict:
+    """The runtime hook's estimate of every node of a traced block forward + backward."""
+    def block(q, k, v, cu):
+        spec = BlockSpec(cu, cu, 12, 12, True, 0.3)
+        out, lse = run_forward(kernel, q, k, v, spec)
+        return run_backward(kernel, out, q, k, v, out, lse, spec)
+
+    graph = make_fx(block, tracing_mode="fake")(*inputs)
     estimates = {}
     for node in graph.graph.nodes:
         target = getattr(node.target, "overloadpacket", None)
@@ -108,8 +112,45 @@ def test_runtime_hook_estimates_blocks_only_from_their_flops():
             estimates[target] = estimate
         else:
             assert estimate is None, f"{node.format_node()} got an estimate"
+    return estimates
+
+
+def test_runtime_hook_estimates_blocks_only_from_their_flops():
+    """The hook reads a block's shapes, max_seqlen_k and causal from its graph node; what the
+    FLOP counter counts for the same calls, at the kernel's measured throughput on the
+    device (here unmeasured: the fallback of measured.throughput), is its estimate."""
+    inputs = block_inputs((8, 12), heads_q=4, heads_kv=2)
     forward_flops, backward_flops = forward_and_backward_flops(inputs, max_k=12, causal=True)
-    assert estimates == {
-        torch.ops.hcp.block_forward: forward_flops / ATTENTION_FLOPS_PER_S * 1e3,
-        torch.ops.hcp.block_backward: backward_flops / ATTENTION_FLOPS_PER_S * 1e3,
+    per_s = throughput("torch", "cpu")
+    assert hook_estimates(inputs) == {
+        torch.ops.hcp.block_forward: forward_flops / per_s * 1e3,
+        torch.ops.hcp.block_backward: backward_flops / per_s * 1e3,
     }
+
+
+def test_runtime_hook_takes_the_throughput_of_the_nodes_kernel_and_device(monkeypatch):
+    """Kernels measured at 100 and 400 TFLOP/s on this device kind: the estimates differ by 4x."""
+    monkeypatch.setattr(measured, "throughputs", lambda: {"cpu": {"torch": 100e12, "flex": 400e12}})
+    inputs = block_inputs((8, 12), heads_q=4, heads_kv=2)
+    slow, fast = hook_estimates(inputs, "torch"), hook_estimates(inputs, "flex")
+    forward_flops, _ = forward_and_backward_flops(inputs, max_k=12, causal=True)
+    assert slow[torch.ops.hcp.block_forward] == forward_flops / 100e12 * 1e3
+    assert fast == {op: ms / 4 for op, ms in slow.items()}
+
+
+def test_unmeasured_devices_and_kernels_fall_back_to_other_measurements(monkeypatch):
+    monkeypatch.setattr(measured, "throughputs", lambda: {
+        "A": {"flash": 300e12, "flex": 400e12}, "B": {"flash": 100e12}})
+    assert measured.throughput("flex", "A") == 400e12
+    assert measured.throughput("flash", "unknown GPU") == 200e12  # flash's mean over A and B
+    assert measured.throughput("torch", "A") == 800e12 / 3  # no torch anywhere: everything's mean
+    assert measured.fastest("A", ["flash", "flex", "torch"]) == "flex"
+    assert measured.fastest("A", ["flash", "torch"]) == "flash"
+    assert measured.fastest("unknown GPU", ["flash", "flex"]) is None
+
+
+def test_the_recorded_measurements_load():
+    """measured.json as shipped: every device lists TFLOP/s per batch and kernel."""
+    table = measured.throughputs()
+    assert table and all(per_kernel for per_kernel in table.values())
+    assert all(1e12 < v < 1e16 for per_kernel in table.values() for v in per_kernel.values())

@@ -1,17 +1,30 @@
-"""CUDA only: the flash kernel against the plain-PyTorch kernel and the float64 reference, in
-bf16 on one device (docs/design.md §6 tolerances: 2.5e-2, 3.5e-2 with GQA)."""
+"""CUDA only: the flash and flex kernels against the plain-PyTorch kernel and the float64
+reference, in bf16 on one device (docs/design.md §6 tolerances: 2.5e-2, 3.5e-2 with GQA),
+including flex's backward given the merged out and lse of two blocks (a ring step's shape) and
+blocks of several 128-row mask blocks."""
 
 import pytest
 import torch
 
 import hcp_compile as hc
+from attention_reference import reference_with_grads
 from checks import assert_matches, expected_for
-from cp_cases import AttentionCase, cu_seqlens
+from cp_cases import AttentionCase, cu_seqlens, seeded
+from hcp_compile.hierarchical import merge_partials
+from hcp_compile.kernels import BlockRequest, BlockSpec, resolve_kernel, run_backward, run_forward
+from hcp_compile.kernels import flex
+from hcp_compile.validation import InputError
+from test_kernels import split_keys
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+# flex's backward does not lower on CUDA with torch 2.11 (docs/design.md §8.5): the kernel
+# refuses CUDA calls until a torch where it does is measured
+FLEX_ON_CUDA = flex._BACKWARD_LOWERS_ON_CUDA
+needs_flex_on_cuda = pytest.mark.skipif(not FLEX_ON_CUDA, reason="flex is refused on CUDA here")
 
 CASES = [
     AttentionCase(docs, hq, hkv, causal, window, head_dim=64)
@@ -53,12 +66,95 @@ def test_flash_and_torch_kernels_match_reference_in_bf16(case):
     torch.testing.assert_close(flash["lse"], plain["lse"], **tol)
 
 
-def test_auto_kernel_uses_flash_for_bf16_on_cuda():
+@needs_flex_on_cuda
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_flex_matches_flash_and_reference_in_bf16(case):
+    flex, flash = run_kernel(case, "flex"), run_kernel(case, "flash")
+    reference = expected_for(case, torch.bfloat16)
+    tol = bf16_tolerance(case)
+    for name in ("out", "dq", "dk", "dv"):
+        assert_matches(flex[name].cpu(), reference[name], f"flex {name}", **tol)
+        assert_matches(flex[name].cpu(), flash[name].cpu(), f"flex vs flash {name}", **tol)
+    torch.testing.assert_close(flex["lse"], flash["lse"], **tol)
+
+
+# several 128-row mask blocks: full, partial and skipped ones, documents spanning blocks
+LONG_DOCS = (700, 1, 300, 0, 129, 128, 1000, 5)
+LONG_MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (100, 0)), (False, (64, 200))]
+
+
+def bf16_inputs(name: str, tokens: int, heads_q: int, heads_kv: int, dim: int = 64) -> dict:
+    return {"q": seeded(f"{name}/q", tokens, heads_q, dim).bfloat16(),
+            "k": seeded(f"{name}/k", tokens, heads_kv, dim).bfloat16(),
+            "v": seeded(f"{name}/v", tokens, heads_kv, dim).bfloat16(),
+            "dout": seeded(f"{name}/dout", tokens, heads_q, dim).bfloat16()}
+
+
+@needs_flex_on_cuda
+@pytest.mark.parametrize("causal, window", LONG_MASKS, ids=lambda m: str(m))
+def test_flex_over_many_mask_blocks_matches_reference_in_bf16(causal, window):
+    x = bf16_inputs(f"long-{causal}-{window}", sum(LONG_DOCS), 8, 2)
+    cu = cu_seqlens(LONG_DOCS)
+    leaves = [x[n].cuda().requires_grad_() for n in "qkv"]
+    longest = max(LONG_DOCS)
+    out, _ = torch.ops.hcp.varlen_attention(*leaves, cu.cuda(), cu.cuda(), longest, longest, causal,
+                                            64 ** -0.5, *window, "flex")
+    out.backward(x["dout"].cuda())
+    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(),
+                                    causal=causal, window=window)
+    got = {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+    for name in ("out", "dq", "dk", "dv"):
+        assert_matches(got[name].cpu(), expected[name], name, atol=3.5e-2, rtol=3.5e-2)
+
+
+@needs_flex_on_cuda
+@pytest.mark.parametrize("causal, window", LONG_MASKS, ids=lambda m: str(m))
+def test_flex_backward_given_merged_out_and_lse_in_bf16(causal, window):
+    """Two blocks over disjoint keys of every document (positions inside the document, as a
+    ring step passes them), merged in fp32; each backward gets the merged out and lse, and
+    their sum is the whole attention's gradient."""
+    x = bf16_inputs(f"merged-{causal}-{window}", sum(LONG_DOCS), 8, 2)
+    q, k, v, dout = (x[n].cuda() for n in ("q", "k", "v", "dout"))
+    cu = cu_seqlens(LONG_DOCS).cuda()
+    positions = torch.cat([torch.arange(n) for n in LONG_DOCS]).cuda()
+    blocks = []
+    for part in (0, 1):
+        rows, cu_k = (t.cuda() for t in split_keys(LONG_DOCS, part))
+        blocks.append((rows, BlockSpec(cu, cu_k, max(LONG_DOCS), max(LONG_DOCS), causal, 64 ** -0.5,
+                                       *window, positions, positions[rows])))
+    out = lse = None
+    for rows, spec in blocks:
+        out, lse = merge_partials(out, lse, *run_forward("flex", q, k[rows], v[rows], spec))
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rows, spec in blocks:
+        dq_b, dk_b, dv_b = run_backward("flex", dout, q, k[rows], v[rows], out.to(q.dtype), lse, spec)
+        dq += dq_b
+        dk[rows], dv[rows] = dk_b, dv_b
+    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(),
+                                    causal=causal, window=window)
+    for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_matches(got.cpu(), expected[name], name, atol=3.5e-2, rtol=3.5e-2)
+
+
+def test_auto_kernel_is_the_fastest_measured_on_this_device():
+    """kernel="auto" runs what resolve_kernel picks for the call (on an H200: flex by
+    kernels/measured.json where flex runs on CUDA, else flash), and gives that kernel's result."""
     case = CASES[0]
     x = {n: t.cuda().bfloat16() for n, t in case.inputs().items()}
     cu = cu_seqlens(case.lengths).cuda()
     longest = max(case.lengths)
+    chosen = resolve_kernel("auto", BlockRequest.of(x["q"], x["k"]))
+    if torch.cuda.get_device_name() == "NVIDIA H200":
+        assert chosen == ("flex" if FLEX_ON_CUDA else "flash")
     auto = hc.varlen_attention(x["q"], x["k"], x["v"], cu, cu, longest, longest, causal=True)
-    flash, _ = torch.ops.hcp.varlen_attention(x["q"], x["k"], x["v"], cu, cu, longest, longest,
-                                              True, case.head_dim ** -0.5, -1, -1, "flash")
-    assert torch.equal(auto, flash)
+    named, _ = torch.ops.hcp.varlen_attention(x["q"], x["k"], x["v"], cu, cu, longest, longest,
+                                              True, case.head_dim ** -0.5, -1, -1, chosen)
+    assert torch.equal(auto, named)
+
+
+@pytest.mark.skipif(FLEX_ON_CUDA, reason="flex runs on CUDA here")
+def test_flex_on_cuda_is_refused_with_the_reason():
+    q = torch.zeros(8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="flex.*backward"):
+        resolve_kernel("flex", BlockRequest.of(q, q))

@@ -34,7 +34,7 @@ class Ranks:
 def build(lengths: tuple[int, ...], ulysses: int, ring: int, placement: str) -> Ranks:
     batch = layout.batch_layout(cu_seqlens(lengths), ulysses, ring, PLACEMENTS[placement])
     sizes = [
-        layout.rank_sizes(layout.rank_size_values(batch, r, a).tolist(), a)
+        layout.rank_sizes(layout.rank_size_values(batch, r, a).tolist(), a, batch.ulysses)
         for r in range(ring) for a in range(ulysses)
     ]
     tokens = [layout.rank_tokens(batch, s, i // ulysses) for i, s in enumerate(sizes)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import importlib
 import operator
+import re
 import socket
 from types import SimpleNamespace
 
@@ -769,7 +770,7 @@ def compiled_on(mesh, model: nn.Module):
 
 def test_compiled_refuses_max_seqlen_below_the_longest_document(mesh):
     q, k, v = qkv()
-    with pytest.raises(hc.InputError, match="max_seqlen must be at least the longest document"):
+    with pytest.raises(hc.InputError, match="max_seqlen: must be an int at least the longest document's length"):
         compiled_on(mesh, GivenMaxSeqlen())(q, k, v, CU, 6)
 
 
@@ -779,11 +780,28 @@ def test_compiled_refuses_int64_cu_seqlens_at_compile_time(mesh):
         compiled_on(mesh, Plain())(q, k, v, CU.long())
 
 
+def test_compiled_refuses_q_k_v_of_different_token_counts_at_compile_time(mesh):
+    """The graph alone decides that k, v cannot hold the rank's token count when q holds
+    another one; the same rule as eagerly, with the token counts found."""
+    q, k, v = qkv()
+    with pytest.raises(UnsupportedAttention, match=re.escape(
+            "q, k, v: under context parallelism must hold this rank's token count")) as raised:
+        compiled_on(mesh, Plain())(q, k[:10], v[:10], CU)
+    assert "got 12, 10 and 10 tokens (q, k, v)" in str(raised.value)
+
+
+def test_compiled_refuses_q_k_v_of_another_token_count_on_the_device(mesh):
+    q, k, v = (t[:10] for t in qkv())
+    with pytest.raises(hc.InputError, match=re.escape(
+            "- q, k, v: under context parallelism must hold this rank's token count")):
+        compiled_on(mesh, Plain())(q, k, v, CU)
+
+
 def test_compiled_refuses_a_batch_planned_with_another_placement(mesh):
     q, k, v = qkv()
     cu = CU.clone()
     hc.shard_plan(cu, mesh, placement="zigzag")  # the backend's placement is "balanced"
-    with pytest.raises(hc.InputError, match="sharded by shard_plan for another mesh shape or placement"):
+    with pytest.raises(hc.InputError, match="cu_seqlens: must be the batch shard_plan laid out for the attention's mesh shape and placement"):
         compiled_on(mesh, Plain())(q, k, v, cu)
 
 

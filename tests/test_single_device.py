@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import fx
 
 import hcp_compile as hc
-from hcp_compile.kernels import torch_kernel
+from hcp_compile.kernels import BlockSpec, torch_kernel
 from hcp_compile.passes.match import UnsupportedAttention
 from attention_reference import reference_with_grads
 from checks import assert_matches, expected_for
@@ -129,7 +129,7 @@ def test_block_ops_keep_a_non_finite_value_in_its_segment(tensor):
     the poisoned results compared with the same ops on clean inputs."""
     x, cu = isolation_inputs((4, 2)), cu_seqlens(ISOLATION_DOCS)
     positions = torch.arange(sum(ISOLATION_DOCS))
-    args = (cu, cu, 9, 9, False, 0.35, 6, 2, positions, positions, "torch")
+    args = (*BlockSpec(cu, cu, 9, 9, False, 0.35, 6, 2, positions, positions).op_args(), "torch")
 
     def forward_backward(x: dict) -> list[torch.Tensor]:
         out, lse = torch.ops.hcp.block_forward(x["q"], x["k"], x["v"], *args)
@@ -174,8 +174,8 @@ INVALID_CALLS = {
                         "cu_seqlens_k: last entry is 15 but k has 14 tokens"),
     "cu-doc-counts-differ": ({"cu_seqlens_k": cu_seqlens((5, 9)), "causal": False},
                              "cu_seqlens_q, cu_seqlens_k: expected the same number of documents"),
-    "max-seqlen-q-too-small": ({"max_seqlen_q": 8}, "max_seqlen_q: got 8 but the longest"),
-    "max-seqlen-k-too-small": ({"max_seqlen_k": 3}, "max_seqlen_k: got 3 but the longest"),
+    "max-seqlen-q-too-small": ({"max_seqlen_q": 8}, "max_seqlen_q: must be an int at least the longest document's length, got 8"),
+    "max-seqlen-k-too-small": ({"max_seqlen_k": 3}, "max_seqlen_k: must be an int at least the longest document's length, got 3"),
     "max-seqlen-not-int": ({"max_seqlen_q": 9.0}, "max_seqlen_q: got 9.0"),
     "window-below-minus-1": ({"window_size": (-2, 0)}, "window_size"),
     "window-one-entry": ({"window_size": (3,)}, "window_size"),
@@ -199,8 +199,8 @@ def test_invalid_input_raises_input_error_naming_the_argument(overrides, match):
 OP_ONLY_INVALID_CALLS = {
     "q-is-a-shard": ({"q": Q[:10]}, "cu_seqlens_q: last entry is 14 but q has 10 tokens"),
     "k-v-are-shards": ({"k": KV[:12], "v": KV[:12]}, "cu_seqlens_k: last entry is 14 but k has 12 tokens"),
-    "max-seqlen-q-too-small": ({"max_seqlen_q": 4}, "max_seqlen_q: got 4 but the longest"),
-    "max-seqlen-k-too-small": ({"max_seqlen_k": 8}, "max_seqlen_k: got 8 but the longest"),
+    "max-seqlen-q-too-small": ({"max_seqlen_q": 4}, "max_seqlen_q: must be an int at least the longest document's length, got 4"),
+    "max-seqlen-k-too-small": ({"max_seqlen_k": 8}, "max_seqlen_k: must be an int at least the longest document's length, got 8"),
     "cu-q-int64": ({"cu_seqlens_q": CU.long()}, "cu_seqlens_q: expected dtype torch.int32"),
     "cu-k-int64": ({"cu_seqlens_k": CU.long()}, "cu_seqlens_k: expected dtype torch.int32"),
 }
@@ -316,7 +316,7 @@ def qkv(heads: tuple[int, int]) -> list[torch.Tensor]:
 def block_args(mask: str) -> tuple:
     """The arguments of block_forward/backward after the tensors."""
     causal, (left, right), positions = OPCHECK_MASKS[mask]
-    return (CU, CU, 9, 9, causal, SCALE, left, right, positions, positions, "torch")
+    return (*BlockSpec(CU, CU, 9, 9, causal, SCALE, left, right, positions, positions).op_args(), "torch")
 
 
 @pytest.mark.parametrize("mask", OPCHECK_MASKS)

@@ -1,62 +1,87 @@
-"""Attention kernels behind one signature, exposed as ``torch.ops.hcp.block_forward/backward``.
+"""Attention kernels behind one contract, exposed as ``torch.ops.hcp.block_forward/backward``.
 
-Contract shared by every kernel:
+The contract (contract.py, docs/design.md §8): a block is q ``[Tq, Hq, D]``, k and v
+``[Tk, Hkv, D]`` (Hkv dividing Hq, taken without repeating heads) and a :class:`BlockSpec`.
 
-- ``forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
-  q_positions, k_positions) -> (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq])``, lse in fp32
-  (float64 for float64 inputs), both contiguous;
-  a row with no visible key has ``out = 0`` and ``lse = -inf``.
-- ``backward(dout, q, k, v, out, lse, <same arguments>) -> (dq, dk, dv)``, where ``out`` and
-  ``lse`` may be the merged results of several blocks (the ring backward passes them so each
-  block yields its exact share of the gradient); rows with ``lse = -inf`` give no gradient.
+- ``forward(q, k, v, spec) -> (out, lse)``: ``out [Tq, Hq, D]`` in q's dtype, ``lse [Hq, Tq]``
+  in fp32 (float64 for float64 inputs), natural log, both contiguous; a row with no visible
+  key has ``out = 0`` and ``lse = -inf``.
+- ``backward(dout, q, k, v, out, lse, spec) -> (dq, dk, dv)``, where ``out`` and ``lse`` may
+  be the merged results of several blocks (the ring backward passes them), and the result is
+  this block's exact share of the merged attention's gradient; rows with ``lse = -inf`` give
+  no gradient.
+
+A kernel is one class in one file implementing :class:`Kernel` (``name``, ``supports``,
+``forward``, ``backward``), registered in ``KERNELS``. ``kernel="auto"`` takes the fastest
+supporting kernel measured on the device (measured.json), else the first supporting one of
+``FALLBACK``.
 """
 
 from __future__ import annotations
-
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from ..validation import InputError
-from . import flash, torch_kernel
+from .contract import BlockRequest, BlockSpec, Kernel, new_cache_key
+from .flash import FlashKernel
+from .flex import FlexKernel
+from .measured import device_kind, fastest
 from .precision import accumulate_dtype
+from .torch_kernel import TorchKernel
 
-KERNELS: dict[str, ModuleType] = {"torch": torch_kernel, "flash": flash}
+KERNELS: dict[str, Kernel] = {k.name: k for k in (TorchKernel(), FlashKernel(), FlexKernel())}
 KERNEL_CHOICES = ("auto", *KERNELS)
+# "auto" on a device kind without measurements: the first of these that supports the call
+FALLBACK = ("flash", "torch")
 
 
-def resolve_kernel(name: str, q: Tensor) -> str:
-    """The kernel to run for ``q``: ``"auto"`` picks flash where it supports q, else torch."""
+def resolve_kernel(name: str, request: BlockRequest, how_to_choose: str = "kernel=...") -> str:
+    """The kernel to run ``request`` with. ``"auto"``: the fastest measured supporting kernel
+    of the device, else the first supporting one of ``FALLBACK``. A named kernel that cannot
+    run it raises :class:`InputError` with its reason and the kernels that can, which the
+    caller passes as ``how_to_choose``."""
     if name not in KERNEL_CHOICES:
         raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {name!r}")
+    reasons = {n: kernel.supports(request) for n, kernel in KERNELS.items()}
+    able = [n for n, reason in reasons.items() if reason is None]
     if name == "auto":
-        return "flash" if flash.supports(q) else "torch"
-    if name == "flash" and not flash.supports(q):
+        return fastest(device_kind(request.device), able) or next(n for n in FALLBACK if n in able)
+    if reasons[name] is not None:
         raise InputError(
-            f"kernel='flash' needs CUDA tensors in fp16/bf16 with head_dim a multiple of 8 "
-            f"and at most 256; got {q.dtype} on {q.device} with head_dim {q.shape[-1]}; "
-            "use kernel='torch' or 'auto'"
+            f"kernel={name!r} {reasons[name]}; pass 'auto' or one of {able} ({how_to_choose})"
         )
     return name
+
+
+def run_forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
+    """One block's forward through the ``hcp::block_forward`` op (one opaque graph node)."""
+    return torch.ops.hcp.block_forward(q, k, v, *spec.op_args(), kernel)
+
+
+def run_backward(
+    kernel: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    spec: BlockSpec,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's backward through the ``hcp::block_backward`` op."""
+    return torch.ops.hcp.block_backward(dout, q, k, v, out, lse, *spec.op_args(), kernel)
 
 
 @torch.library.custom_op("hcp::block_forward", mutates_args=())
 def block_forward(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
     causal: bool, scale: float, window_left: int, window_right: int,
-    q_positions: Tensor | None, k_positions: Tensor | None, kernel: str,
+    q_positions: Tensor | None, k_positions: Tensor | None, cache_key: int, kernel: str,
 ) -> tuple[Tensor, Tensor]:
-    """One attention block: ``(out, lse)`` under the kernel contract above."""
-    return KERNELS[kernel].forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
-        q_positions, k_positions,
-    )
+    """One attention block: ``(out, lse)`` under the kernel contract above; the arguments
+    between v and kernel are :meth:`BlockSpec.op_args`."""
+    spec = BlockSpec(cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
+                     q_positions, k_positions, cache_key)
+    return KERNELS[kernel].forward(q, k, v, spec)
 
 
 @block_forward.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
-      q_positions, k_positions, kernel):
+def _(q, k, v, *spec_and_kernel):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accumulate_dtype(q.dtype))
     return out, lse
@@ -67,18 +92,16 @@ def block_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
     causal: bool, scale: float, window_left: int, window_right: int,
-    q_positions: Tensor | None, k_positions: Tensor | None, kernel: str,
+    q_positions: Tensor | None, k_positions: Tensor | None, cache_key: int, kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one attention block given the (possibly merged) ``out`` and ``lse``."""
-    return tuple(KERNELS[kernel].backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
-        window_left, window_right, q_positions, k_positions,
-    ))
+    spec = BlockSpec(cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
+                     q_positions, k_positions, cache_key)
+    return tuple(KERNELS[kernel].backward(dout, q, k, v, out, lse, spec))
 
 
 @block_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window_left,
-      window_right, q_positions, k_positions, kernel):
+def _(dout, q, k, v, out, lse, *spec_and_kernel):
     return (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         torch.empty(k.shape, dtype=k.dtype, device=k.device),

@@ -13,8 +13,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
-# what the flash kernels reach on an H200 for fwd+bwd (docs/design.md §7): turns FLOPs into time
-ATTENTION_FLOPS_PER_S = 318e12
+from .contract import BlockSpec
+from .measured import device_kind, throughput
 
 
 def block_flops(
@@ -60,16 +60,16 @@ def size_hint(size: int | torch.SymInt) -> int:
 
 def estimate_block_runtime_ms(node: fx.Node, override_size: int | None = None) -> float | None:
     """Inductor's ``custom_runtime_estimation`` hook: the time of a block node from its FLOP
-    bound, None for every other node (Inductor's own estimate). It also keeps the scheduler
-    from benchmarking a block on random ``cu_seqlens``, which would read out of bounds."""
+    bound at the measured throughput of its kernel on its device (measured.json), None for
+    every other node (Inductor's own estimate). It also keeps the scheduler from benchmarking
+    a block on random ``cu_seqlens``, which would read out of bounds."""
     target = getattr(node.target, "overloadpacket", node.target)
     if target not in (torch.ops.hcp.block_forward, torch.ops.hcp.block_backward):
         return None
     backward = target is torch.ops.hcp.block_backward
-    first = 1 if backward else 0  # block_backward takes dout first
-    q, k = node.args[first].meta["val"], node.args[first + 1].meta["val"]
-    tensors = 6 if backward else 3  # (dout,) q, k, v (, out, lse); then cu_q, cu_k, max_q
-    max_k, causal = node.args[tensors + 3], node.args[tensors + 4]
-    if isinstance(max_k, fx.Node):
-        max_k = max_k.meta.get("val")
-    return block_flops(q.shape, k.shape, max_k, bool(causal), backward) / ATTENTION_FLOPS_PER_S * 1e3
+    tensors = 6 if backward else 3  # (dout,) q, k, v (, out, lse); then the spec, the kernel
+    q, k = (node.args[i].meta["val"] for i in ((1, 2) if backward else (0, 1)))
+    spec = BlockSpec.from_op_args(node.args[tensors:-1])
+    max_k = spec.max_k.meta.get("val") if isinstance(spec.max_k, fx.Node) else spec.max_k
+    flops = block_flops(q.shape, k.shape, max_k, bool(spec.causal), backward)
+    return flops / throughput(node.args[-1], device_kind(q.device)) * 1e3

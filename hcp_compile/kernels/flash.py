@@ -2,6 +2,10 @@
 
 Adapts flash's conventions to the shared kernel contract: flash marks rows with no visible key
 with lse = +inf, the contract with -inf (so that the ring merge is a plain logaddexp).
+
+Those aten ops are what torch's FA3/FA4 integrations replace: after
+``torch.nn.attention.activate_flash_attention_impl("FA3")`` (or ``"FA4"``, with the package
+installed) this kernel runs that implementation.
 """
 
 from __future__ import annotations
@@ -10,54 +14,63 @@ import torch
 from torch import Tensor
 
 from ..validation import InputError
+from .contract import BlockRequest, BlockSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
+# flash applies a window by offsets inside its segments, which under context parallelism are
+# not positions inside the document
+_NO_WINDOW_BY_POSITION = (
+    "cannot apply a sliding window under context parallelism (its masks are local to a "
+    "block; the window needs positions inside the document)"
+)
 
-def supports(q: Tensor) -> bool:
-    return q.is_cuda and q.dtype in SUPPORTED_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
+class FlashKernel:
+    name = "flash"
 
-def _window(window_left: int, window_right: int, q_positions: Tensor | None) -> tuple:
-    if q_positions is not None and (window_left >= 0 or window_right >= 0):
-        raise InputError(
-            "window_size: the flash kernel cannot apply a sliding window under context "
-            "parallelism (masks need global positions); pass kernel='torch' in the "
-            "context_parallel options or run without a window"
+    def supports(self, request: BlockRequest) -> str | None:
+        if not (request.device.type == "cuda" and request.dtype in SUPPORTED_DTYPES
+                and request.head_dim % 8 == 0 and request.head_dim <= 256):
+            return (
+                f"needs CUDA tensors in fp16/bf16 with head_dim a multiple of 8 and at most "
+                f"256; got {request.dtype} on {request.device} with head_dim {request.head_dim}"
+            )
+        if request.window_by_position:
+            return _NO_WINDOW_BY_POSITION
+        return None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
+        left, right = _window(spec)
+        if q.shape[0] == 0 or k.shape[0] == 0:  # an empty region or ring section: nothing to see
+            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+            return torch.zeros_like(q), lse
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, 0.0, spec.causal, False,
+            scale=spec.scale, window_size_left=left, window_size_right=right,
         )
-    return (window_left if window_left >= 0 else None, window_right if window_right >= 0 else None)
+        return out, lse.masked_fill(lse == float("inf"), float("-inf"))
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        spec: BlockSpec,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        left, right = _window(spec)
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+        unused = torch.empty(0, device=q.device)
+        return torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out.contiguous(),
+            lse.masked_fill(lse == float("-inf"), float("inf")).contiguous(),
+            spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, 0.0, spec.causal, rng_state, unused,
+            scale=spec.scale, window_size_left=left, window_size_right=right,
+        )
 
 
-def forward(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-    causal: bool, scale: float, window_left: int, window_right: int,
-    q_positions: Tensor | None, k_positions: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    left, right = _window(window_left, window_right, q_positions)
-    if q.shape[0] == 0 or k.shape[0] == 0:  # an empty region or ring section: nothing to see
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-        return torch.zeros_like(q), lse
-    out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-        scale=scale, window_size_left=left, window_size_right=right,
-    )
-    return out, lse.masked_fill(lse == float("inf"), float("-inf"))
-
-
-def backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-    causal: bool, scale: float, window_left: int, window_right: int,
-    q_positions: Tensor | None, k_positions: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    left, right = _window(window_left, window_right, q_positions)
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
-    unused = torch.empty(0, device=q.device)
-    return torch.ops.aten._flash_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(),
-        lse.masked_fill(lse == float("-inf"), float("inf")).contiguous(),
-        cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
-        scale=scale, window_size_left=left, window_size_right=right,
-    )
+def _window(spec: BlockSpec) -> tuple[int | None, int | None]:
+    """Flash's window arguments; a window by positions (a ring step) is refused."""
+    if spec.q_positions is not None and spec.windowed:
+        raise InputError(f"window_size: the flash kernel {_NO_WINDOW_BY_POSITION}; use kernel='flex' or 'torch'")
+    return (spec.window_left if spec.window_left >= 0 else None,
+            spec.window_right if spec.window_right >= 0 else None)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .contract import BlockRequest, BlockSpec
 from .precision import accumulate_dtype
 
 QUERY_BLOCK = 1024
@@ -71,11 +72,8 @@ def _all_finite(*tensors: Tensor, lse: Tensor | None = None) -> bool:
     return bool(torch.stack(flags).all())
 
 
-def _blocks(
-    q_rows: int, k_rows: int, cu_q: Tensor, cu_k: Tensor, causal: bool,
-    window_left: int, window_right: int, q_positions: Tensor | None, k_positions: Tensor | None,
-    per_segment: bool,
-) -> Iterator[_Block]:
+def _blocks(q_rows: int, k_rows: int, spec: BlockSpec, per_segment: bool) -> Iterator[_Block]:
+    cu_q, cu_k, q_positions, k_positions = spec.cu_q, spec.cu_k, spec.q_positions, spec.k_positions
     seg_q, off_q, len_q = _segments(cu_q, q_rows)
     seg_k, off_k, _ = _segments(cu_k, k_rows)
     if q_positions is None:
@@ -89,12 +87,12 @@ def _blocks(
         k0, k1 = starts_k[first], starts_k[last + 1]
         mask = seg_q[q0:q1, None] == seg_k[None, k0:k1]
         delta = q_positions[q0:q1, None] - k_positions[None, k0:k1]
-        if causal:
+        if spec.causal:
             mask &= delta >= 0
-        if window_left >= 0:
-            mask &= delta <= window_left
-        if window_right >= 0:
-            mask &= -delta <= window_right
+        if spec.window_left >= 0:
+            mask &= delta <= spec.window_left
+        if spec.window_right >= 0:
+            mask &= -delta <= spec.window_right
         yield _Block(q0, q1, k0, k1, mask)
 
 
@@ -113,49 +111,48 @@ def _probabilities(s: Tensor, lse: Tensor) -> Tensor:
     return torch.where(finite[..., None], torch.exp(s - torch.where(finite, lse, 0)[..., None]), 0)
 
 
-def forward(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-    causal: bool, scale: float, window_left: int, window_right: int,
-    q_positions: Tensor | None, k_positions: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    acc = accumulate_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
-    isolate = not _all_finite(q, k, v)
-    for b in _blocks(q.shape[0], k.shape[0], cu_q, cu_k, causal, window_left, window_right,
-                     q_positions, k_positions, isolate):
-        s = _scores(q[b.q0 : b.q1], k[b.k0 : b.k1], scale, b.mask)
-        block_lse = torch.logsumexp(s, dim=-1)
-        p = _probabilities(s, block_lse)
-        block_out = torch.einsum("hgqk,khd->qhgd", p, v[b.k0 : b.k1].to(acc)).flatten(1, 2)
-        out[b.q0 : b.q1] = block_out.to(q.dtype)
-        lse[:, b.q0 : b.q1] = block_lse.flatten(0, 1)
-    return out, lse
+class TorchKernel:
+    """Any device and float dtype (the reference the other kernels are tested against)."""
 
+    name = "torch"
 
-def backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-    causal: bool, scale: float, window_left: int, window_right: int,
-    q_positions: Tensor | None, k_positions: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    acc = accumulate_dtype(q.dtype)
-    hkv, group = k.shape[1], q.shape[1] // k.shape[1]
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    isolate = not _all_finite(dout, q, k, v, out, lse=lse)
-    for b in _blocks(q.shape[0], k.shape[0], cu_q, cu_k, causal, window_left, window_right,
-                     q_positions, k_positions, isolate):
-        rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
-        q_b, k_b, v_b = q[rows].to(acc), k[keys].to(acc), v[keys].to(acc)
-        s = _scores(q_b, k_b, scale, b.mask)
-        p = _probabilities(s, lse[:, rows].to(acc).unflatten(0, (hkv, group)))
-        dout_g = dout[rows].to(acc).unflatten(1, (hkv, group))
-        dv[keys] += torch.einsum("hgqk,qhgd->khd", p, dout_g)
-        dp = torch.einsum("qhgd,khd->hgqk", dout_g, v_b)
-        row_dot = (dout_g * out[rows].to(acc).unflatten(1, (hkv, group))).sum(-1).permute(1, 2, 0)
-        ds = p * (dp - row_dot[..., None])
-        dq[rows] = torch.einsum("hgqk,khd->qhgd", ds, k_b).flatten(1, 2) * scale
-        dk[keys] += torch.einsum("hgqk,qhgd->khd", ds, q_b.unflatten(1, (hkv, group))) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    def supports(self, request: BlockRequest) -> str | None:
+        return None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
+        acc = accumulate_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+        isolate = not _all_finite(q, k, v)
+        for b in _blocks(q.shape[0], k.shape[0], spec, isolate):
+            s = _scores(q[b.q0 : b.q1], k[b.k0 : b.k1], spec.scale, b.mask)
+            block_lse = torch.logsumexp(s, dim=-1)
+            p = _probabilities(s, block_lse)
+            block_out = torch.einsum("hgqk,khd->qhgd", p, v[b.k0 : b.k1].to(acc)).flatten(1, 2)
+            out[b.q0 : b.q1] = block_out.to(q.dtype)
+            lse[:, b.q0 : b.q1] = block_lse.flatten(0, 1)
+        return out, lse
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        spec: BlockSpec,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        acc = accumulate_dtype(q.dtype)
+        hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        isolate = not _all_finite(dout, q, k, v, out, lse=lse)
+        for b in _blocks(q.shape[0], k.shape[0], spec, isolate):
+            rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
+            q_b, k_b, v_b = q[rows].to(acc), k[keys].to(acc), v[keys].to(acc)
+            s = _scores(q_b, k_b, spec.scale, b.mask)
+            p = _probabilities(s, lse[:, rows].to(acc).unflatten(0, (hkv, group)))
+            dout_g = dout[rows].to(acc).unflatten(1, (hkv, group))
+            dv[keys] += torch.einsum("hgqk,qhgd->khd", p, dout_g)
+            dp = torch.einsum("qhgd,khd->hgqk", dout_g, v_b)
+            row_dot = (dout_g * out[rows].to(acc).unflatten(1, (hkv, group))).sum(-1).permute(1, 2, 0)
+            ds = p * (dp - row_dot[..., None])
+            dq[rows] = torch.einsum("hgqk,khd->qhgd", ds, k_b).flatten(1, 2) * spec.scale
+            dk[keys] += torch.einsum("hgqk,qhgd->khd", ds, q_b.unflatten(1, (hkv, group))) * spec.scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,111 @@
+"""The kernel contract's types: what one block is (:class:`BlockSpec`), what a call asks of a
+kernel (:class:`BlockRequest`) and what a kernel is (:class:`Kernel`)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One attention block besides q, k, v: query segment ``i`` (rows ``cu_q[i]:cu_q[i+1]``)
+    attends to key segment ``i`` under the causal mask and the window.
+
+    ``q_positions``/``k_positions``, when given, are the rows' positions inside their
+    documents (a ring step under a window passes them); otherwise positions are the offsets
+    inside the segment, aligned bottom-right (flash's convention when a segment has more keys
+    than queries). ``max_q``/``max_k`` bound the segment lengths. ``cache_key`` names this
+    segmentation for as long as its tensors live unchanged (the eager schedule's steps), so a
+    kernel may cache what it derives from them; -1: derive it per call (a compiled graph, whose
+    buffers Inductor reuses for other values)."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int | torch.SymInt
+    max_k: int | torch.SymInt
+    causal: bool
+    scale: float
+    window_left: int = -1
+    window_right: int = -1
+    q_positions: Tensor | None = None
+    k_positions: Tensor | None = None
+    cache_key: int = -1
+
+    def op_args(self) -> tuple:
+        """The fields in order, as ``hcp::block_forward/backward`` take them (a custom op's
+        schema has flat arguments)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @classmethod
+    def from_op_args(cls, args: tuple | list) -> "BlockSpec":
+        """Inverse of :meth:`op_args`."""
+        return cls(*args)
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+
+OP_ARG_COUNT = len(fields(BlockSpec))
+
+_cache_keys = itertools.count()
+
+
+def new_cache_key() -> int:
+    """A :attr:`BlockSpec.cache_key` never handed out before in this process."""
+    return next(_cache_keys)
+
+
+@dataclass(frozen=True)
+class BlockRequest:
+    """What a call asks of a kernel, known before any block runs (for choosing one)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    window: tuple[int, int] = (-1, -1)
+    # the window masks by positions inside the document, not inside the block's segments
+    # (ring steps under context parallelism)
+    window_by_position: bool = False
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, window: tuple[int, int] = (-1, -1), *,
+           context_parallel: bool = False) -> "BlockRequest":
+        windowed = window != (-1, -1)
+        return cls(q.device, q.dtype, int(q.shape[-1]), int(q.shape[1]), int(k.shape[1]),
+                   window, context_parallel and windowed)
+
+
+class Kernel(Protocol):
+    """One attention kernel (one file in this package, registered in ``KERNELS``).
+
+    ``forward(q [Tq, Hq, D], k, v [Tk, Hkv, D], spec) -> (out, lse)``: ``out [Tq, Hq, D]`` in
+    q's dtype, ``lse [Hq, Tq]`` in the accumulation dtype (fp32; float64 for float64 inputs),
+    natural log, both contiguous; a row with no visible key has ``out = 0``, ``lse = -inf``.
+    ``backward(dout, q, k, v, out, lse, spec) -> (dq, dk, dv)`` in the inputs' dtypes, where
+    ``out``/``lse`` may be the merge of several blocks (the ring backward passes the merged
+    ones): the result is then this block's exact share of the merged attention's gradient;
+    rows with ``lse = -inf`` get none. Hkv may divide Hq (GQA): kernels take the KV heads as
+    they are, without repeating them."""
+
+    name: str
+
+    def supports(self, request: BlockRequest) -> str | None:
+        """None when the kernel can run ``request``, else what it needs ("needs ...",
+        "cannot ..."), said so that ``kernel=<name> <reason>`` reads as a sentence."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
+        ...
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        spec: BlockSpec,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        ...

@@ -1,0 +1,160 @@
+"""The block mask of one block (a :class:`BlockSpec`) for flex_attention, and its cache.
+
+Every query and key row gets its segment id and its position (``BlockSpec``'s rule: the given
+positions inside the document, else the offset inside the segment aligned bottom-right). The
+element mask (``mask_mod``) is "same segment, and the causal mask and the window allow the
+pair". The block structure is derived from per-block extremes of those values instead of
+evaluating ``mask_mod`` on every pair (``create_block_mask`` would, Tq x Tk evaluations or a
+compile of its own): a block pair is skipped only when no pair in it can be visible, and
+marked full (``mask_mod`` not applied) only when every pair is; anything else is partial and
+``mask_mod`` decides. Both tests are exact; a block holding several segments can only come out
+partial where it need not be, which costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from .contract import BlockSpec
+
+# the rows of a mask block: what flex's GPU kernels are tiled for
+BLOCK_SIZE = 128
+# masks kept for reuse (an eager batch needs one per ring step plus the local region, shared
+# by every layer and by the backward); the oldest is dropped first
+CACHE_CAPACITY = 64
+
+
+@dataclass(frozen=True)
+class DocumentMask:
+    block_mask: BlockMask
+    # int32 segment id and position of every query row and key row: what mask_mod reads
+    buffers: tuple[Tensor, Tensor, Tensor, Tensor]
+    variant: tuple[bool, int, int]  # causal, window_left, window_right: the mask_mod's constants
+
+
+def visible(
+    b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, seg_q: Tensor, seg_k: Tensor,
+    pos_q: Tensor, pos_k: Tensor, *, causal: bool, left: int, right: int,
+) -> Tensor:
+    """Whether query ``q_idx`` sees key ``kv_idx`` (flex's mask_mod, with the rows' values
+    passed explicitly)."""
+    keep = seg_q[q_idx] == seg_k[kv_idx]
+    if causal or left >= 0 or right >= 0:
+        delta = pos_q[q_idx] - pos_k[kv_idx]
+        if causal:
+            keep = keep & (delta >= 0)
+        if left >= 0:
+            keep = keep & (delta <= left)
+        if right >= 0:
+            keep = keep & (delta >= -right)
+    return keep
+
+
+def _rows(cu: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Segment id, offset inside the segment and segment length of every row (int64)."""
+    cu = cu.to(torch.int64)
+    row = torch.arange(rows, device=cu.device)
+    seg = torch.searchsorted(cu[1:], row, right=True)
+    return seg, row - cu[seg], (cu[1:] - cu[:-1])[seg]
+
+
+def row_values(spec: BlockSpec, q_rows: int, k_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(seg_q, seg_k, pos_q, pos_k)``, int32."""
+    seg_q, off_q, len_q = _rows(spec.cu_q, q_rows)
+    seg_k, off_k, _ = _rows(spec.cu_k, k_rows)
+    if spec.q_positions is None:
+        len_k_of_q = (spec.cu_k[1:] - spec.cu_k[:-1]).to(torch.int64)[seg_q]
+        pos_q, pos_k = off_q + len_k_of_q - len_q, off_k
+    else:
+        pos_q, pos_k = spec.q_positions, spec.k_positions
+    return tuple(t.to(torch.int32) for t in (seg_q, seg_k, pos_q, pos_k))
+
+
+def _per_block(values: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """Min and max of ``values`` over each block of rows (the last block padded with its last
+    row, which changes neither)."""
+    blocks = -(-values.shape[0] // block)
+    padded = torch.cat([values, values[-1:].expand(blocks * block - values.shape[0])])
+    grouped = padded.view(blocks, block)
+    return grouped.amin(1), grouped.amax(1)
+
+
+def block_structure(
+    seg_q: Tensor, seg_k: Tensor, pos_q: Tensor, pos_k: Tensor, causal: bool, left: int,
+    right: int, block: int,
+) -> tuple[Tensor, Tensor]:
+    """``(partial, full)`` bool ``[query blocks, key blocks]`` (see the module docstring)."""
+    seg_q_lo, seg_q_hi = _per_block(seg_q, block)
+    seg_k_lo, seg_k_hi = _per_block(seg_k, block)
+    pos_q_lo, pos_q_hi = (t[:, None] for t in _per_block(pos_q, block))
+    pos_k_lo, pos_k_hi = (t[None, :] for t in _per_block(pos_k, block))
+    # some pair may be visible: a segment in both blocks, and the extremes allow the mask
+    some = (seg_q_lo[:, None] <= seg_k_hi[None, :]) & (seg_k_lo[None, :] <= seg_q_hi[:, None])
+    # every pair is visible: one segment filling both blocks, and the extremes satisfy the mask
+    complete_q = torch.arange(1, seg_q_lo.shape[0] + 1, device=seg_q.device) * block <= seg_q.shape[0]
+    complete_k = torch.arange(1, seg_k_lo.shape[0] + 1, device=seg_k.device) * block <= seg_k.shape[0]
+    one_q, one_k = (seg_q_lo == seg_q_hi) & complete_q, (seg_k_lo == seg_k_hi) & complete_k
+    every = one_q[:, None] & one_k[None, :] & (seg_q_lo[:, None] == seg_k_lo[None, :])
+    if causal:
+        some &= pos_q_hi >= pos_k_lo
+        every &= pos_q_lo >= pos_k_hi
+    if left >= 0:
+        some &= pos_q_lo - pos_k_hi <= left
+        every &= pos_q_hi - pos_k_lo <= left
+    if right >= 0:
+        some &= pos_k_lo - pos_q_hi <= right
+        every &= pos_k_hi - pos_q_lo <= right
+    return some & ~every, every
+
+
+def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """BlockMask's form of a ``[query blocks, key blocks]`` bool matrix: the count of set key
+    blocks per query block and their indices first in each row, int32, batch and head dims 1."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    return counts[None, None], indices[None, None]
+
+
+def build_document_mask(spec: BlockSpec, q_rows: int, k_rows: int, block: int = BLOCK_SIZE) -> DocumentMask:
+    """The block mask of ``spec`` for ``q_rows`` queries and ``k_rows`` keys (both > 0)."""
+    buffers = row_values(spec, q_rows, k_rows)
+    variant = (spec.causal, spec.window_left, spec.window_right)
+    partial, full = block_structure(*buffers, *variant, block)
+    seg_q, seg_k, pos_q, pos_k = buffers
+    mask_mod = functools.partial(
+        visible, seg_q=seg_q, seg_k=seg_k, pos_q=pos_q, pos_k=pos_k,
+        causal=variant[0], left=variant[1], right=variant[2],
+    )
+    # the query-major halves (for the backward's dK, dV) are the transposed matrices;
+    # BlockMask.from_kv_blocks would derive them with vmap, which fails inside the block op
+    # when it runs in an AOTAutograd-compiled graph
+    block_mask = BlockMask(
+        (q_rows, k_rows), *_ordered(partial), *_ordered(full), *_ordered(partial.t()),
+        *_ordered(full.t()), (block, block), mask_mod,
+    )
+    return DocumentMask(block_mask, buffers, variant)
+
+
+_cache: OrderedDict[tuple, DocumentMask] = OrderedDict()
+
+
+def document_mask(spec: BlockSpec, q_rows: int, k_rows: int) -> DocumentMask:
+    """:func:`build_document_mask`, reused for a spec with a ``cache_key`` (the layers and the
+    backward of one eager batch ask for the same blocks)."""
+    if spec.cache_key < 0:
+        return build_document_mask(spec, q_rows, k_rows)
+    key = (spec.cache_key, q_rows, k_rows)
+    mask = _cache.get(key)
+    if mask is None:
+        mask = _cache[key] = build_document_mask(spec, q_rows, k_rows)
+        while len(_cache) > CACHE_CAPACITY:
+            _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    return mask

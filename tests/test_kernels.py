@@ -1,0 +1,303 @@
+"""The block kernels behind one contract (docs/design.md §8): the flex kernel against the
+float64 reference on CPU (flex's unfused reference path), each kernel's backward given the
+merged out and lse of two blocks (the ring's case), flex's block masks against their element
+masks, flex traced by Dynamo as on CUDA (``aot_eager``) without a recompile per batch and
+through ``backend="hcp"``, flex under eager CP on a 2 x 2 mesh, and how ``kernel=...`` is
+resolved. bf16 on CUDA: ``test_gpu.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hcp_compile as hc
+from attention_reference import document_mask, reference_with_grads
+from checks import assert_matches, expected_for
+from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded, World
+from hcp_compile.hierarchical import merge_partials
+from hcp_compile.kernels import (
+    KERNELS, BlockRequest, BlockSpec, flex, flex_mask, measured, resolve_kernel, run_backward,
+    run_forward,
+)
+
+FLEX_CASES = [c for c in attention_cases() if c.docs == "mixed" and c.heads_kv in (4, 1)] + [
+    AttentionCase("long", 4, 2, True), AttentionCase("long", 4, 2, False, (3, 5), scale=0.2)]
+
+
+def flex_with_grads(case: AttentionCase) -> dict[str, torch.Tensor]:
+    x, cu = case.inputs(), cu_seqlens(case.lengths)
+    leaves = [x[n].clone().requires_grad_() for n in "qkv"]
+    longest = max(case.lengths)
+    scale = case.scale if case.scale is not None else case.head_dim ** -0.5
+    out, _ = torch.ops.hcp.varlen_attention(*leaves, cu, cu, longest, longest, case.causal, scale,
+                                            *case.window, "flex")
+    out.backward(x["dout"])
+    return {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+
+
+@pytest.mark.parametrize("case", FLEX_CASES, ids=lambda c: c.id)
+def test_flex_kernel_matches_reference(case):
+    got, expected = flex_with_grads(case), expected_for(case)
+    for name in ("out", "dq", "dk", "dv"):
+        assert_matches(got[name], expected[name], name)
+
+
+# --------------------------------------------------------------------------------------------
+# the ring's case: two blocks merged, each backward given the merged out and lse
+# --------------------------------------------------------------------------------------------
+
+SPLIT_DOCS = (6, 0, 1, 11, 17)
+
+
+def split_keys(lengths: tuple[int, ...], part: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key rows of one part of every document (part 0: its first ``length // 3`` tokens,
+    part 1: the rest) and the part's ``cu_seqlens``: a ring step's shape, where a block sees
+    some of a document's keys at their positions inside the document."""
+    rows, counts, start = [], [], 0
+    for length in lengths:
+        cut = length // 3
+        part_rows = range(start, start + cut) if part == 0 else range(start + cut, start + length)
+        rows += part_rows
+        counts.append(len(part_rows))
+        start += length
+    return torch.tensor(rows, dtype=torch.int64), cu_seqlens(tuple(counts))
+
+
+@pytest.mark.parametrize("kernel", ["torch", "flex"])
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)),
+                                            (False, (4, 2))], ids=["causal", "full", "causal-w5.0", "full-w4.2"])
+def test_backward_given_merged_out_and_lse_yields_each_blocks_share(kernel, causal, window):
+    """Two blocks over disjoint keys, merged as the ring merges them; the sum of the two
+    backwards, each given the merged out and lse, is the gradient of the whole attention."""
+    tokens = sum(SPLIT_DOCS)
+    q, dout = seeded("split/q", tokens, 4, HEAD_DIM), seeded("split/dout", tokens, 4, HEAD_DIM)
+    k, v = seeded("split/k", tokens, 2, HEAD_DIM), seeded("split/v", tokens, 2, HEAD_DIM)
+    cu = cu_seqlens(SPLIT_DOCS)
+    positions = torch.cat([torch.arange(n) for n in SPLIT_DOCS])
+    blocks = []
+    for part in (0, 1):
+        rows, cu_k = split_keys(SPLIT_DOCS, part)
+        spec = BlockSpec(cu, cu_k, max(SPLIT_DOCS), max(SPLIT_DOCS), causal, HEAD_DIM ** -0.5,
+                         *window, positions, positions[rows])
+        blocks.append((rows, spec))
+    out = lse = None
+    for rows, spec in blocks:
+        out, lse = merge_partials(out, lse, *run_forward(kernel, q, k[rows], v[rows], spec))
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, spec in blocks:
+        dq_b, dk_b, dv_b = run_backward(kernel, dout, q, k[rows], v[rows], out.to(q.dtype), lse, spec)
+        dq += dq_b
+        dk[rows], dv[rows] = dk_b, dv_b
+    expected = reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=causal, window=window)
+    for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_matches(got, expected[name], name)
+
+
+# --------------------------------------------------------------------------------------------
+# flex's block masks
+# --------------------------------------------------------------------------------------------
+
+MASK_SPECS = {
+    "docs-causal": (True, (-1, -1), False),
+    "docs-full": (False, (-1, -1), False),
+    "docs-window": (False, (3, 5), False),
+    "positions-causal-window": (True, (6, 0), True),
+    "positions-full": (False, (-1, -1), True),
+}
+
+
+@pytest.mark.parametrize("block", [1, 4, 5, 16])
+@pytest.mark.parametrize("name", MASK_SPECS)
+def test_block_structure_is_exact_where_it_skips_or_fills(name, block):
+    """Against the element mask of the same spec: a skipped block pair has no visible element,
+    a full one only visible elements; queries of one document against part of its keys
+    (positions given) as in a ring step, with empty documents and blocks spanning several."""
+    causal, window, with_positions = MASK_SPECS[name]
+    lengths = (7, 0, 1, 19, 4, 30, 2)
+    cu_q = cu_seqlens(lengths)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    rows, cu_k = split_keys(lengths, 1) if with_positions else (torch.arange(sum(lengths)), cu_q)
+    spec = BlockSpec(cu_q, cu_k, 30, 30, causal, 1.0, *window,
+                     positions if with_positions else None, positions[rows] if with_positions else None)
+    q_rows, k_rows = int(cu_q[-1]), int(cu_k[-1])
+    seg_q, seg_k, pos_q, pos_k = flex_mask.row_values(spec, q_rows, k_rows)
+    partial, full = flex_mask.block_structure(seg_q, seg_k, pos_q, pos_k, causal, *window, block)
+    elements = flex_mask.visible(0, 0, torch.arange(q_rows)[:, None], torch.arange(k_rows)[None, :],
+                                 seg_q, seg_k, pos_q, pos_k, causal=causal, left=window[0], right=window[1])
+    padded = torch.zeros(partial.shape[0] * block, partial.shape[1] * block, dtype=torch.int64)
+    padded[:q_rows, :k_rows] = elements
+    per_block = padded.view(partial.shape[0], block, partial.shape[1], block).sum((1, 3))
+    assert not (full & partial).any()
+    assert ((per_block > 0) <= (partial | full)).all(), "a block with a visible element was skipped"
+    assert (per_block[full] == block * block).all(), "a full block has a masked element"
+    if not with_positions:  # one document per segment: element masks equal the reference's
+        for d, (start, length) in enumerate(zip(cu_q.tolist(), lengths)):
+            doc = elements[start:start + length, start:start + length]
+            assert torch.equal(doc, document_mask(length, length, causal, window)), f"document {d}"
+
+
+def test_masks_are_reused_for_a_cache_key_and_rebuilt_without_one():
+    cu = cu_seqlens((5, 9))
+    keyed = BlockSpec(cu, cu, 9, 9, True, 1.0, cache_key=hc.kernels.new_cache_key())
+    assert flex_mask.document_mask(keyed, 14, 14) is flex_mask.document_mask(keyed, 14, 14)
+    unkeyed = dataclasses.replace(keyed, cache_key=-1)
+    assert flex_mask.document_mask(unkeyed, 14, 14) is not flex_mask.document_mask(unkeyed, 14, 14)
+
+
+# --------------------------------------------------------------------------------------------
+# flex traced by Dynamo (as on CUDA, with aot_eager instead of Inductor)
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def traced_flex(monkeypatch):
+    """Flex compiled on CPU with ``aot_eager``: Dynamo traces the same forward and backward
+    graphs as on CUDA (Inductor has no CPU flex backward)."""
+    monkeypatch.setitem(flex.COMPILE_BACKENDS, "cpu", "aot_eager")
+    yield
+    flex._forward_function.cache_clear()
+    flex._backward_graph.cache_clear()
+
+
+def test_traced_flex_matches_reference_without_a_recompile_per_batch(traced_flex):
+    """Three batches of different sizes, each with a new mask (new cu_seqlens): one graph for
+    the forward and one for the backward."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for docs in ("mixed", "long", "many"):
+        case = AttentionCase(docs, 4, 2, True, (4, 0))
+        got, expected = flex_with_grads(case), expected_for(case)
+        for name in ("out", "dq", "dk", "dv"):
+            assert_matches(got[name], expected[name], f"{docs} {name}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.fixture
+def one_rank_mesh():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield hc.make_mesh(1, 1, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flex_through_the_hcp_backend(one_rank_mesh):
+    """``backend="hcp"`` with ``kernel="flex"`` (aot_eager): the block ops run flex inside."""
+    case = AttentionCase("mixed", 4, 2, True, (4, 0))
+    x, cu = case.inputs(), cu_seqlens(case.lengths)
+    plan = hc.shard_plan(cu, one_rank_mesh)
+    leaves = [plan.shard(x[n]).requires_grad_() for n in "qkv"]
+
+    def attend(q, k, v, cu, longest):
+        return hc.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, window_size=(4, 0))
+
+    compiled = torch.compile(attend, backend="hcp", options={
+        "mesh": one_rank_mesh, "inner": "aot_eager", "kernel": "flex"})
+    out = compiled(*leaves, cu, max(case.lengths))
+    out.backward(plan.shard(x["dout"]))
+    expected = expected_for(case)
+    for name, got in (("out", out.detach()), *((f"d{n}", t.grad) for n, t in zip("qkv", leaves))):
+        assert_matches(plan.unshard(got), expected[name], name)
+
+
+# --------------------------------------------------------------------------------------------
+# flex under eager CP (a 2 x 2 world: local, group and ring documents, windows by position)
+# --------------------------------------------------------------------------------------------
+
+CP_MESH = (2, 2)
+SUITE = "test_kernels:suite"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexCase(AttentionCase):
+    @property
+    def id(self) -> str:
+        return f"flex-{super().id}"
+
+    def run(self, world: World) -> dict:
+        with hc.context_parallel(world.mesh, placement=self.placement, kernel="flex"):
+            return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
+
+
+CP_CASES = [FlexCase("many", 4, 2, True), FlexCase("mixed", 4, 1, True, (4, 0)),
+            FlexCase("long", 4, 4, False, (3, 5))]
+
+
+def suite(mesh: tuple[int, int]) -> list:
+    return CP_CASES
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
+def test_flex_under_context_parallelism_matches_reference(cp_world, case):
+    reference = expected_for(case)
+    for rank, result in enumerate(cp_world(CP_MESH, suite=SUITE).values(case.id)):
+        index = result["global_index"]
+        for name in ("out", "dq", "dk", "dv"):
+            got = result[name]
+            pads = index < 0
+            expected = reference[name][index.clamp(min=0)].masked_fill(pads[:, None, None], 0)
+            assert_matches(got, expected, f"rank {rank} {name}")
+
+
+# --------------------------------------------------------------------------------------------
+# choosing a kernel
+# --------------------------------------------------------------------------------------------
+
+def request(device="cpu", dtype=torch.float32, head_dim=64, window=(-1, -1), cp=False) -> BlockRequest:
+    q = torch.empty(1, 4, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(1, 2, head_dim, dtype=dtype, device="meta")
+    return dataclasses.replace(BlockRequest.of(q, k, window, context_parallel=cp), device=torch.device(device))
+
+
+def test_every_kernel_is_registered_under_its_name():
+    assert {name: kernel.name for name, kernel in KERNELS.items()} == {
+        "torch": "torch", "flash": "flash", "flex": "flex"}
+
+
+def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypatch):
+    monkeypatch.setattr(hc.kernels.flex, "_BACKWARD_LOWERS_ON_CUDA", True)  # the rule, not today's torch
+    monkeypatch.setattr(measured, "throughputs", lambda: {
+        "cpu": {"flex": 2e12, "torch": 1e12}, "NVIDIA X": {"flex": 400e12, "flash": 300e12}})
+    monkeypatch.setattr(measured, "device_kind", lambda device: "NVIDIA X" if device.type == "cuda" else "cpu")
+    monkeypatch.setattr(hc.kernels, "device_kind", measured.device_kind)
+    assert resolve_kernel("auto", request("cpu")) == "flex"
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flex"
+    # flex cannot take head_dim 8 on CUDA: the next fastest measured one that can
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16, head_dim=8)) == "flash"
+
+
+def test_auto_falls_back_to_flash_on_cuda_and_torch_elsewhere_when_unmeasured(monkeypatch):
+    monkeypatch.setattr(measured, "throughputs", lambda: {})
+    monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "unmeasured")
+    assert resolve_kernel("auto", request("cpu")) == "torch"
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flash"
+    assert resolve_kernel("auto", request("cuda", torch.float32)) == "torch"
+    # a window by position (a ring step) rules flash out
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "torch"
+
+
+def test_flex_on_cuda_is_refused_while_its_backward_does_not_lower(monkeypatch):
+    monkeypatch.setattr(hc.kernels.flex, "_BACKWARD_LOWERS_ON_CUDA", False)
+    monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "NVIDIA H200")  # flex measured fastest
+    with pytest.raises(hc.InputError, match="kernel='flex' is not available on CUDA.*backward"):
+        resolve_kernel("flex", request("cuda", torch.bfloat16))
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flash"
+    assert resolve_kernel("flex", request("cpu")) == "flex"
+
+
+def test_a_named_kernel_that_cannot_run_the_call_raises_its_reason(monkeypatch):
+    monkeypatch.setattr(hc.kernels.flex, "_BACKWARD_LOWERS_ON_CUDA", True)  # the rule, not today's torch
+    with pytest.raises(hc.InputError, match=re.escape(
+            "kernel='flash' cannot apply a sliding window under context parallelism")) as raised:
+        resolve_kernel("flash", request("cuda", torch.bfloat16, window=(8, 0), cp=True), "X(kernel=...)")
+    assert "one of ['torch', 'flex'] (X(kernel=...))" in str(raised.value)
+    with pytest.raises(hc.InputError, match="kernel='flex' needs fp16, bf16 or fp32 tensors; got torch.float64"):
+        resolve_kernel("flex", request(dtype=torch.float64))
+    with pytest.raises(hc.InputError, match="kernel='flex' needs head_dim of at least 16 on CUDA"):
+        resolve_kernel("flex", request("cuda", torch.bfloat16, head_dim=8))
+    assert resolve_kernel("flex", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "flex"
+    # one device, the window is by offsets inside the documents: flash can apply it
+    assert resolve_kernel("flash", request("cuda", torch.bfloat16, window=(8, 0))) == "flash"
