@@ -49,16 +49,23 @@ def time_fwd_bwd(fn, inputs: list[torch.Tensor], warmup: int, iters: int) -> flo
     return sorted(times)[len(times) // 2]
 
 
-def profile_one_step(fn, inputs: list[torch.Tensor], out_dir: str) -> None:
-    """A Chrome trace of one forward + backward per rank, and rank 0's top CUDA ops."""
+def profile_one_step(fn, inputs: list[torch.Tensor], out_dir: str | None, label: str = "") -> None:
+    """One forward + backward under the profiler: every rank's Chrome trace (into ``out_dir``
+    when given), rank 0's top ops by CPU and by CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
+    dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(*inputs).sum().backward()
         torch.cuda.synchronize()
-    os.makedirs(out_dir, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(out_dir, f"trace_rank{dist.get_rank()}.json"))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        prefix = f"trace_{label.replace(' ', '_')}_" if label else "trace_"
+        name = f"{prefix}rank{dist.get_rank()}.json"
+        prof.export_chrome_trace(os.path.join(out_dir, name))
     if dist.get_rank() == 0:
+        print(f"profile {label}:")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 

@@ -26,7 +26,7 @@ from tabulate import tabulate
 from torch import nn
 
 import hcp_compile
-from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
+from benchmarks.cp_throughput import causal_flops, profile_one_step, time_fwd_bwd
 
 PLACEMENTS = ("zigzag", "balanced")
 
@@ -56,24 +56,6 @@ class Attention(nn.Module):
         return hcp_compile.varlen_attention(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True
         )
-
-
-def profile_step(fn, inputs: list[torch.Tensor], cu: torch.Tensor, longest: int, label: str,
-                 out_dir: str | None) -> None:
-    """Rank 0's top ops of one forward + backward (CPU and CUDA time), and its Chrome trace."""
-    from torch.profiler import ProfilerActivity, profile
-
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn(*inputs, cu, longest).sum().backward()
-        torch.cuda.synchronize()
-    if dist.get_rank() != 0:
-        return
-    print(f"profile {label}:")
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-    if out_dir:
-        prof.export_chrome_trace(str(Path(out_dir) / f"trace_{label.replace(' ', '_')}.json"))
 
 
 def main() -> None:
@@ -145,7 +127,8 @@ def main() -> None:
             record("eager", placement, ms, world)
             if args.profile:
                 with hcp_compile.context_parallel(mesh, kernel=args.kernel, placement=placement):
-                    profile_step(attend, local, cu, longest, f"{name}-eager-{placement}", args.out)
+                    profile_one_step(lambda *t: attend(*t, cu, longest), local, args.out,
+                                     f"{name}-eager-{placement}")
             if not args.no_compile:
                 torch._dynamo.reset()
                 backend = hcp_compile.backend(mesh=mesh, placement=placement, kernel=args.kernel)
@@ -162,7 +145,8 @@ def main() -> None:
                 ms = time_fwd_bwd(lambda *t: compiled(*t, cu, longest), local, args.warmup, args.iters)
                 record("compiled", placement, ms, world)
                 if args.profile:
-                    profile_step(compiled, local, cu, longest, f"{name}-compiled-{placement}", args.out)
+                    profile_one_step(lambda *t: compiled(*t, cu, longest), local, args.out,
+                                     f"{name}-compiled-{placement}")
             if rank == 0:
                 print(plan.summary(args.heads, args.kv_heads, args.head_dim), flush=True)
     if rank == 0:

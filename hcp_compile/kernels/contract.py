@@ -51,8 +51,6 @@ class BlockSpec:
         return self.window_left >= 0 or self.window_right >= 0
 
 
-OP_ARG_COUNT = len(fields(BlockSpec))
-
 _cache_keys = itertools.count()
 
 
