@@ -78,6 +78,9 @@ def main() -> None:
                         help="also trace one CP step per mode into --out and print its top ops")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON")
     args = parser.parse_args()
+    names = list(packed_batches(args.tokens))
+    if args.batches and not any(word in name for word in args.batches for name in names):
+        parser.error(f"--batches: no batch name contains any of {args.batches}; the batches: {names}")
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
