@@ -1,8 +1,9 @@
-"""The packed batch and the run options that the GPU benchmarks share."""
+"""The packed batch, the run options and the trace arithmetic that the GPU benchmarks share."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -24,3 +25,54 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+
+
+def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, stop)`` intervals as sorted disjoint intervals."""
+    merged: list[list[float]] = []
+    for start, stop in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return [(start, stop) for start, stop in merged]
+
+
+def exposed_length(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
+    """How long some ``comm`` interval runs while no ``compute`` interval does: the length of
+    the union of ``comm`` minus its overlap with the union of ``compute`` (communication that
+    no kernel hides, on whatever stream)."""
+    comm_union, compute_union = union_intervals(comm), union_intervals(compute)
+    total = sum(stop - start for start, stop in comm_union)
+    covered, j = 0.0, 0
+    for start, stop in comm_union:  # both lists sorted and disjoint: one merge-like pass
+        while j < len(compute_union) and compute_union[j][1] <= start:
+            j += 1
+        i = j
+        while i < len(compute_union) and compute_union[i][0] < stop:
+            covered += min(stop, compute_union[i][1]) - max(start, compute_union[i][0])
+            i += 1
+    return total - covered
+
+
+def kernel_intervals(chrome_trace: dict) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The device kernels of a profiler Chrome trace as ``(start, stop)`` in microseconds:
+    the NCCL kernels, and all the others."""
+    comm, compute = [], []
+    for event in chrome_trace["traceEvents"]:
+        if event.get("cat") == "kernel" and "dur" in event:
+            interval = (float(event["ts"]), float(event["ts"]) + float(event["dur"]))
+            (comm if "nccl" in event["name"].lower() else compute).append(interval)
+    return comm, compute
+
+
+def log_uniform_lengths(tokens: int, low: int, high: int, seed: int) -> list[int]:
+    """Lengths drawn log-uniformly from [low, high] until they hold ``tokens``, the last cut
+    (also the batches of scripts/measure_kernels.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        u = float(torch.rand((), generator=gen))
+        lengths.append(int(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
+    lengths[-1] -= sum(lengths) - tokens
+    return [n for n in lengths if n > 0]

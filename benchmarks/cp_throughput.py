@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,31 +22,49 @@ import hcp_compile
 from benchmarks.common import add_run_args, packed_lengths
 
 
-def causal_flops(lengths: list[int], heads: int, head_dim: int) -> float:
-    """fwd (2 matmuls) + bwd (5 matmuls) over the causal half of every document."""
-    pairs = sum(n * (n + 1) / 2 for n in lengths)
+def causal_flops(lengths: list[int], heads: int, head_dim: int, window_left: int = -1) -> float:
+    """fwd (2 matmuls) + bwd (5 matmuls) over the causal half of every document; with
+    ``window_left`` >= 0 only the pairs inside the sliding window (each query sees itself and
+    at most ``window_left`` keys before it)."""
+    pairs = sum(_visible_pairs(n, window_left) for n in lengths)
     return 7 * 2 * pairs * heads * head_dim
 
 
-def time_fwd_bwd(fn, inputs: list[torch.Tensor], warmup: int, iters: int) -> float:
-    """Median milliseconds of forward + backward."""
+def _visible_pairs(n: int, window_left: int) -> float:
+    if window_left < 0 or n <= window_left + 1:
+        return n * (n + 1) / 2
+    seen = window_left + 1  # keys a query sees once its window is full
+    return seen * (seen + 1) / 2 + (n - seen) * seen
+
+
+def time_fwd_bwd(
+    fn, inputs: list[torch.Tensor], warmup: int, iters: int, *, barrier: bool = True
+) -> float:
+    """Median milliseconds of forward + backward: CUDA events for CUDA inputs, else the host
+    clock. ``barrier``: all ranks start each iteration together (off for a step that one rank
+    runs alone)."""
+    cuda = inputs[0].is_cuda
     grad = None
     times = []
     for i in range(warmup + iters):
         for t in inputs:
             t.grad = None
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        torch.cuda.synchronize()
-        start.record()
+        if barrier:
+            dist.barrier()
+        if cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+        started = time.perf_counter()
         out = fn(*inputs)
         if grad is None:
             grad = torch.randn_like(out)
         out.backward(grad)
-        stop.record()
-        torch.cuda.synchronize()
+        if cuda:
+            stop.record()
+            torch.cuda.synchronize()
         if i >= warmup:
-            times.append(start.elapsed_time(stop))
+            times.append(start.elapsed_time(stop) if cuda else (time.perf_counter() - started) * 1e3)
     return sorted(times)[len(times) // 2]
 
 

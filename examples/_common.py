@@ -201,14 +201,17 @@ class Result:
         return {"out": self.out, "dq": self.dq, "dk": self.dk, "dv": self.dv}
 
 
-def single_device(batch: PackedBatch, causal: bool, dtype: torch.dtype | None = None) -> Result:
+def single_device(
+    batch: PackedBatch, causal: bool, dtype: torch.dtype | None = None,
+    window: tuple[int, int] = (-1, -1),
+) -> Result:
     """Plain ``varlen_attention`` (no CP) on the full tensors, optionally cast to ``dtype``."""
     q, k, v = (
         t.to(dtype or t.dtype).detach().requires_grad_() for t in (batch.q, batch.k, batch.v)
     )
     out = hcp_compile.varlen_attention(
         q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
-        causal=causal,
+        causal=causal, window_size=window,
     )
     out.backward(batch.dout.to(out.dtype))
     return Result(out.detach(), q.grad, k.grad, v.grad)
@@ -218,7 +221,8 @@ PAD_FILL = 7.0
 
 
 def context_parallel(
-    batch: PackedBatch, mesh, plan: hcp_compile.ShardPlan, causal: bool, kernel: str = "auto"
+    batch: PackedBatch, mesh, plan: hcp_compile.ShardPlan, causal: bool, kernel: str = "auto",
+    window: tuple[int, int] = (-1, -1),
 ) -> Result:
     """Hierarchical CP attention on this rank's shards, backward, then unshard everything.
 
@@ -231,7 +235,7 @@ def context_parallel(
     with hcp_compile.context_parallel(mesh, kernel=kernel, placement=plan.placement):
         out = hcp_compile.varlen_attention(
             q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
-            causal=causal,
+            causal=causal, window_size=window,
         )
     out.backward(plan.shard(batch.dout, PAD_FILL))
     local = (out.detach(), q.grad, k.grad, v.grad)

@@ -4,9 +4,13 @@ runs eagerly and under tracing (each collective appears in the graph with its wa
 The ``_c10d_functional`` ops are called directly rather than through
 ``torch.distributed._functional_collectives``, whose wrappers wait right after issuing when
 traced: here every wait sits where its result is first needed, in the eager run and in the
-graph alike."""
+graph alike. The Ulysses exchanges return an :class:`Issued` handle, so the caller decides
+what runs between issue and wait (the head-group pipeline, docs/design.md §3.6)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,44 +18,89 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 
+@dataclass(frozen=True)
+class Issued:
+    """An exchange issued and not yet waited for. ``wait()`` waits and returns the result: the
+    code run between the issue and the wait is what the transfer overlaps, eagerly (the
+    collective runs on the backend's stream or thread) and in a traced graph (the collective
+    and its ``wait_tensor`` are two nodes, in this order). Without a collective (a Ulysses
+    group of one) the result is ready at once."""
+
+    pending: Tensor
+    finish: Callable[[Tensor], Tensor]
+    collective: bool = True
+
+    def wait(self) -> Tensor:
+        return self.finish(_wait(self.pending) if self.collective else self.pending)
+
+
 def scatter_heads(
-    tensors: list[Tensor], group: dist.ProcessGroup, size: int, counts: tuple[int, ...]
-) -> Tensor:
-    """Ulysses exchange in one all-to-all: ``[T_i, H_i, D]`` with all heads, ``T_i`` this
-    rank's entry of ``counts`` (the token count of every rank of the group) ->
-    ``[sum(counts), sum(H_i) / size, D]``, this rank's head slice of every tensor (in order)
-    over the tokens of every rank of the group in rank order, one contiguous tensor."""
-    if size == 1:
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
+    tensors: list[Tensor], group: dist.ProcessGroup, size: int, counts: tuple[int, ...],
+    part: int = 0, parts: int = 1,
+) -> Issued:
+    """Issue the Ulysses exchange of head group ``part`` of ``parts`` in one all-to-all:
+    ``[T_i, H_i, D]`` with all heads, ``T_i`` this rank's entry of ``counts`` (the token count
+    of every rank of the group) -> ``[sum(counts), sum(H_i) / (size * parts), D]``, this rank's
+    heads of the group (of every tensor, in order) over the tokens of every rank of the group
+    in rank order, one contiguous tensor. Rank ``j`` handles heads ``j * H_i / size`` onwards
+    of each tensor, and group ``part`` the ``part``-th ``1/parts`` of those (docs/design.md
+    §3.6). The send buffer is packed with one strided copy per tensor."""
     tokens, dim = tensors[0].shape[0], tensors[0].shape[2]
-    widths = [t.shape[1] // size for t in tensors]
+    widths = [t.shape[1] // (size * parts) for t in tensors]
     width = sum(widths)
-    # block j of dim 0 holds the heads that go to Ulysses rank j
-    send = _pack([t.reshape(tokens, size, w, dim).transpose(0, 1) for t, w in zip(tensors, widths)])
+    if size == 1 and parts == 1 and len(tensors) == 1:
+        return Issued(tensors[0], _same, collective=False)
+    # block j of dim 0 holds the heads of this group that go to Ulysses rank j
+    send = _pack([
+        t.reshape(tokens, size, parts, w, dim)[:, :, part].transpose(0, 1)
+        for t, w in zip(tensors, widths)
+    ])
+    stream = (sum(counts), width, dim)
+    if size == 1:
+        return Issued(send.view(stream), _same, collective=False)
     splits = ([c * width * dim for c in counts], [tokens * width * dim] * size)
     received = _all_to_all(send.view(-1), splits, group)
     # the blocks from Ulysses ranks 0..size-1, concatenated, are the exchange stream
-    return _wait(received).view(sum(counts), width, dim)
+    return Issued(received, lambda done: done.view(stream))
 
 
 def gather_heads(
-    x: Tensor, widths: list[int], group: dist.ProcessGroup, size: int, counts: tuple[int, ...],
-    rank: int,
-) -> list[Tensor]:
-    """Inverse of :func:`scatter_heads` for one tensor ``[sum(counts), sum(widths), D]`` that
-    holds several tensors' head slices side by side: returns ``[counts[rank], size * w, D]``
-    for each width. A contiguous ``x`` travels as it is, with no packing copy."""
-    if size == 1:
-        return list(x.split(widths, dim=1))
+    x: Tensor, group: dist.ProcessGroup, size: int, counts: tuple[int, ...], rank: int,
+) -> Issued:
+    """Issue the inverse of :func:`scatter_heads` for ``x`` ``[sum(counts), w, D]``, a head
+    group of this rank over the exchange stream: the result is ``[counts[rank], size, w, D]``,
+    every Ulysses rank's slice of that group for this rank's tokens (a view of the received
+    buffer, rank ``j``'s slice at index ``j``; :func:`join_heads` puts the groups in order). A
+    contiguous ``x`` travels as it is, with no packing copy."""
     width, dim = x.shape[1], x.shape[2]
     tokens = counts[rank]
+    if size == 1:
+        return Issued(x.unsqueeze(1), _same, collective=False)
     splits = ([tokens * width * dim] * size, [c * width * dim for c in counts])
     received = _all_to_all(x.contiguous().view(-1), splits, group)
-    received = _wait(received).view(size, tokens, width, dim)
-    return [
-        part.transpose(0, 1).reshape(tokens, size * w, dim)
-        for part, w in zip(received.split(widths, dim=2), widths)
-    ]
+    return Issued(received, lambda done: done.view(size, tokens, width, dim).transpose(0, 1))
+
+
+def join_heads(gathered: list[Tensor], repeat: int = 1) -> Tensor:
+    """The head groups ``gathered`` (each ``[T, size, w, D]``, from :func:`gather_heads`, in
+    group order) as one ``[T, size * len(gathered) * w / repeat, D]`` tensor in the heads'
+    order, one copy. With ``repeat`` > 1 the exchange carried every head ``repeat`` times
+    (one head per rank, a single group): the copies are summed (the gradient of the repeat)."""
+    tokens, size, width, dim = gathered[0].shape
+    if repeat > 1:
+        if len(gathered) != 1 or width != 1:
+            raise ValueError("repeated heads are exchanged one per rank, in a single group")
+        return gathered[0].squeeze(2).unflatten(1, (-1, repeat)).sum(2)
+    heads = size * len(gathered) * width
+    if len(gathered) == 1:
+        return gathered[0].reshape(tokens, heads, dim)
+    # reshape, not view: Inductor's decompositions may give the stack other strides, and a view
+    # of a tensor with the layout's unbacked sizes then fails to trace
+    return torch.stack(gathered, dim=2).reshape(tokens, heads, dim)
+
+
+def _same(x: Tensor) -> Tensor:
+    return x
 
 
 def _pack(blocks: list[Tensor]) -> Tensor:

@@ -10,16 +10,12 @@ import torch
 from torch import Tensor
 
 from .kernels import BlockSpec, run_backward, run_forward
-from .collectives import arrived, gather_heads, ring_shift, scatter_heads
+from .collectives import Issued, arrived, gather_heads, join_heads, ring_shift, scatter_heads
 from .kernels.precision import accumulate_dtype
+from .merge import accumulate, merge_partials
 from .layout import StepKind
 from .mesh import CPGroups
-from .schedule import RingSchedule, RingStep
-
-
-def kv_head_repeat(kv_heads: int, ulysses: int) -> int:
-    """How often to repeat each KV head so the Ulysses exchange can split them (GQA)."""
-    return ulysses // kv_heads if kv_heads < ulysses else 1
+from .schedule import RingSchedule, RingStep, head_groups, kv_head_repeat, rank_kv_heads
 
 
 def _step_spec(step: RingStep, sched: RingSchedule) -> BlockSpec:
@@ -38,22 +34,6 @@ def _local_spec(sched: RingSchedule) -> BlockSpec:
     )
 
 
-def merge_partials(
-    out: Tensor | None, lse: Tensor | None, block_out: Tensor, block_lse: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Merge a block's partial softmax result into the running one, in the lse's precision
-    (fp32, or float64 for float64 inputs); rows seen by neither stay (0, -inf). The first
-    block is taken as it is, so a one-step ring converts nothing."""
-    if out is None:
-        return block_out, block_lse
-    merged = torch.logaddexp(lse, block_lse)
-    finite = torch.isfinite(merged)
-    reference = torch.where(finite, merged, 0)
-    old_weight = torch.where(finite, torch.exp(lse - reference), 0).t().unsqueeze(-1)
-    new_weight = torch.where(finite, torch.exp(block_lse - reference), 0).t().unsqueeze(-1)
-    return out * old_weight + block_out * new_weight, merged
-
-
 def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -> tuple[Tensor, Tensor]:
     """Merged ``(out, lse)`` of the exchange stream's queries: the own step against the whole
     stream, each further step against another ring rank's ring section (the first
@@ -62,6 +42,7 @@ def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -
     kv_heads = kv.shape[1] // 2
     section = (sched.sizes.ring_width, *kv.shape[1:])
     out = lse = incoming = None
+    last = _last_active(sched)
     for index, step in enumerate(sched.steps):
         current = kv if index == 0 else arrived(incoming, section)
         # issue the next transfer before this step's compute, so the two can overlap
@@ -71,8 +52,14 @@ def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -
         if step.active:
             k, v = current.split(kv_heads, dim=1)
             block_out, block_lse = run_forward(sched.kernel, q, k, v, _step_spec(step, sched))
-            out, lse = merge_partials(out, lse, block_out, block_lse)
+            # the last merge writes the input dtype itself: no separate conversion pass
+            out, lse = merge_partials(out, lse, block_out, block_lse,
+                                      out_dtype=q.dtype if index == last else None)
     return out.to(q.dtype), lse
+
+
+def _last_active(sched: RingSchedule) -> int:
+    return max(index for index, step in enumerate(sched.steps) if step.active)
 
 
 def ring_backward(
@@ -90,6 +77,7 @@ def ring_backward(
     width = sched.sizes.ring_width
     section = (width, *kv.shape[1:])
     dq = incoming = travelling = home = None
+    last = _last_active(sched)
     # The KV message carries ``carried``, one value of the backward's incoming gradient, along.
     # Without that dependency on the backward's input, a compiler merges these transfers with
     # the forward's identical ones (or moves them into the forward) and keeps every rank's KV
@@ -108,13 +96,16 @@ def ring_backward(
             dq_block, dk_block, dv_block = run_backward(
                 sched.kernel, dout, q, k, v, out, lse, _step_spec(step, sched)
             )
-            dq = dq_block if dq is None else dq.to(acc) + dq_block
+            dq = accumulate(dq, dq_block, out_dtype=q.dtype if index == last else None)
             dkv = torch.cat([dk_block, dv_block], dim=1)
         if index == 0:  # the own step covers the whole stream: its GROUP rows stay home
             dkv, home = dkv.split([width, dkv.shape[0] - width])
         if travelling is not None:
-            received = arrived(travelling, section).to(acc)
-            dkv = received if dkv is None else received + dkv
+            received = arrived(travelling, section)
+            if dkv is None:  # every rank sends the same dtype at each step
+                dkv = received.to(acc)
+            else:  # the last hop sends the finished sum in kv's dtype: written so at once
+                dkv = accumulate(received, dkv, out_dtype=kv.dtype if index == steps - 1 else None)
         if dkv is None:
             dkv = torch.zeros(section, dtype=kv.dtype, device=kv.device)
         if steps > 1:
@@ -133,16 +124,23 @@ def _split_regions(x: Tensor, sched: RingSchedule) -> tuple[Tensor, Tensor]:
     return local, exchange
 
 
-def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int = 0) -> Tensor:
-    """Inverse of :func:`_split_regions` along ``dim``, the pad rows zero."""
+def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int = 0,
+                  pad_value: float = 0.0) -> Tensor:
+    """Inverse of :func:`_split_regions` along ``dim``, the pad rows ``pad_value``."""
     shape = list(local.shape)
     shape[dim] = sched.sizes.pad
-    return torch.cat([local, exchange, local.new_zeros(shape)], dim=dim)
+    return torch.cat([local, exchange, local.new_full(shape, pad_value)], dim=dim)
 
 
 class HierarchicalAttention(torch.autograd.Function):
     """Local token shards in, local output shard out (and, with ``return_lse``, the local
-    ``[Hq, T]`` logsumexp, which is not differentiable); see the module docstring."""
+    ``[Hq, T]`` logsumexp, which is not differentiable); see the module docstring.
+
+    The heads a rank attends with after the exchange are split into ``G`` head groups
+    (:func:`schedule.head_groups`, docs/design.md §3.6), each with its own all-to-alls and its
+    own ring: group ``g + 1``'s exchange is issued before group ``g``'s ring computes, and
+    group ``g``'s results are sent back as soon as they are computed, so the exchange overlaps
+    the attention; group 0's overlaps the local region's."""
 
     @staticmethod
     def forward(
@@ -150,49 +148,73 @@ class HierarchicalAttention(torch.autograd.Function):
         return_lse: bool,
     ):
         (q_l, q_x), (k_l, k_x), (v_l, v_x) = (_split_regions(t, sched) for t in (q, k, v))
-        out_l, lse_l = run_forward(sched.kernel, q_l, k_l, v_l, _local_spec(sched))
-        repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
+        ulysses_size = groups.ulysses_size
+        repeat = kv_head_repeat(k.shape[1], ulysses_size)
         if repeat > 1:
             k_x, v_x = k_x.repeat_interleave(repeat, dim=1), v_x.repeat_interleave(repeat, dim=1)
-        ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
-        q_s = scatter_heads([q_x], *ulysses)
-        # k and v travel together, so the ring can send them as one contiguous buffer
-        kv_s = scatter_heads([k_x, v_x], *ulysses)
-        out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
-        ctx.save_for_backward(q_l, k_l, v_l, out_l, lse_l, q_s, kv_s, out_s, lse_s)
-        ctx.sched, ctx.groups, ctx.repeat = sched, groups, repeat
+        parts = head_groups(rank_kv_heads(k.shape[1], ulysses_size), ulysses_size)
+        ulysses = (groups.ulysses_group, ulysses_size, sched.sizes.exchange)
         back = (*ulysses, groups.ulysses_rank)
-        (out_x,) = gather_heads(out_s, [out_s.shape[1]], *back)
+
+        def scatter(part: int) -> tuple[Issued, Issued]:
+            # k and v travel together, so the ring can send them as one contiguous buffer
+            return (scatter_heads([q_x], *ulysses, part, parts),
+                    scatter_heads([k_x, v_x], *ulysses, part, parts))
+
+        incoming = scatter(0)  # issued first: the local region's attention hides it
+        out_l, lse_l = run_forward(sched.kernel, q_l, k_l, v_l, _local_spec(sched))
+        streams, outgoing = [], []
+        for part in range(parts):
+            arriving = incoming
+            if part + 1 < parts:  # the next group's exchange overlaps this group's ring
+                incoming = scatter(part + 1)
+            q_s, kv_s = (issued.wait() for issued in arriving)
+            out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
+            streams.append((q_s, kv_s, out_s, lse_s))
+            # sent back at once
+            lse_back = gather_heads(lse_s.t().unsqueeze(-1), *back) if return_lse else None
+            outgoing.append((gather_heads(out_s, *back), lse_back))
+        ctx.save_for_backward(q_l, k_l, v_l, out_l, lse_l, *(t for group in streams for t in group))
+        ctx.sched, ctx.groups, ctx.repeat, ctx.parts = sched, groups, repeat, parts
+
+        # waited only here, where the output is assembled
+        out_x = join_heads([out_back.wait() for out_back, _ in outgoing])
         out = _join_regions(out_l, out_x, sched)
         if not return_lse:
             return out
-        # [H_s, stream] -> [stream, H_s, 1]: the token-major layout gather_heads exchanges
-        (lse_x,) = gather_heads(lse_s.t().unsqueeze(-1), [lse_s.shape[0]], *back)
-        lse_x = lse_x.squeeze(-1).t()
-        pads = lse_l.new_full((lse_l.shape[0], sched.sizes.pad), float("-inf"))
-        lse = torch.cat([lse_l, lse_x, pads], dim=1)
+        # the lse travels token-major ([stream, H_s, 1]), as gather_heads exchanges
+        lse_x = join_heads([lse_back.wait() for _, lse_back in outgoing]).squeeze(-1).t()
+        lse = _join_regions(lse_l, lse_x, sched, dim=1, pad_value=float("-inf"))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, *_grad_lse):
-        q_l, k_l, v_l, out_l, lse_l, q_s, kv_s, out_s, lse_s = ctx.saved_tensors
-        sched, groups = ctx.sched, ctx.groups
-        dout_l, dout_x = _split_regions(dout.contiguous(), sched)
+        q_l, k_l, v_l, out_l, lse_l, *saved = ctx.saved_tensors
+        sched, groups, repeat, parts = ctx.sched, ctx.groups, ctx.repeat, ctx.parts
+        streams = [saved[i : i + 4] for i in range(0, len(saved), 4)]
+        dout = dout.contiguous()
+        dout_l, dout_x = _split_regions(dout, sched)
+        ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
+        back = (*ulysses, groups.ulysses_rank)
+        incoming = scatter_heads([dout_x], *ulysses, 0, parts)  # hidden by the local region
         dq_l, dk_l, dv_l = run_backward(
             sched.kernel, dout_l, q_l, k_l, v_l, out_l, lse_l, _local_spec(sched)
         )
-        ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
-        back = (*ulysses, groups.ulysses_rank)
-        dout_s = scatter_heads([dout_x], *ulysses)
         # one value of the rank's whole incoming gradient (whose size is the batch's token
         # count, never data-dependent) for the ring messages to carry
         carried = dout.reshape(-1)[:1]
-        dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried)
-        (dq_x,) = gather_heads(dq_s, [dq_s.shape[1]], *back)
-        dk_x, dv_x = gather_heads(dkv_s, [dkv_s.shape[1] // 2] * 2, *back)
-        if ctx.repeat > 1:
-            dk_x = dk_x.unflatten(1, (-1, ctx.repeat)).sum(2)
-            dv_x = dv_x.unflatten(1, (-1, ctx.repeat)).sum(2)
+        outgoing = []
+        for part, (q_s, kv_s, out_s, lse_s) in enumerate(streams):
+            arriving = incoming
+            if part + 1 < parts:  # the next group's exchange overlaps this group's ring
+                incoming = scatter_heads([dout_x], *ulysses, part + 1, parts)
+            dout_s = arriving.wait()
+            dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried)
+            outgoing.append((gather_heads(dq_s, *back), gather_heads(dkv_s, *back)))
+        dq_x = join_heads([dq_back.wait() for dq_back, _ in outgoing])
+        dk_v = [dkv_back.wait().chunk(2, dim=2) for _, dkv_back in outgoing]
+        dk_x = join_heads([dk_s for dk_s, _ in dk_v], repeat)
+        dv_x = join_heads([dv_s for _, dv_s in dk_v], repeat)
         grads = (_join_regions(l, x, sched) for l, x in ((dq_l, dq_x), (dk_l, dk_x), (dv_l, dv_x)))
         return (*grads, None, None, None)

@@ -1,6 +1,7 @@
 """The attention schedule of one rank for one batch: the segmentation of its local region and
 of every ring step over the exchange stream (pure tensor math on top of
-:mod:`hcp_compile.layout`)."""
+:mod:`hcp_compile.layout`), and the rules that split the heads over the Ulysses group and into
+head groups (docs/design.md §3.2, §3.6)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,33 @@ from torch import Tensor
 from . import layout
 from .kernels.contract import new_cache_key
 from .layout import BatchLayout, RankSizes, StepKind
+
+
+# Head groups the exchange is pipelined over when the heads allow it (docs/design.md §3.6):
+# two hide about half of the exchange; each further group adds a ring of KV transfers and
+# shrinks every kernel call.
+HEAD_GROUPS = 2
+
+
+def kv_head_repeat(kv_heads: int, ulysses: int) -> int:
+    """How often to repeat each KV head so the Ulysses exchange can split them (GQA)."""
+    return ulysses // kv_heads if kv_heads < ulysses else 1
+
+
+def rank_kv_heads(kv_heads: int, ulysses: int) -> int:
+    """KV heads a rank attends with after the Ulysses exchange (repeated ones included)."""
+    return kv_heads * kv_head_repeat(kv_heads, ulysses) // ulysses
+
+
+def head_groups(heads_kv_per_rank: int, ulysses: int) -> int:
+    """Number of head groups the Ulysses exchange is pipelined over (docs/design.md §3.6):
+    1 without an exchange (``ulysses == 1``) or when the rank's ``heads_kv_per_rank`` KV heads
+    (after the exchange) cannot be split into :data:`HEAD_GROUPS` equal groups, which a group
+    needs to keep the GQA ratio; else :data:`HEAD_GROUPS`. The query heads follow the KV
+    heads: every group has ``1/G`` of each."""
+    if ulysses == 1 or heads_kv_per_rank % HEAD_GROUPS != 0:
+        return 1
+    return HEAD_GROUPS
 
 
 @dataclass(frozen=True)

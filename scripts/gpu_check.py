@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--placement", nargs="+", default=["balanced", "zigzag"],
                         choices=("balanced", "zigzag"), help="token layouts to check")
+    parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
+                        help="sliding window (left, right); -1: unlimited")
     parser.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
                         help="CP kernel (default: flash on cuda, torch on cpu); the single-device "
                              "reference runs kernel='auto'")
@@ -95,16 +97,17 @@ def check(
 ) -> tuple[list, list | None] | None:
     """One configuration: its result row and, if wanted, its float32 row on rank 0; None
     elsewhere."""
-    result = context_parallel(batch, mesh, plan, cfg.causal, kernel=args.kernel)
+    window = tuple(args.window)
+    result = context_parallel(batch, mesh, plan, cfg.causal, kernel=args.kernel, window=window)
     if me.rank != 0:
         return None
-    reference = single_device(batch, cfg.causal)
+    reference = single_device(batch, cfg.causal, window=window)
     cmp = compare(result, reference, tolerance(DTYPES[args.dtype], cfg.gqa))
     row = [plan.placement, cfg.heads, cfg.causal, *cmp.errors.values(), cmp.tol, cmp.ratio,
            cmp.pad_max, "PASS" if cmp.ok else "FAIL"]
     fp32_row = None
     if wants_fp32_reference(args):
-        exact = single_device(batch, cfg.causal, dtype=torch.float32)
+        exact = single_device(batch, cfg.causal, dtype=torch.float32, window=window)
         fp32_row = [plan.placement, cfg.heads, cfg.causal, *_pair_errors(result, reference, exact)]
     return row, fp32_row
 
@@ -120,7 +123,7 @@ def report(
 ) -> str:
     title = (
         f"hcp_compile GPU check: ulysses {args.ulysses} x ring {args.ring}, {args.device}, "
-        f"{args.dtype}, kernel {args.kernel}, {sum(lengths)} tokens in {len(lengths)} docs "
+        f"{args.dtype}, kernel {args.kernel}, window {tuple(args.window)}, {sum(lengths)} tokens in {len(lengths)} docs "
         f"(longest {max(lengths)}), head dim {args.head_dim}, torch {torch.__version__}"
     )
     if args.device == "cuda":

@@ -17,26 +17,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
+from benchmarks.common import log_uniform_lengths  # noqa: E402
 from hcp_compile.kernels import KERNELS, BlockRequest
 from hcp_compile.kernels.measured import MEASURED_FILE, device_kind
-
-
-def log_uniform_lengths(tokens: int, low: int, high: int, seed: int) -> list[int]:
-    """Lengths drawn log-uniformly from [low, high] until they hold ``tokens``, the last cut."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < tokens:
-        u = float(torch.rand((), generator=gen))
-        lengths.append(int(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
-    lengths[-1] -= sum(lengths) - tokens
-    return [n for n in lengths if n > 0]
 
 
 def batches(tokens: int) -> dict[str, list[int]]:

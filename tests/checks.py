@@ -11,6 +11,8 @@ from attention_reference import reference_with_grads
 from cp_cases import AttentionCase, cu_seqlens
 
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}  # docs/design.md §6, fp32 on CPU
+EAGER_TOL = {"atol": 1e-6, "rtol": 1e-6}  # compiled (aot_eager) against eager CP, both fp32
+RESULTS = ("out", "dq", "dk", "dv")
 
 
 @functools.cache
@@ -33,3 +35,24 @@ def assert_raised(record, cls: type, match: str, what: str) -> None:
     """A worker's :class:`distributed.CaseRecord` shows ``cls`` raised with ``match`` in it."""
     assert record.raised_instance_of(cls), f"{what}: expected {cls.__name__}, {record.describe()}"
     assert match in record.message, f"{what}: {match!r} not in the message {record.message!r}"
+
+
+def local_rows(global_tensor: Tensor, global_index: Tensor, fill: float = 0.0) -> Tensor:
+    """The rows of a global tensor that a rank holds (dim 0), ``fill`` at its pads (index -1)."""
+    pads = (global_index < 0).reshape(-1, *([1] * (global_tensor.dim() - 1)))
+    return global_tensor[global_index.clamp(min=0)].masked_fill(pads, fill)
+
+
+def assert_compiled_rank_matches(result, index: int, reference: dict[str, Tensor], rank: int,
+                                 against_eager: bool = True) -> None:
+    """One rank's compiled results of batch ``index`` (``<index>/<name>``, ``<index>/global_index``
+    and, with ``against_eager``, ``<index>/eager_<name>``): the float64 reference's rows, zero at
+    the pads, and equal to eager CP."""
+    global_index = result[f"{index}/global_index"]
+    for name in RESULTS:
+        got = result[f"{index}/{name}"]
+        assert_matches(got, local_rows(reference[name], global_index), f"rank {rank} {name}")
+        assert (got[global_index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
+        if against_eager:
+            torch.testing.assert_close(got, result[f"{index}/eager_{name}"], **EAGER_TOL,
+                                       msg=lambda m: f"rank {rank} {name} vs eager CP: {m}")

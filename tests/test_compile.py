@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from attention_reference import document_mask, reference_attention
-from checks import assert_matches, expected_for
+from checks import (
+    EAGER_TOL, RESULTS, assert_compiled_rank_matches, assert_matches, expected_for, local_rows,
+)
 from compile_cases import (
     COMPILE_MESHES, ERROR_MESH, INDUCTOR_CASE, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
     INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, HeadsNotDivisibleCase,
@@ -32,19 +34,11 @@ from hcp_compile.passes.match import UnsupportedAttention
 
 # compiled vs eager CP: the same kernels and collectives (aot_eager ran bit-identical when
 # this was written; Inductor may fuse and reorder the elementwise merge)
-EAGER_TOL = {"atol": 1e-6, "rtol": 1e-6}
 DUMP_FILES = ("before_rewrite.py", "after_rewrite.py", "aot_forward.py", "aot_backward.py", "matches.md")
-RESULTS = ("out", "dq", "dk", "dv")
 
 
 def compile_world(cp_world, mesh):
     return cp_world(mesh, suite=SUITE, deadline_s=WORLD_DEADLINE_S)
-
-
-def local_rows(global_tensor: torch.Tensor, global_index: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """The rows of a global tensor that a rank holds (dim 0), ``fill`` at its pads."""
-    pads = (global_index < 0).reshape(-1, *([1] * (global_tensor.dim() - 1)))
-    return global_tensor[global_index.clamp(min=0)].masked_fill(pads, fill)
 
 
 def params(cases_of, ids_of=lambda case: case.id, meshes=COMPILE_MESHES):
@@ -90,14 +84,7 @@ def test_compiled_attention_matches_reference_and_eager_cp(cp_world, mesh, case,
     batch = case.batches()[index]
     reference = expected_for(batch)
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
-        global_index = result[f"{index}/global_index"]
-        for name in RESULTS:
-            got = result[f"{index}/{name}"]
-            assert_matches(got, local_rows(reference[name], global_index), f"rank {rank} {name}")
-            assert (got[global_index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
-            if case.eager:
-                torch.testing.assert_close(got, result[f"{index}/eager_{name}"], **EAGER_TOL,
-                                           msg=lambda m: f"rank {rank} {name} vs eager CP: {m}")
+        assert_compiled_rank_matches(result, index, reference, rank, against_eager=case.eager)
 
 
 @pytest.mark.parametrize("mesh", COMPILE_MESHES, ids=mesh_id)

@@ -2,19 +2,12 @@
 output and q/k/v gradients of every rank's shard, pads exactly zero (docs/design.md §1, §6)."""
 
 import pytest
-import torch
 
-from checks import assert_matches, expected_for
+from checks import assert_matches, expected_for, local_rows
 from cp_cases import MESHES, SHORT_DOCS, attention_cases, mesh_id, traffic_cases
 
 CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
          for mesh in MESHES for case in attention_cases()]
-
-
-def local_rows(global_tensor: torch.Tensor, global_index: torch.Tensor) -> torch.Tensor:
-    """The rows of a global tensor that a rank holds, zeros at its pads (index -1)."""
-    pads = (global_index < 0).reshape(-1, *([1] * (global_tensor.dim() - 1)))
-    return global_tensor[global_index.clamp(min=0)].masked_fill(pads, 0)
 
 
 @pytest.mark.parametrize("mesh, case", CASES)

@@ -10,21 +10,15 @@ import hcp_compile as hc
 from attention_reference import reference_with_grads
 from checks import assert_matches, expected_for
 from cp_cases import AttentionCase, cu_seqlens, seeded
-from hcp_compile.hierarchical import merge_partials
-from hcp_compile.kernels import BlockRequest, BlockSpec, resolve_kernel, run_backward, run_forward
+from hcp_compile.merge import merge_partials
+from hcp_compile.kernels import BlockRequest, measured, BlockSpec, resolve_kernel, run_backward, run_forward
 from hcp_compile.kernels import flex
-from hcp_compile.validation import InputError
 from test_kernels import split_keys
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-# flex's backward does not lower on CUDA with torch 2.11 (docs/design.md §8.5): the kernel
-# refuses CUDA calls until a torch where it does is measured
-FLEX_ON_CUDA = flex._BACKWARD_LOWERS_ON_CUDA
-needs_flex_on_cuda = pytest.mark.skipif(not FLEX_ON_CUDA, reason="flex is refused on CUDA here")
 
 CASES = [
     AttentionCase(docs, hq, hkv, causal, window, head_dim=64)
@@ -66,7 +60,6 @@ def test_flash_and_torch_kernels_match_reference_in_bf16(case):
     torch.testing.assert_close(flash["lse"], plain["lse"], **tol)
 
 
-@needs_flex_on_cuda
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_flex_matches_flash_and_reference_in_bf16(case):
     flex, flash = run_kernel(case, "flex"), run_kernel(case, "flash")
@@ -90,7 +83,6 @@ def bf16_inputs(name: str, tokens: int, heads_q: int, heads_kv: int, dim: int = 
             "dout": seeded(f"{name}/dout", tokens, heads_q, dim).bfloat16()}
 
 
-@needs_flex_on_cuda
 @pytest.mark.parametrize("causal, window", LONG_MASKS, ids=lambda m: str(m))
 def test_flex_over_many_mask_blocks_matches_reference_in_bf16(causal, window):
     x = bf16_inputs(f"long-{causal}-{window}", sum(LONG_DOCS), 8, 2)
@@ -107,7 +99,6 @@ def test_flex_over_many_mask_blocks_matches_reference_in_bf16(causal, window):
         assert_matches(got[name].cpu(), expected[name], name, atol=3.5e-2, rtol=3.5e-2)
 
 
-@needs_flex_on_cuda
 @pytest.mark.parametrize("causal, window", LONG_MASKS, ids=lambda m: str(m))
 def test_flex_backward_given_merged_out_and_lse_in_bf16(causal, window):
     """Two blocks over disjoint keys of every document (positions inside the document, as a
@@ -138,23 +129,19 @@ def test_flex_backward_given_merged_out_and_lse_in_bf16(causal, window):
 
 
 def test_auto_kernel_is_the_fastest_measured_on_this_device():
-    """kernel="auto" runs what resolve_kernel picks for the call (on an H200: flex by
-    kernels/measured.json where flex runs on CUDA, else flash), and gives that kernel's result."""
+    """kernel="auto" runs what resolve_kernel picks for the call (the fastest kernel that
+    kernels/measured.json records for this device), and gives that kernel's result."""
     case = CASES[0]
     x = {n: t.cuda().bfloat16() for n, t in case.inputs().items()}
     cu = cu_seqlens(case.lengths).cuda()
     longest = max(case.lengths)
     chosen = resolve_kernel("auto", BlockRequest.of(x["q"], x["k"]))
-    if torch.cuda.get_device_name() == "NVIDIA H200":
-        assert chosen == ("flex" if FLEX_ON_CUDA else "flash")
+    recorded = measured.throughputs().get(measured.device_kind(x["q"].device))
+    if recorded:
+        assert chosen == max(recorded, key=recorded.get)
     auto = hc.varlen_attention(x["q"], x["k"], x["v"], cu, cu, longest, longest, causal=True)
     named, _ = torch.ops.hcp.varlen_attention(x["q"], x["k"], x["v"], cu, cu, longest, longest,
                                               True, case.head_dim ** -0.5, -1, -1, chosen)
     assert torch.equal(auto, named)
 
 
-@pytest.mark.skipif(FLEX_ON_CUDA, reason="flex runs on CUDA here")
-def test_flex_on_cuda_is_refused_with_the_reason():
-    q = torch.zeros(8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(InputError, match="flex.*backward"):
-        resolve_kernel("flex", BlockRequest.of(q, q))

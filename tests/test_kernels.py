@@ -18,7 +18,7 @@ import hcp_compile as hc
 from attention_reference import document_mask, reference_with_grads
 from checks import assert_matches, expected_for
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded, World
-from hcp_compile.hierarchical import merge_partials
+from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import (
     KERNELS, BlockRequest, BlockSpec, flex, flex_mask, measured, resolve_kernel, run_backward,
     run_forward,
@@ -112,9 +112,9 @@ MASK_SPECS = {
 
 @pytest.mark.parametrize("block", [1, 4, 5, 16])
 @pytest.mark.parametrize("name", MASK_SPECS)
-def test_block_structure_is_exact_where_it_skips_or_fills(name, block):
-    """Against the element mask of the same spec: a skipped block pair has no visible element,
-    a full one only visible elements; queries of one document against part of its keys
+def test_block_structure_is_exact(name, block):
+    """Against the element mask of the same spec: a block pair is skipped exactly when it has
+    no visible element, full only with all elements visible; queries of one document against part of its keys
     (positions given) as in a ring step, with empty documents and blocks spanning several."""
     causal, window, with_positions = MASK_SPECS[name]
     lengths = (7, 0, 1, 19, 4, 30, 2)
@@ -125,14 +125,15 @@ def test_block_structure_is_exact_where_it_skips_or_fills(name, block):
                      positions if with_positions else None, positions[rows] if with_positions else None)
     q_rows, k_rows = int(cu_q[-1]), int(cu_k[-1])
     seg_q, seg_k, pos_q, pos_k = flex_mask.row_values(spec, q_rows, k_rows)
-    partial, full = flex_mask.block_structure(seg_q, seg_k, pos_q, pos_k, causal, *window, block)
+    partial, full = flex_mask.block_structure(seg_q, seg_k, pos_q, pos_k, causal, *window, block,
+                                              len(lengths))
     elements = flex_mask.visible(0, 0, torch.arange(q_rows)[:, None], torch.arange(k_rows)[None, :],
                                  seg_q, seg_k, pos_q, pos_k, causal=causal, left=window[0], right=window[1])
     padded = torch.zeros(partial.shape[0] * block, partial.shape[1] * block, dtype=torch.int64)
     padded[:q_rows, :k_rows] = elements
     per_block = padded.view(partial.shape[0], block, partial.shape[1], block).sum((1, 3))
     assert not (full & partial).any()
-    assert ((per_block > 0) <= (partial | full)).all(), "a block with a visible element was skipped"
+    assert torch.equal(per_block > 0, partial | full), "a block is skipped iff it has no visible element"
     assert (per_block[full] == block * block).all(), "a full block has a masked element"
     if not with_positions:  # one document per segment: element masks equal the reference's
         for d, (start, length) in enumerate(zip(cu_q.tolist(), lengths)):
@@ -173,6 +174,34 @@ def test_traced_flex_matches_reference_without_a_recompile_per_batch(traced_flex
         for name in ("out", "dq", "dk", "dv"):
             assert_matches(got[name], expected[name], f"{docs} {name}")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_traced_flex_serves_blocks_of_equal_and_of_unequal_row_counts(traced_flex):
+    """A ring's own step has as many key rows as query rows, its other steps fewer: the graphs
+    traced on the first must serve the others (by default Dynamo gives sizes that are equal when
+    it traces one symbol, and refuses to trace flex's backward graph again when they differ), and
+    the forward must not compile again for each new block shape."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    lengths = (150, 0, 1, 190, 40, 300, 2)  # > 128 rows in every block: no padding evens them out
+    tokens = sum(lengths)
+    q, dout = seeded("rows/q", tokens, 4, HEAD_DIM), seeded("rows/dout", tokens, 4, HEAD_DIM)
+    k, v = seeded("rows/k", tokens, 2, HEAD_DIM), seeded("rows/v", tokens, 2, HEAD_DIM)
+    cu = cu_seqlens(lengths)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    blocks = [(torch.arange(tokens), BlockSpec(cu, cu, max(lengths), max(lengths), True, HEAD_DIM ** -0.5))]
+    for part in (0, 1):
+        rows, cu_k = split_keys(lengths, part)
+        blocks.append((rows, BlockSpec(cu, cu_k, max(lengths), max(lengths), True, HEAD_DIM ** -0.5,
+                                       -1, -1, positions, positions[rows])))
+    for rows, spec in blocks:
+        got, expected = (run_forward(kernel, q, k[rows], v[rows], spec) for kernel in ("flex", "torch"))
+        for name, a, b in zip(("out", "lse"), got, expected):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{len(rows)} keys {name}")
+        grads = (run_backward(kernel, dout, q, k[rows], v[rows], *expected, spec) for kernel in ("flex", "torch"))
+        for name, a, b in zip(("dq", "dk", "dv"), *grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{len(rows)} keys {name}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, "one forward, one backward graph"
 
 
 @pytest.fixture
@@ -258,7 +287,6 @@ def test_every_kernel_is_registered_under_its_name():
 
 
 def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypatch):
-    monkeypatch.setattr(hc.kernels.flex, "_BACKWARD_LOWERS_ON_CUDA", True)  # the rule, not today's torch
     monkeypatch.setattr(measured, "throughputs", lambda: {
         "cpu": {"flex": 2e12, "torch": 1e12}, "NVIDIA X": {"flex": 400e12, "flash": 300e12}})
     monkeypatch.setattr(measured, "device_kind", lambda device: "NVIDIA X" if device.type == "cuda" else "cpu")
@@ -279,17 +307,7 @@ def test_auto_falls_back_to_flash_on_cuda_and_torch_elsewhere_when_unmeasured(mo
     assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "torch"
 
 
-def test_flex_on_cuda_is_refused_while_its_backward_does_not_lower(monkeypatch):
-    monkeypatch.setattr(hc.kernels.flex, "_BACKWARD_LOWERS_ON_CUDA", False)
-    monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "NVIDIA H200")  # flex measured fastest
-    with pytest.raises(hc.InputError, match="kernel='flex' is not available on CUDA.*backward"):
-        resolve_kernel("flex", request("cuda", torch.bfloat16))
-    assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flash"
-    assert resolve_kernel("flex", request("cpu")) == "flex"
-
-
 def test_a_named_kernel_that_cannot_run_the_call_raises_its_reason(monkeypatch):
-    monkeypatch.setattr(hc.kernels.flex, "_BACKWARD_LOWERS_ON_CUDA", True)  # the rule, not today's torch
     with pytest.raises(hc.InputError, match=re.escape(
             "kernel='flash' cannot apply a sliding window under context parallelism")) as raised:
         resolve_kernel("flash", request("cuda", torch.bfloat16, window=(8, 0), cp=True), "X(kernel=...)")

@@ -2,7 +2,9 @@
 through ``enable_gqa`` (KV heads not repeated), the window and causal mask in ``mask_mod``.
 
 Forward: the public ``flex_attention`` with ``return_aux=AuxRequest(lse=True)`` (lse in
-natural log), compiled once per process with dynamic shapes on CUDA.
+natural log), on contiguous ``[1, H, T, D]`` copies, compiled on CUDA with only the
+batch-dependent sizes dynamic and the block mask built inside the compiled function
+(docs/design.md §8.5 has the torch 2.11 facts behind each of these choices).
 
 Backward: the ring hands every block the *merged* out and lse of all its blocks. With
 ``P = exp(S - lse)`` from the merged lse and ``D = rowsum(dO * O)`` from the merged out, flex's
@@ -22,6 +24,7 @@ block, fine for tests, not for long sequences.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import operator
@@ -33,10 +36,10 @@ from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 from torch._higher_order_ops.flex_attention import create_fw_bw_graph, flex_attention_backward
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import flex_attention as flex_module
-from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, flex_attention
 
 from .contract import BlockRequest, BlockSpec
-from .flex_mask import document_mask, visible
+from .flex_mask import BLOCK_SIZE, DocumentMask, document_mask, mask_function
 from .precision import accumulate_dtype
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,11 +48,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COMPILE_BACKENDS: dict[str, str] = {"cuda": "inductor"}
 # flex's backward operator takes the forward operator's lse, which is in base 2
 _LN2 = math.log(2.0)
+# flex's GPU kernels tile by 128 rows; a 50-row block failed to compile (torch 2.11), so a
+# shorter block is padded to this many rows (docs/design.md §8.5)
+MIN_ROWS = 128
 
-
-# measured on one H200 with torch 2.11: the forward runs, the backward's lowering fails; no
-# later CUDA torch has been tried, so CUDA stays off until one is (docs/design.md §8.5)
-_BACKWARD_LOWERS_ON_CUDA = False
 
 class FlexKernel:
     name = "flex"
@@ -59,12 +61,6 @@ class FlexKernel:
             return f"needs CUDA or CPU tensors; got {request.device}"
         if request.dtype not in SUPPORTED_DTYPES:
             return f"needs fp16, bf16 or fp32 tensors; got {request.dtype}"
-        if request.device.type == "cuda" and not _BACKWARD_LOWERS_ON_CUDA:
-            return (
-                "is not available on CUDA with this torch: Inductor fails to lower the flex "
-                "backward that the ring needs (given the merged out and lse) on torch 2.11 "
-                "('ShapeAsConstantBuffer' has no attribute 'dtype', docs/design.md §8.5)"
-            )
         if request.device.type == "cuda" and request.head_dim < 16:
             return f"needs head_dim of at least 16 on CUDA; got {request.head_dim}"
         return None
@@ -74,14 +70,17 @@ class FlexKernel:
             lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device,
                              dtype=accumulate_dtype(q.dtype))
             return torch.zeros_like(q), lse
+        rows = q.shape[0]
+        (q, k, v), spec = _padded(q, (q, k, v), spec)
         mask = document_mask(spec, q.shape[0], k.shape[0])
+        q4, k4, v4 = _heads_first(q), _heads_first(k), _heads_first(v)
+        tensors = (*(getattr(mask.block_mask, name) for name in _BLOCKS), *mask.buffers)
+        if _backend(q) is not None:
+            _mark_rows_dynamic((q4, k4, v4), tensors)
         with _top_level_dispatch():
-            out, aux = _forward_function(_backend(q))(
-                _heads_first(q), _heads_first(k), _heads_first(v), block_mask=mask.block_mask,
-                scale=spec.scale, enable_gqa=q.shape[1] != k.shape[1],
-                return_aux=AuxRequest(lse=True),
-            )
-        return _tokens_first(out), aux.lse[0].to(accumulate_dtype(q.dtype)).contiguous()
+            out, aux = _forward_function(_backend(q))(q4, k4, v4, tensors, mask.variant, spec.scale)
+        lse = aux.lse[0, :, :rows].to(accumulate_dtype(q.dtype)).contiguous()
+        return _tokens_first(out)[:rows], lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -89,17 +88,75 @@ class FlexKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         if q.shape[0] == 0 or k.shape[0] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        rows, keys = q.shape[0], k.shape[0]
+        (q, k, v, out, dout), spec = _padded(q, (q, k, v, out, dout), spec)
+        lse = torch.cat([lse, lse.new_full((lse.shape[0], q.shape[0] - rows), float("-inf"))], 1)
         mask = document_mask(spec, q.shape[0], k.shape[0])
-        q4, k4, v4 = _heads_first(q), _heads_first(k), _heads_first(v)
-        layout = mask.block_mask.as_tuple()
-        tensors = [t for t in layout[2:-1] if isinstance(t, Tensor)]
+        q4, k4, v4, out4, dout4 = (_heads_first(x) for x in (q, k, v, out, dout))
         lse_base2 = (lse.to(torch.float32) / _LN2).unsqueeze(0)
+        inputs = (q4, k4, v4, out4, lse_base2, dout4, *_mask_tensors(mask), *mask.buffers)
+        backend = _backend(q)
+        if backend is not None:
+            _mark_rows_dynamic(inputs[:6], inputs[6:])
         with _top_level_dispatch():  # also for tracing the graph, on its first use
-            graph = _backward_graph(_backend(q), mask.variant, spec.scale, _template(layout),
-                                    _kernel_options(q4, k4, v4))
-            dq, dk, dv = graph(q4, k4, v4, _heads_first(out), lse_base2, _heads_first(dout),
-                               *tensors, *mask.buffers)
-        return _tokens_first(dq), _tokens_first(dk), _tokens_first(dv)
+            graph = _backward_graph(backend, mask.variant, spec.scale, _template(mask.block_mask.as_tuple()),
+                                    _kernel_options(q4, k4, v4), _static_shape(inputs))
+            dq, dk, dv = graph(*inputs)
+        return _tokens_first(dq)[:rows], _tokens_first(dk)[:keys], _tokens_first(dv)[:keys]
+
+
+def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tuple[Tensor, ...], BlockSpec]:
+    """``tensors`` = ``(q, k, v, *more with q's rows)`` padded to at least
+    ``MIN_ROWS`` query and key rows, and ``spec`` with the pad rows in two extra segments (pad
+    keys with no queries, pad queries with no keys), so they see and are seen by nothing."""
+    q_rows, k_rows = q.shape[0], tensors[1].shape[0]
+    q_pad, k_pad = max(MIN_ROWS - q_rows, 0), max(MIN_ROWS - k_rows, 0)
+    if q_pad == 0 and k_pad == 0:
+        return tensors, spec
+
+    def pad(x: Tensor, extra: int) -> Tensor:
+        return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) if extra else x
+
+    q_total, k_total = q_rows + q_pad, k_rows + k_pad
+    ends = lambda cu, *more: torch.cat([cu, cu.new_tensor(more)])  # noqa: E731
+    padded = tuple(pad(x, k_pad if i in (1, 2) else q_pad) for i, x in enumerate(tensors))
+    positions = {}
+    if spec.q_positions is not None:
+        positions = dict(q_positions=pad(spec.q_positions, q_pad), k_positions=pad(spec.k_positions, k_pad))
+    return padded, dataclasses.replace(
+        spec, cu_q=ends(spec.cu_q, q_rows, q_total), cu_k=ends(spec.cu_k, k_total, k_total),
+        cache_key=-1, **positions,
+    )
+
+
+def _mask_tensors(mask: DocumentMask) -> list[Tensor]:
+    """The block mask's tensors, in ``BlockMask.as_tuple()`` order."""
+    return [t for t in mask.block_mask.as_tuple()[2:-1] if isinstance(t, Tensor)]
+
+
+def _mark_rows_dynamic(heads_first: tuple[Tensor, ...], mask_inputs: tuple[Tensor, ...]) -> None:
+    """Mark the sizes that change with the batch dynamic, rows (dim 2 of the ``[1, H, T, ...]``
+    tensors) and the mask's block counts and rows, and leave everything else static (the
+    compiles are ``dynamic=False``). With every size dynamic, torch 2.11 fails: Inductor writes
+    ``floor`` of the symbolic head counts into the backward kernel, and the mask's block size
+    becomes symbolic and the forward's lowering fails (docs/design.md §8.5)."""
+    for x in heads_first:
+        torch._dynamo.maybe_mark_dynamic(x, 2)
+    for x in mask_inputs:  # block-mask tensors [1, 1, blocks(, blocks)] and row buffers [rows]
+        for dim in range(max(x.dim() - 2, 0), x.dim()):
+            torch._dynamo.maybe_mark_dynamic(x, dim)
+
+
+def _static_shape(inputs: tuple[Tensor, ...]) -> tuple:
+    """What a compiled backward graph is specialized on besides the layout: dtype, heads, head
+    dim, and per dynamic size whether it is 1 (Dynamo specializes those) and whether the row
+    counts divide the block size. A graph traced once and called with different values of these
+    would be traced again, which Dynamo refuses for flex's backward operator (torch 2.11 and
+    2.14), so each combination gets its own graph."""
+    q4, k4 = inputs[0], inputs[1]
+    ones = tuple(size == 1 for x in inputs for size in x.shape)
+    rows = tuple(x.shape[2] % BLOCK_SIZE == 0 for x in (q4, k4))
+    return (q4.dtype, q4.shape[1], k4.shape[1], q4.shape[3], ones, rows)
 
 
 @contextlib.contextmanager
@@ -125,8 +182,10 @@ def _has(keys: torch._C.DispatchKeySet, key: torch._C.DispatchKey) -> bool:
 
 
 def _heads_first(x: Tensor) -> Tensor:
-    """``[T, H, D]`` -> flex's ``[1, H, T, D]`` (a view; flex reads strides)."""
-    return x.detach().unsqueeze(0).transpose(1, 2)
+    """``[T, H, D]`` -> flex's ``[1, H, T, D]``, contiguous: flex on a strided view of the THD
+    tensor ran about 20 % slower on an H200 than on this copy (docs/design.md §8.5), and one
+    stride pattern is what the compiled backward is specialized on."""
+    return x.detach().transpose(0, 1).contiguous().unsqueeze(0)
 
 
 def _tokens_first(x: Tensor) -> Tensor:
@@ -137,14 +196,33 @@ def _backend(q: Tensor) -> str | None:
     return COMPILE_BACKENDS.get(q.device.type)
 
 
-def _compile(fn, backend: str | None):
-    # dynamic: the block sizes change with every batch and ring step
-    return fn if backend is None else torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
-
-
 @functools.cache
 def _forward_function(backend: str | None):
-    return _compile(flex_attention, backend)
+    # static but for the sizes the caller marks dynamic (_mark_rows_dynamic); the static ones
+    # (heads, dtype, sizes of 1, the mask variant, the scale) give a graph each
+    if backend is None:
+        return _forward
+    return torch.compile(_forward, backend=backend, dynamic=False, fullgraph=True)
+
+
+# the block mask's tensors, as BlockMask's constructor takes them after the sequence lengths
+_BLOCKS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, tensors: tuple[Tensor, ...], variant: tuple[bool, int, int],
+    scale: float,
+) -> tuple[Tensor, AuxOutput]:
+    """Flex's forward with the block mask built from its tensors here, inside the compiled
+    region: its sequence lengths are then q's and k's (symbolic) row counts. A ``BlockMask``
+    built outside carries them as ints, which Dynamo specializes on, compiling again for every
+    new block shape."""
+    *blocks, seg_q, seg_k, pos_q, pos_k = tensors
+    mask_mod = functools.partial(mask_function(variant), seg_q=seg_q, seg_k=seg_k, pos_q=pos_q, pos_k=pos_k)
+    block_mask = BlockMask((q.shape[2], k.shape[2]), *blocks, (BLOCK_SIZE, BLOCK_SIZE), mask_mod)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
+                          enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True))
 
 
 def _kernel_options(q: Tensor, k: Tensor, v: Tensor) -> tuple:
@@ -167,10 +245,11 @@ _TENSOR = "<tensor>"
 @functools.cache
 def _backward_graph(
     backend: str | None, variant: tuple[bool, int, int], scale: float, template: tuple,
-    kernel_options: tuple,
+    kernel_options: tuple, static_shape: tuple,
 ):
     """``(q, k, v, out, lse_base2, dout, *block mask tensors, *mask buffers) -> (dq, dk, dv)``
-    in flex's ``[1, H, T, D]`` layout, as a compiled graph calling flex's backward operator."""
+    in flex's ``[1, H, T, D]`` layout, as a compiled graph calling flex's backward operator;
+    sizes the caller marked dynamic stay symbolic, the rest is ``static_shape``'s."""
     root = torch.nn.Module()
     root.score_graph, root.joint_graph = _score_graphs()
     root.mask_graph = _mask_graph(variant)
@@ -185,7 +264,8 @@ def _backward_graph(
         tuple(layout), scale, dict(kernel_options), (), buffers,
     ))
     graph.output(tuple(graph.call_function(operator.getitem, (grads, i)) for i in range(3)))
-    return _compile(fx.GraphModule(root, graph), backend)
+    module = fx.GraphModule(root, graph)
+    return module if backend is None else torch.compile(module, backend=backend, dynamic=False, fullgraph=True)
 
 
 def _index_scalars() -> tuple[Tensor, ...]:
@@ -205,14 +285,8 @@ def _identity_score(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: 
 
 
 def _mask_graph(variant: tuple[bool, int, int]) -> fx.GraphModule:
-    """:func:`flex_mask.visible` for one variant as a graph of ``(b, h, q_idx, kv_idx,
+    """The forward's mask function for one variant as a graph of ``(b, h, q_idx, kv_idx,
     seg_q, seg_k, pos_q, pos_k)``; indexing traced as flex traces it (``aten.index``)."""
-    causal, left, right = variant
-
-    def mask(b, h, q_idx, kv_idx, seg_q, seg_k, pos_q, pos_k):
-        return visible(b, h, q_idx, kv_idx, seg_q, seg_k, pos_q, pos_k,
-                       causal=causal, left=left, right=right)
-
     rows = [torch.zeros(1, dtype=torch.int32) for _ in range(4)]  # distinct: one placeholder each
     with TransformGetItemToIndex():
-        return make_fx(mask)(*_index_scalars(), *rows)
+        return make_fx(mask_function(variant))(*_index_scalars(), *rows)

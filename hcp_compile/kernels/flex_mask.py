@@ -3,12 +3,13 @@
 Every query and key row gets its segment id and its position (``BlockSpec``'s rule: the given
 positions inside the document, else the offset inside the segment aligned bottom-right). The
 element mask (``mask_mod``) is "same segment, and the causal mask and the window allow the
-pair". The block structure is derived from per-block extremes of those values instead of
-evaluating ``mask_mod`` on every pair (``create_block_mask`` would, Tq x Tk evaluations or a
-compile of its own): a block pair is skipped only when no pair in it can be visible, and
-marked full (``mask_mod`` not applied) only when every pair is; anything else is partial and
-``mask_mod`` decides. Both tests are exact; a block holding several segments can only come out
-partial where it need not be, which costs time, never correctness.
+pair". The block structure is derived from extremes of those values instead of evaluating
+``mask_mod`` on every pair (``create_block_mask`` would, Tq x Tk evaluations or a compile of
+its own): a block pair is skipped when no pair in it is visible, which is decided per piece
+(the rows of one block in one segment, whose positions are consecutive), and marked full
+(``mask_mod`` not applied) when one segment fills both blocks and every pair is visible;
+anything else is partial and ``mask_mod`` decides. Both tests are exact, so flex computes no
+block pair it could have skipped.
 """
 
 from __future__ import annotations
@@ -85,52 +86,111 @@ def _per_block(values: Tensor, block: int) -> tuple[Tensor, Tensor]:
     return grouped.amin(1), grouped.amax(1)
 
 
+@dataclass(frozen=True)
+class _Pieces:
+    """The rows cut where the block or the segment changes: piece ``p`` holds the rows of
+    block ``block[p]`` in segment ``segment[p]``, positions ``lo[p]..hi[p]``. Segment ids never
+    decrease along the rows, so ``block + segment`` grows at every cut and indexes the pieces
+    without a host read; indices no row maps to stay ``valid = False``."""
+
+    block: Tensor
+    segment: Tensor
+    lo: Tensor
+    hi: Tensor
+    valid: Tensor
+
+
+def _pieces(seg: Tensor, pos: Tensor, block: int, segments: int) -> _Pieces:
+    rows = seg.shape[0]
+    row_block = torch.arange(rows, device=seg.device) // block
+    index = (row_block + seg).to(torch.int64)
+    count = -(-rows // block) + segments
+
+    def reduce(values: Tensor, how: str, empty: int) -> Tensor:
+        out = torch.full((count,), empty, dtype=torch.int64, device=seg.device)
+        return out.scatter_reduce(0, index, values.to(torch.int64), how, include_self=False)
+
+    lo = reduce(pos, "amin", 0)
+    return _Pieces(reduce(row_block, "amax", 0), reduce(seg, "amax", -1), lo,
+                   reduce(pos, "amax", 0), reduce(seg, "amax", -1) >= 0)
+
+
+def _visible_somewhere(q: _Pieces, k: _Pieces, causal: bool, left: int, right: int) -> Tensor:
+    """``[query pieces, key pieces]``: whether some pair of rows is visible. Exact: the
+    differences ``pos_q - pos_k`` of two pieces fill the interval from ``lo_q - hi_k`` to
+    ``hi_q - lo_k`` (positions inside a piece are consecutive)."""
+    some = (q.segment[:, None] == k.segment[None, :]) & q.valid[:, None] & k.valid[None, :]
+    low, high = q.lo[:, None] - k.hi[None, :], q.hi[:, None] - k.lo[None, :]
+    if causal:
+        some &= high >= 0
+    if left >= 0:
+        some &= low <= left
+    if right >= 0:
+        some &= high >= -right
+    return some
+
+
 def block_structure(
     seg_q: Tensor, seg_k: Tensor, pos_q: Tensor, pos_k: Tensor, causal: bool, left: int,
-    right: int, block: int,
+    right: int, block: int, segments: int,
 ) -> tuple[Tensor, Tensor]:
-    """``(partial, full)`` bool ``[query blocks, key blocks]`` (see the module docstring)."""
+    """``(partial, full)`` bool ``[query blocks, key blocks]`` (see the module docstring) for
+    rows in ``segments`` segments."""
+    q_blocks, k_blocks = -(-seg_q.shape[0] // block), -(-seg_k.shape[0] // block)
+    pieces_q, pieces_k = _pieces(seg_q, pos_q, block, segments), _pieces(seg_k, pos_k, block, segments)
+    hits = torch.zeros(q_blocks, k_blocks, dtype=torch.int32, device=seg_q.device)
+    visible = _visible_somewhere(pieces_q, pieces_k, causal, left, right)
+    hits.index_put_((pieces_q.block[:, None].expand_as(visible), pieces_k.block[None, :].expand_as(visible)),
+                    visible.to(torch.int32), accumulate=True)
+    some = hits > 0
+    # every pair is visible: one segment filling both blocks, and the extremes satisfy the mask
     seg_q_lo, seg_q_hi = _per_block(seg_q, block)
     seg_k_lo, seg_k_hi = _per_block(seg_k, block)
     pos_q_lo, pos_q_hi = (t[:, None] for t in _per_block(pos_q, block))
     pos_k_lo, pos_k_hi = (t[None, :] for t in _per_block(pos_k, block))
-    # some pair may be visible: a segment in both blocks, and the extremes allow the mask
-    some = (seg_q_lo[:, None] <= seg_k_hi[None, :]) & (seg_k_lo[None, :] <= seg_q_hi[:, None])
-    # every pair is visible: one segment filling both blocks, and the extremes satisfy the mask
-    complete_q = torch.arange(1, seg_q_lo.shape[0] + 1, device=seg_q.device) * block <= seg_q.shape[0]
-    complete_k = torch.arange(1, seg_k_lo.shape[0] + 1, device=seg_k.device) * block <= seg_k.shape[0]
+    complete_q = torch.arange(1, q_blocks + 1, device=seg_q.device) * block <= seg_q.shape[0]
+    complete_k = torch.arange(1, k_blocks + 1, device=seg_k.device) * block <= seg_k.shape[0]
     one_q, one_k = (seg_q_lo == seg_q_hi) & complete_q, (seg_k_lo == seg_k_hi) & complete_k
     every = one_q[:, None] & one_k[None, :] & (seg_q_lo[:, None] == seg_k_lo[None, :])
     if causal:
-        some &= pos_q_hi >= pos_k_lo
         every &= pos_q_lo >= pos_k_hi
     if left >= 0:
-        some &= pos_q_lo - pos_k_hi <= left
         every &= pos_q_hi - pos_k_lo <= left
     if right >= 0:
-        some &= pos_k_lo - pos_q_hi <= right
         every &= pos_k_hi - pos_q_lo <= right
     return some & ~every, every
 
 
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """BlockMask's form of a ``[query blocks, key blocks]`` bool matrix: the count of set key
-    blocks per query block and their indices first in each row, int32, batch and head dims 1."""
+    blocks per query block and their indices first in each row, int32, batch and head dims 1,
+    row-major: flex's GPU kernels read the indices as contiguous rows (argsort of a transposed
+    matrix keeps its strides, and the backward's dK and dV came out wrong, torch 2.11)."""
     counts = blocks.sum(-1, dtype=torch.int32)
     indices = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    return counts[None, None], indices[None, None]
+    return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+
+@functools.cache
+def mask_function(variant: tuple[bool, int, int]):
+    """:func:`visible` with the variant's constants closed over: Dynamo makes the ints of a
+    ``functools.partial`` symbolic under ``dynamic=True``, and flex's forward then fails to
+    lower a window (torch 2.11)."""
+    causal, left, right = variant
+
+    def mask(b, h, q_idx, kv_idx, seg_q, seg_k, pos_q, pos_k):
+        return visible(b, h, q_idx, kv_idx, seg_q, seg_k, pos_q, pos_k, causal=causal, left=left, right=right)
+
+    return mask
 
 
 def build_document_mask(spec: BlockSpec, q_rows: int, k_rows: int, block: int = BLOCK_SIZE) -> DocumentMask:
     """The block mask of ``spec`` for ``q_rows`` queries and ``k_rows`` keys (both > 0)."""
     buffers = row_values(spec, q_rows, k_rows)
     variant = (spec.causal, spec.window_left, spec.window_right)
-    partial, full = block_structure(*buffers, *variant, block)
+    partial, full = block_structure(*buffers, *variant, block, spec.cu_q.shape[0] - 1)
     seg_q, seg_k, pos_q, pos_k = buffers
-    mask_mod = functools.partial(
-        visible, seg_q=seg_q, seg_k=seg_k, pos_q=pos_q, pos_k=pos_k,
-        causal=variant[0], left=variant[1], right=variant[2],
-    )
+    mask_mod = functools.partial(mask_function(variant), seg_q=seg_q, seg_k=seg_k, pos_q=pos_q, pos_k=pos_k)
     # the query-major halves (for the backward's dK, dV) are the transposed matrices;
     # BlockMask.from_kv_blocks would derive them with vmap, which fails inside the block op
     # when it runs in an AOTAutograd-compiled graph

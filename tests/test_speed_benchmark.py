@@ -1,0 +1,38 @@
+"""The interval arithmetic behind benchmarks.speed's exposed-communication column."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package
+
+from benchmarks.common import exposed_length, kernel_intervals, union_intervals  # noqa: E402
+
+
+def test_union_merges_overlapping_and_touching_intervals():
+    assert union_intervals([(5, 7), (0, 2), (1, 3), (3, 4), (8, 9)]) == [(0, 4), (5, 7), (8, 9)]
+    assert union_intervals([]) == []
+
+
+def test_exposed_is_communication_outside_every_compute_interval():
+    # comm [0, 10] and [20, 30]; compute covers 2..4, 3..6 (one union 2..6), 8..22, 25..26
+    comm = [(0, 10), (20, 30), (21, 23)]
+    compute = [(3, 6), (2, 4), (8, 22), (25, 26)]
+    # hidden: 2..6 (4) + 8..10 (2) + 20..22 (2) + 25..26 (1) of a comm union of 20
+    assert exposed_length(comm, compute) == 20 - 9
+
+
+def test_exposed_edge_cases():
+    assert exposed_length([], [(0, 5)]) == 0
+    assert exposed_length([(0, 5)], []) == 5
+    assert exposed_length([(1, 2)], [(0, 5)]) == 0
+    assert exposed_length([(0, 2), (4, 6)], [(1, 5)]) == 2  # one compute interval spans two comms
+
+
+def test_kernel_intervals_split_nccl_from_other_kernels():
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "ncclDevKernel_AllToAll", "ts": 10, "dur": 5},
+        {"cat": "kernel", "name": "flash_fwd_kernel", "ts": 0, "dur": 12},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
+        {"cat": "kernel", "name": "no duration", "ts": 3},
+    ]}
+    assert kernel_intervals(trace) == ([(10.0, 15.0)], [(0.0, 12.0)])
