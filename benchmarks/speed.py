@@ -25,6 +25,10 @@ rank and in every run):
 Modes (``--modes``; default all that apply):
 - ``one-gpu-flex``: torch's ``flex_attention``, compiled, on the whole batch with a document +
   causal (+ window) block mask from ``create_block_mask``; ``enable_gqa`` for GQA.
+- ``one-gpu-sdpa``: dense causal ``F.scaled_dot_product_attention`` on ``[1, H, T, D]``
+  (torch's backend choice), on one-document workloads only (W1), where it is exact.
+- ``one-gpu-hcp``: hcp's single-device ``varlen_attention`` (no context parallelism) on the
+  whole batch, kernel as ``--kernel`` resolves it.
 - ``one-gpu-flash``: ``aten._flash_attention_forward`` (torch's varlen flash, what hcp's flash
   kernel wraps) on the whole batch, KV heads unrepeated (flash handles GQA), autograd backward.
 - ``hcp-eager``, ``hcp-compiled``: hcp_compile on this rank's shard for each placement
@@ -35,7 +39,7 @@ Modes (``--modes``; default all that apply):
 - ``torch-native-cp``: ``torch.distributed.tensor.experimental.context_parallel`` (SDPA ring,
   head-tail load balancing) over all ranks, on W1 with MHA only (it knows no documents and no GQA).
 The one-GPU modes run on rank 0 while the other ranks wait at a barrier, so that they are
-measured in the same run as the CP modes. The faster of the two is "best one GPU".
+measured in the same run as the CP modes. The fastest of them is "best one GPU".
 
 Columns: ms = median fwd+bwd of ``--iters`` after ``--warmup`` (for compiled modes the first
 call, the compile, is the first warm-up; its seconds are first_call_s in the JSON); TF/s per GPU counts only visible pairs (causal,
@@ -76,7 +80,7 @@ from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
 from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, resolve_kernel
 
 HEADS = {"gqa": (32, 8), "mha": (32, 32)}
-ONE_GPU_MODES = ("one-gpu-flex", "one-gpu-flash")
+ONE_GPU_MODES = ("one-gpu-flex", "one-gpu-flash", "one-gpu-sdpa", "one-gpu-hcp")
 MODES = (*ONE_GPU_MODES, "hcp-eager", "hcp-compiled", "torch-native-cp")
 PLACEMENTS = ("balanced", "zigzag")
 WINDOW_LEFT = 4096
@@ -337,6 +341,24 @@ def document_block_mask(workload: Workload, device: torch.device) -> BlockMask:
                              _compile=device.type == "cuda")
 
 
+def one_gpu_sdpa(batch: Batch, setup: Setup) -> Measurement:
+    """Dense causal ``F.scaled_dot_product_attention`` on ``[1, H, T, D]`` with the backend torch
+    picks (cuDNN on an H200 with torch 2.11): exact only for a one-document batch without a
+    window, the only workloads it runs on."""
+    q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for t in batch.qkv)
+    gqa = q.shape[1] != k.shape[1]
+    return measure(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
+                   [q, k, v], setup, alone=True)
+
+
+def one_gpu_hcp(batch: Batch, setup: Setup) -> Measurement:
+    """hcp's single-device ``varlen_attention`` (no context parallelism) on the whole batch,
+    with the kernel ``--kernel`` resolves to."""
+    q, k, v = (t.clone().requires_grad_() for t in batch.qkv)
+    attend = PackedAttention(batch.workload.window)
+    return measure(lambda q, k, v: attend(q, k, v, batch.cu, batch.longest), [q, k, v], setup, alone=True)
+
+
 def one_gpu_flash(batch: Batch, setup: Setup) -> Measurement:
     """``aten._flash_attention_forward`` (differentiable) on the whole batch, as hcp's flash
     kernel calls it: KV heads as they are, the window as flash's left/right sizes."""
@@ -402,10 +424,11 @@ def compile_hcp(setup: Setup, placement: str, window: tuple[int, int]) -> Callab
     return torch.compile(PackedAttention(window), backend=backend, fullgraph=True)
 
 
-def hcp_kernel(batch: Batch, kernel: str) -> str:
-    """The kernel hcp runs this batch with (the choice context_parallel and the backend make);
-    the option itself when none can (the mode then fails and its row says why)."""
-    request = BlockRequest.of(batch.q, batch.k, batch.workload.window, context_parallel=True)
+def hcp_kernel(batch: Batch, kernel: str, cp: bool = True) -> str:
+    """The kernel hcp runs this batch with (the choice context_parallel and the backend make,
+    or the single-device op's with ``cp=False``); the option itself when none can (the mode
+    then fails and its row says why)."""
+    request = BlockRequest.of(batch.q, batch.k, batch.workload.window, context_parallel=cp)
     try:
         return resolve_kernel(kernel, request)
     except hcp_compile.InputError:
@@ -463,9 +486,13 @@ def run_workload(
     if any(m in args.modes for m in ONE_GPU_MODES):
         if setup.rank == 0:
             for mode, run, kernel in (("one-gpu-flex", one_gpu_flex, "flex"),
-                                      ("one-gpu-flash", one_gpu_flash, "flash")):
+                                      ("one-gpu-flash", one_gpu_flash, "flash"),
+                                      ("one-gpu-sdpa", one_gpu_sdpa, "sdpa"),
+                                      ("one-gpu-hcp", one_gpu_hcp, hcp_kernel(batch, args.kernel, cp=False))):
                 if mode not in args.modes:
                     continue
+                if mode == "one-gpu-sdpa" and (len(workload.lengths) > 1 or workload.window_left >= 0):
+                    continue  # a dense call would let documents see each other
                 if mode == "one-gpu-flash" and setup.device.type != "cuda":
                     setup.say(f"  {mode}: skipped, flash needs CUDA")
                     continue

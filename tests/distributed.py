@@ -1,22 +1,26 @@
 """Run many test cases inside one multi-process gloo world per context-parallel mesh.
 
 The parent (pytest) calls :func:`run_world` once per ``(ulysses, ring)`` mesh and suite: it
-starts the world's ranks as subprocesses of this file, each rank runs every case of the suite
-(by default ``cp_cases.suite(mesh)``; ``suite="module:function"`` names another list, e.g.
+starts the world's ranks, each rank runs every case of the suite (by default
+``cp_cases.suite(mesh)``; ``suite="module:function"`` names another list, e.g.
 ``"compile_cases"`` for the compiled path) in order and saves one record per case right after
 running it, and the parent collects the records. A case that raises is recorded (exception type and message),
 not fatal; a world that crashes or hangs is killed at its deadline and the cases it did not
 finish report that. Processes are started once per mesh, never per test.
+
+The ranks are forked from one server process per session that has imported torch, hcp_compile
+and the case modules (multiprocessing's "forkserver"): each rank still starts as a fresh
+process with no torch state initialized, without paying the seconds of CPU that importing
+torch costs, for every rank of every world, on the test machine's 2 cores.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +36,13 @@ COLLECTIVE_TIMEOUT_S = 60  # gloo's timeout inside the workers: a mismatch error
 FAILED_PEER_GRACE_S = 10  # how long the other ranks may go on after one rank died
 DEFAULT_SUITE = "cp_cases"  # "module" (its function ``suite``) or "module:function"
 WORLD_DIR_ENV = "HCP_TEST_WORLD_DIR"  # a folder every rank of a world shares (removed after it)
+# imported once by the fork server, so no rank imports them again: torch and hcp_compile
+# (seconds), and what a rank's first torch.compile would import (seconds more). Installed
+# packages only: the server does not get the parent's sys.path (the ranks do). Not
+# transformers: hf_cases checks that importing hcp_compile does not import it.
+PRELOADED = ["torch", "torch.distributed", "hcp_compile", "torch._functorch.aot_autograd",
+             "torch._functorch.partitioners", "torch._dynamo.backends.debugging",
+             "torch._inductor.compile_fx"]
 
 
 @dataclass
@@ -109,55 +120,76 @@ def run_world(
         out = Path(tmp)
         shared = out / "shared"
         shared.mkdir()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                WORLD_DIR_ENV: str(shared)}
-        with open(out / "log.txt", "w") as log:
-            procs = [
-                subprocess.Popen(
-                    [sys.executable, __file__, f"--rank={rank}", f"--ulysses={ulysses}",
-                     f"--ring={ring}", f"--out={out}", f"--suite={suite}"],
-                    env=env, stdout=log, stderr=subprocess.STDOUT,
-                )
-                for rank in range(world)
-            ]
-            try:
-                return_codes = _wait_all(procs, time.monotonic() + deadline_s)
-            finally:  # also when the wait is interrupted: no rank outlives the call
-                _kill_running(procs)
+        log = out / "log.txt"
+        log.touch()
+        procs = [
+            _fork_server().Process(target=_rank_main, name=f"hcp-rank-{rank}",
+                                   args=(rank, ulysses, ring, out, suite, env, log))
+            for rank in range(world)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            return_codes = _wait_all(procs, time.monotonic() + deadline_s)
+        finally:  # also when the wait is interrupted: no rank outlives the call
+            _kill_running(procs)
         records: dict[str, dict[int, CaseRecord]] = {}
         for path in sorted(out.glob("*.pt")):
             saved = torch.load(path, weights_only=False)
             case_id, rank = saved.pop("key")
             records.setdefault(case_id, {})[rank] = CaseRecord(**saved)
-        log_text = (out / "log.txt").read_text()
+        log_text = log.read_text()
     return WorldResults((ulysses, ring), records, return_codes, log_text, suite)
 
 
-def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
+def _fork_server() -> multiprocessing.context.BaseContext:
+    """The start method of the ranks; the server starts (and imports :data:`PRELOADED`) with
+    the first world and serves every later one."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # read when the server starts
+    return context
+
+
+def _wait_all(procs: list, deadline: float) -> list[int | None]:
     """Exit codes once every process ended, or at ``deadline``, or a grace period after one of
     them failed (its peers would wait for it in a collective); None for those still running."""
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        if any(p.poll() not in (None, 0) for p in procs):
+    while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
             deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
         time.sleep(0.05)
-    return [proc.poll() for proc in procs]
+    return [proc.exitcode for proc in procs]
 
 
-def _kill_running(procs: list[subprocess.Popen]) -> None:
+def _kill_running(procs: list) -> None:
     for proc in procs:  # each by its own handle: only the processes this module started
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.pid is not None:
+            if proc.exitcode is None:
+                proc.kill()
+            proc.join()
 
 
 # --------------------------------------------------------------------------------------------
 # worker side
 # --------------------------------------------------------------------------------------------
 
+def _rank_main(rank: int, ulysses: int, ring: int, out: Path, suite: str, env: dict[str, str],
+               log: Path) -> None:
+    """A rank's process: its output appended to the world's log, the world's variables set."""
+    with open(log, "ab", buffering=0) as file:
+        for stream in (1, 2):  # the file descriptors: also what native code writes
+            os.dup2(file.fileno(), stream)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.update(env)
+    _worker(rank, ulysses, ring, out, suite)
+    # a forked rank then ends without the interpreter's teardown of torch (seconds of CPU per
+    # process, and a suite starts dozens of them on 2 cores)
+
+
 def _record_of(run) -> dict:
-    """The fields of a :class:`CaseRecord` (saved as a plain dict: this module is
-    ``__main__`` in the workers, so its classes would not unpickle in the parent)."""
+    """The fields of a :class:`CaseRecord`, saved as a plain dict (read by the parent)."""
     try:
         value = run()
     except Exception as exc:  # noqa: BLE001 - every failure is a result to report
@@ -177,7 +209,7 @@ def _suite_function(suite: str):
 
 
 def _worker(rank: int, ulysses: int, ring: int, out: Path, suite: str = DEFAULT_SUITE) -> None:
-    import cp_cases  # importable here: this file's folder is the worker's sys.path[0]
+    import cp_cases  # importable here: the parent's sys.path holds this file's folder
     import hcp_compile as hc
 
     torch.set_num_threads(1)
@@ -195,17 +227,3 @@ def _worker(rank: int, ulysses: int, ring: int, out: Path, suite: str = DEFAULT_
         torch.save({"key": (case.id, rank), **record}, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)  # the parent never sees a half-written record
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    for name in ("rank", "ulysses", "ring"):
-        parser.add_argument(f"--{name}", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--suite", default=DEFAULT_SUITE)
-    args = parser.parse_args()
-    _worker(args.rank, args.ulysses, args.ring, args.out, args.suite)
-    # every record is on disk: skip the interpreter's teardown of torch (seconds of CPU per
-    # process, and a suite starts dozens of them on 2 cores)
-    sys.stdout.flush()
-    os._exit(0)

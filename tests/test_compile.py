@@ -24,13 +24,14 @@ from checks import (
     EAGER_TOL, RESULTS, assert_compiled_rank_matches, assert_matches, expected_for, local_rows,
 )
 from compile_cases import (
-    COMPILE_MESHES, ERROR_MESH, INDUCTOR_CASE, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
+    COMPILE_MESHES, ERROR_MESH, FULL_MESH, INDUCTOR_CASE, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
     INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, HeadsNotDivisibleCase,
     ModelCase, attention_cases, error_cases, explain_cases, fresh_class,
     model_cases, table_counts, text_collectives, torch_varlen_cases,
 )
 from cp_cases import cu_seqlens, mesh_id
 from hcp_compile.passes.match import UnsupportedAttention
+from hcp_compile.schedule import HEAD_GROUPS, head_groups, rank_kv_heads
 
 # compiled vs eager CP: the same kernels and collectives (aot_eager ran bit-identical when
 # this was written; Inductor may fuse and reorder the elementwise merge)
@@ -46,20 +47,28 @@ def params(cases_of, ids_of=lambda case: case.id, meshes=COMPILE_MESHES):
             for mesh in meshes for case in cases_of(mesh)]
 
 
-def expected_collectives(mesh, layers: int, lse_layers: int = 0) -> dict:
-    """Per AOT graph, for ``layers`` attention layers sharing one cu_seqlens (docs/design.md §3-5):
-    forward 3 Ulysses all-to-alls per layer (q, kv in; out back; +1 for a used lse) and
-    R-1 KV transfers, 2 all-reduces for the layout check; backward 3 Ulysses all-to-alls
-    (dout in; dq, dkv back) and 2R-1 ring transfers (the KV again, R-1 hops, and the dKV
-    accumulator, R hops; the backward's KV transfers are not merged with the forward's, so
-    no rank keeps the other ranks' KV alive until the backward). No Ulysses exchange with
-    ulysses=1, no ring transfer with ring=1."""
+def groups_of(mesh, heads_kv: int) -> int:
+    """Head groups of a layer with ``heads_kv`` KV heads on ``mesh`` (docs/design.md §3.6)."""
+    ulysses = mesh[0]
+    return head_groups(rank_kv_heads(heads_kv, ulysses), ulysses)
+
+
+def expected_collectives(mesh, heads_kv: int, layers: int, lse_layers: int = 0) -> dict:
+    """Per AOT graph, for ``layers`` attention layers with ``heads_kv`` KV heads sharing one
+    cu_seqlens (docs/design.md §3-5), each layer's heads in ``G`` head groups (§3.6), every
+    group with its own exchanges and ring: forward 3 Ulysses all-to-alls per group (q, kv in;
+    out back; +1 for a used lse) and R-1 KV transfers, 2 all-reduces for the layout check
+    (once); backward 3 Ulysses all-to-alls per group (dout in; dq, dkv back) and 2R-1 ring
+    transfers (the KV again, R-1 hops, and the dKV accumulator, R hops; the backward's KV
+    transfers are not merged with the forward's, so no rank keeps the other ranks' KV alive
+    until the backward). No Ulysses exchange with ulysses=1, no ring transfer with ring=1."""
     ulysses, ring = mesh
+    groups = groups_of(mesh, heads_kv)
     return {
-        "fw": {"ulysses": (3 * layers + lse_layers) if ulysses > 1 else 0,
-               "ring": (ring - 1) * layers, "all_reduce": 2},
-        "bw": {"ulysses": 3 * layers if ulysses > 1 else 0,
-               "ring": (2 * ring - 1) * layers if ring > 1 else 0, "all_reduce": 0},
+        "fw": {"ulysses": groups * (3 * layers + lse_layers) if ulysses > 1 else 0,
+               "ring": groups * (ring - 1) * layers, "all_reduce": 2},
+        "bw": {"ulysses": groups * 3 * layers if ulysses > 1 else 0,
+               "ring": groups * (2 * ring - 1) * layers if ring > 1 else 0, "all_reduce": 0},
     }
 
 
@@ -90,23 +99,25 @@ def test_compiled_attention_matches_reference_and_eager_cp(cp_world, mesh, case,
 @pytest.mark.parametrize("mesh", COMPILE_MESHES, ids=mesh_id)
 def test_dynamic_shapes_reuse_one_graph_for_new_batches(cp_world, mesh):
     """dynamic=True: other documents with the same local token count, then another token
-    count and document count, run on the first graph; a batch of a single document may
-    compile once more (Dynamo specializes the size-1 document-length tensor), and the next
-    single-document batch reuses that graph."""
+    count and document count, run on the first graph; on FULL_MESH, a batch of a single
+    document may compile once more (Dynamo specializes the size-1 document-length tensor),
+    and the next single-document batch reuses that graph."""
     (case,) = [c for c in attention_cases(mesh) if c.name == "gqa-causal-batches"]
+    assert len(case.docs) == (5 if mesh == FULL_MESH else 3), case.docs
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
         tokens = [result[f"{i}/local_tokens"] for i in range(len(case.docs))]
         assert tokens[0] == tokens[1] != tokens[2], f"rank {rank}: premise of the batches: {tokens}"
         graphs = result["graphs_after"]
         assert graphs[:3] == [1, 1, 1], f"rank {rank}: graphs compiled after each batch {graphs}"
-        assert graphs[3] <= 2 and graphs[4] == graphs[3], f"rank {rank}: graphs compiled {graphs}"
+        single = graphs[3:]  # after the single-document batches (FULL_MESH)
+        assert single in ([], [1, 1], [2, 2]), f"rank {rank}: graphs compiled {graphs}"
 
 
 def test_automatic_dynamic_recompiles_once(cp_world):
     """dynamic=None: the first graph is static; the second batch changes the local token
     count, the document count and max_seqlen together, which compiles once more with all of
     them dynamic; no batch after that compiles again."""
-    (case,) = [c for c in attention_cases((2, 2)) if c.name == "dynamic-none-batches"]
+    (case,) = [c for c in attention_cases((2, 2)) if c.name == "mqa-full-window-scale-zigzag"]
     for rank, result in enumerate(compile_world(cp_world, (2, 2)).values(case.id)):
         assert result["graphs_after"] == [1, 2, 2, 2, 2], f"rank {rank}: {result['graphs_after']}"
 
@@ -173,9 +184,9 @@ def test_model_compiled_matches_float64_reference(cp_world, mesh, case):
 
 @pytest.mark.parametrize("mesh, case", STRUCTURE_MODELS)
 def test_forward_graph_collectives(cp_world, mesh, case):
-    """Per layer 3 Ulysses all-to-alls (equal splits) and R-1 ring transfers (one
-    non-zero split), plus the layout check's 2 all-reduces once; each waited."""
-    expected = expected_collectives(mesh, case.layers)["fw"]
+    """Per layer and head group 3 Ulysses all-to-alls (equal splits) and R-1 ring transfers
+    (one non-zero split), plus the layout check's 2 all-reduces once; each waited."""
+    expected = expected_collectives(mesh, case.heads_kv, case.layers)["fw"]
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
         (forward,) = result["fw"]
         assert_well_formed(forward, f"rank {rank} forward")
@@ -185,10 +196,11 @@ def test_forward_graph_collectives(cp_world, mesh, case):
 
 @pytest.mark.parametrize("mesh, case", STRUCTURE_MODELS)
 def test_backward_graph_collectives_and_no_qkv_reexchange(cp_world, mesh, case):
-    """Per layer 3 Ulysses all-to-alls (dout in, dq and dkv back) and 2R-1 ring transfers;
-    every one of them carries data derived from the incoming gradients (tangents): no
-    Ulysses exchange re-sends q, k or v, and no transfer was moved out of the backward."""
-    expected = expected_collectives(mesh, case.layers)["bw"]
+    """Per layer and head group 3 Ulysses all-to-alls (dout in, dq and dkv back) and 2R-1
+    ring transfers; every one of them carries data derived from the incoming gradients
+    (tangents): no Ulysses exchange re-sends q, k or v, and no transfer was moved out of the
+    backward."""
+    expected = expected_collectives(mesh, case.heads_kv, case.layers)["bw"]
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
         (backward,) = result["bw"]
         assert_well_formed(backward, f"rank {rank} backward")
@@ -283,9 +295,9 @@ def test_torch_varlen_attn_model_matches_reference(cp_world, mesh, case):
 
 @pytest.mark.parametrize("mesh, case", TORCH_VARLEN)
 def test_used_lse_adds_one_ulysses_exchange(cp_world, mesh, case):
-    """The lse comes back through one more Ulysses all-to-all in the forward; the backward
-    is unchanged (the lse has no gradient)."""
-    expected = expected_collectives(mesh, layers=1, lse_layers=1)
+    """The lse comes back through one more Ulysses all-to-all per head group in the forward;
+    the backward is unchanged (the lse has no gradient)."""
+    expected = expected_collectives(mesh, case.heads_kv, layers=1, lse_layers=1)
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
         (forward,), (backward,) = result["fw"], result["bw"]
         assert_well_formed(forward, f"rank {rank} forward")
@@ -317,9 +329,12 @@ def test_explain_reports_only_marked_layers_without_running(cp_world, mesh, case
         (table,) = result["tables"]
         assert f"{ulysses} x {ring}" in table and "unmarked" not in table
         assert result["text"].startswith("graph 0: 2 attention node(s) rewritten\n")
-        expected = expected_collectives(mesh, layers=1)
+        # the row of the layer that carries the check (the first), its heads as reported
+        row = next(line for line in table.splitlines() if line.startswith("| marked.0"))
+        heads_kv = int(row.split("|")[3].strip().split("/")[1])
+        expected = expected_collectives(mesh, heads_kv, layers=1)
         assert (f"{expected['fw']['ulysses']} all_to_all, {expected['fw']['ring']} ring, "
-                "2 all_reduce (check)") in table
+                "2 all_reduce (check)") in row
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,9 +397,12 @@ def test_inductor_compiled_matches_reference_and_eager_cp(cp_world, index):
 
 def test_inductor_graphs_hold_the_rewritten_collectives(cp_world):
     """With Inductor the rewrite runs as its pre-grad pass: the graphs Inductor compiles
-    (dumped) hold the Ulysses and ring exchanges of one layer."""
-    expected = expected_collectives(INDUCTOR_MESH, layers=1)
-    for rank, result in enumerate(inductor_world(cp_world).values(INDUCTOR_CASE.id)):
+    (dumped by rank 0; the other ranks compile through Inductor's caches) hold the Ulysses
+    and ring exchanges of one layer."""
+    expected = expected_collectives(INDUCTOR_MESH, INDUCTOR_CASE.heads_kv, layers=1)
+    results = inductor_world(cp_world).values(INDUCTOR_CASE.id)
+    assert ["texts" in result for result in results] == [r == 0 for r in range(len(results))]
+    for rank, result in enumerate(results[:1]):  # the dump of rank 0
         texts = result["texts"]
         assert {"graph_0/before_rewrite.py", "graph_0/after_rewrite.py", "graph_0/matches.md",
                 "graph_0/aot_forward.py", "graph_0/aot_backward.py"} <= set(texts), sorted(texts)
@@ -394,3 +412,11 @@ def test_inductor_graphs_hold_the_rewritten_collectives(cp_world):
             got = {k: counted[k] for k in ("ulysses", "ring", "all_reduce")}
             assert got == expected[graph], f"rank {rank} {name}: {got}, expected {expected[graph]}"
             assert counted["other_group"] == 0
+
+
+def test_graph_counts_cover_grouped_and_single_group_heads():
+    """The tests above that count every kind of collective in the graphs (the structure
+    models, the Inductor run) see both a layer with head groups and one with a single group
+    (docs/design.md §3.6), so expected_collectives' G is really checked."""
+    counted = [p.values[:2] for p in STRUCTURE_MODELS] + [(INDUCTOR_MESH, INDUCTOR_CASE)]
+    assert {groups_of(mesh, case.heads_kv) for mesh, case in counted} == {1, HEAD_GROUPS}

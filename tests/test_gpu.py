@@ -1,7 +1,7 @@
 """CUDA only: the flash and flex kernels against the plain-PyTorch kernel and the float64
 reference, in bf16 on one device (docs/design.md §6 tolerances: 2.5e-2, 3.5e-2 with GQA),
 including flex's backward given the merged out and lse of two blocks (a ring step's shape) and
-blocks of several 128-row mask blocks."""
+blocks of several 128-row mask blocks, and the dense kernel (cuDNN) the same way."""
 
 import pytest
 import torch
@@ -12,7 +12,8 @@ from checks import assert_matches, expected_for
 from cp_cases import AttentionCase, cu_seqlens, seeded
 from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import BlockRequest, measured, BlockSpec, resolve_kernel, run_backward, run_forward
-from hcp_compile.kernels import flex
+from hcp_compile.kernels import dense, flex
+from test_dense_kernel import check_second_halves
 from test_kernels import split_keys
 
 pytestmark = [
@@ -126,6 +127,37 @@ def test_flex_backward_given_merged_out_and_lse_in_bf16(causal, window):
                                     causal=causal, window=window)
     for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert_matches(got.cpu(), expected[name], name, atol=3.5e-2, rtol=3.5e-2)
+
+
+@pytest.fixture
+def dense_from_128_rows(monkeypatch):
+    """Segments of LONG_DOCS with 128 rows or more run as cuDNN calls, the others in flash."""
+    monkeypatch.setattr(dense, "MIN_DENSE_ROWS", 128)
+
+
+@pytest.mark.parametrize("heads_kv", [8, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dense_matches_flash_and_reference_in_bf16(dense_from_128_rows, causal, heads_kv):
+    x = bf16_inputs(f"dense-{causal}-{heads_kv}", sum(LONG_DOCS), 8, heads_kv)
+    cu = cu_seqlens(LONG_DOCS)
+    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(), causal=causal)
+    results = {}
+    for kernel in ("dense", "flash"):
+        leaves = [x[n].cuda().requires_grad_() for n in "qkv"]
+        out, lse = torch.ops.hcp.varlen_attention(*leaves, cu.cuda(), cu.cuda(), max(LONG_DOCS), max(LONG_DOCS),
+                                                  causal, 64 ** -0.5, -1, -1, kernel)
+        out.backward(x["dout"].cuda())
+        results[kernel] = {"out": out.detach(), "lse": lse, **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+    for name in ("out", "dq", "dk", "dv"):
+        assert_matches(results["dense"][name].cpu(), expected[name], name, atol=3.5e-2, rtol=3.5e-2)
+        assert_matches(results["dense"][name].cpu(), results["flash"][name].cpu(), f"dense vs flash {name}",
+                       atol=3.5e-2, rtol=3.5e-2)
+    torch.testing.assert_close(results["dense"]["lse"], results["flash"]["lse"], atol=3.5e-2, rtol=3.5e-2)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-block", "two-blocks-merged"])
+def test_dense_backward_given_merged_out_and_lse_in_bf16(dense_from_128_rows, split):
+    check_second_halves(LONG_DOCS, split, torch.device("cuda"), torch.bfloat16, atol=3.5e-2, rtol=3.5e-2)
 
 
 def test_auto_kernel_is_the_fastest_measured_on_this_device():

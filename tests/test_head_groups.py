@@ -164,9 +164,10 @@ def eager_cases(mesh: tuple[int, int]) -> list[EagerCase]:
 
 def compiled_cases(mesh: tuple[int, int]) -> list[CompiledCase]:
     """The grouped GQA case; MHA and the one-group fallback run eagerly here (the code is
-    the same), and compiled in test_compile.py already (4/4, grouped, on 2 x 2; 4/2 and 4/1,
-    one group, on every mesh): a 4-rank world compiles for about a minute per case on 2
-    cores. Two batches (COMPILE_DOCS), one graph (dynamic shapes)."""
+    the same), and compiled in test_compile.py already (GQA 8/4, grouped, on 2 x 2; 4/2, one
+    group, on every mesh; 4/1 on 2 x 2, 4/4 on 1 x 4 and 4 x 1): a 4-rank world compiles for
+    tens of seconds per case on 2 cores. Two batches (COMPILE_DOCS), one graph (dynamic
+    shapes)."""
     return [CompiledCase("hg-gqa-8.4-causal", ("mixed", "four"), 8, 4, True)]
 
 

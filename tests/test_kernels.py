@@ -20,7 +20,7 @@ from checks import assert_matches, expected_for
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded, World
 from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import (
-    KERNELS, BlockRequest, BlockSpec, flex, flex_mask, measured, resolve_kernel, run_backward,
+    KERNELS, BlockRequest, BlockSpec, dense, flex, flex_mask, measured, resolve_kernel, run_backward,
     run_forward,
 )
 
@@ -177,10 +177,11 @@ def test_traced_flex_matches_reference_without_a_recompile_per_batch(traced_flex
 
 
 def test_traced_flex_serves_blocks_of_equal_and_of_unequal_row_counts(traced_flex):
-    """A ring's own step has as many key rows as query rows, its other steps fewer: the graphs
-    traced on the first must serve the others (by default Dynamo gives sizes that are equal when
-    it traces one symbol, and refuses to trace flex's backward graph again when they differ), and
-    the forward must not compile again for each new block shape."""
+    """A ring's own step has as many key rows as query rows, its other steps fewer. The forward
+    traced on the first must serve the others without compiling again for each new block shape;
+    the backward has one graph for equal and one for unequal row counts, since Inductor's
+    lowering guards on their equality on CUDA and Dynamo refuses to trace flex's backward graph
+    again when a guard fails. Each must serve all blocks of its kind."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     lengths = (150, 0, 1, 190, 40, 300, 2)  # > 128 rows in every block: no padding evens them out
@@ -201,7 +202,21 @@ def test_traced_flex_serves_blocks_of_equal_and_of_unequal_row_counts(traced_fle
         grads = (run_backward(kernel, dout, q, k[rows], v[rows], *expected, spec) for kernel in ("flex", "torch"))
         for name, a, b in zip(("dq", "dk", "dv"), *grads):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{len(rows)} keys {name}")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, "one forward, one backward graph"
+    # one forward graph; one backward graph for equal and one for unequal row counts (_static_shape)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+
+
+def test_traced_flex_compiles_each_static_combination_within_its_own_recompile_budget(traced_flex):
+    """Mask variants, scales, dtypes and head counts are static in the traced forward: a model
+    with more of them than Dynamo's recompile limit must still run (one code object per
+    combination; with one shared code object the GPU tests failed at Dynamo's limit of 8)."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (4, 0))):
+            case = AttentionCase("mixed", 4, 2, causal, window)
+            got, expected = flex_with_grads(case), expected_for(case)
+            for name in ("out", "dq"):
+                assert_matches(got[name], expected[name], f"{case.id} {name}")
 
 
 @pytest.fixture
@@ -213,18 +228,22 @@ def one_rank_mesh():
         dist.destroy_process_group()
 
 
-def test_flex_through_the_hcp_backend(one_rank_mesh):
-    """``backend="hcp"`` with ``kernel="flex"`` (aot_eager): the block ops run flex inside."""
-    case = AttentionCase("mixed", 4, 2, True, (4, 0))
+@pytest.mark.parametrize("kernel, window", [("flex", (4, 0)), ("dense", (-1, -1))])
+def test_kernel_through_the_hcp_backend(one_rank_mesh, monkeypatch, kernel, window):
+    """``backend="hcp"`` with a named kernel (aot_eager): the block ops run it inside (dense
+    with segments of 8 rows and more as dense calls)."""
+    monkeypatch.setattr(dense, "MIN_DENSE_ROWS", 8)
+    torch._dynamo.reset()  # else the other case's window, traced again, would become symbolic
+    case = AttentionCase("mixed", 4, 2, True, window)
     x, cu = case.inputs(), cu_seqlens(case.lengths)
     plan = hc.shard_plan(cu, one_rank_mesh)
     leaves = [plan.shard(x[n]).requires_grad_() for n in "qkv"]
 
     def attend(q, k, v, cu, longest):
-        return hc.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, window_size=(4, 0))
+        return hc.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, window_size=window)
 
     compiled = torch.compile(attend, backend="hcp", options={
-        "mesh": one_rank_mesh, "inner": "aot_eager", "kernel": "flex"})
+        "mesh": one_rank_mesh, "inner": "aot_eager", "kernel": kernel})
     out = compiled(*leaves, cu, max(case.lengths))
     out.backward(plan.shard(x["dout"]))
     expected = expected_for(case)
@@ -233,7 +252,8 @@ def test_flex_through_the_hcp_backend(one_rank_mesh):
 
 
 # --------------------------------------------------------------------------------------------
-# flex under eager CP (a 2 x 2 world: local, group and ring documents, windows by position)
+# flex and dense under eager CP (a 2 x 2 world: local, group and ring documents, windows by
+# position)
 # --------------------------------------------------------------------------------------------
 
 CP_MESH = (2, 2)
@@ -241,18 +261,29 @@ SUITE = "test_kernels:suite"
 
 
 @dataclasses.dataclass(frozen=True)
-class FlexCase(AttentionCase):
+class KernelCase(AttentionCase):
+    """The attention under eager CP with every ring step on ``kernel`` (dense: segments of 4
+    rows and more as dense calls)."""
+
+    kernel: str = "flex"
+
     @property
     def id(self) -> str:
-        return f"flex-{super().id}"
+        return f"{self.kernel}-{super().id}"
 
     def run(self, world: World) -> dict:
-        with hc.context_parallel(world.mesh, placement=self.placement, kernel="flex"):
-            return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
+        saved, dense.MIN_DENSE_ROWS = dense.MIN_DENSE_ROWS, 4
+        try:
+            with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel):
+                return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
+        finally:
+            dense.MIN_DENSE_ROWS = saved
 
 
-CP_CASES = [FlexCase("many", 4, 2, True), FlexCase("mixed", 4, 1, True, (4, 0)),
-            FlexCase("long", 4, 4, False, (3, 5))]
+CP_CASES = [KernelCase("many", 4, 2, True), KernelCase("mixed", 4, 1, True, (4, 0)),
+            KernelCase("long", 4, 4, False, (3, 5)),
+            KernelCase("many", 4, 2, True, kernel="dense"), KernelCase("long", 4, 4, True, kernel="dense"),
+            KernelCase("mixed", 4, 1, False, placement="zigzag", kernel="dense")]
 
 
 def suite(mesh: tuple[int, int]) -> list:
@@ -260,7 +291,7 @@ def suite(mesh: tuple[int, int]) -> list:
 
 
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
-def test_flex_under_context_parallelism_matches_reference(cp_world, case):
+def test_kernel_under_context_parallelism_matches_reference(cp_world, case):
     reference = expected_for(case)
     for rank, result in enumerate(cp_world(CP_MESH, suite=SUITE).values(case.id)):
         index = result["global_index"]
@@ -283,7 +314,7 @@ def request(device="cpu", dtype=torch.float32, head_dim=64, window=(-1, -1), cp=
 
 def test_every_kernel_is_registered_under_its_name():
     assert {name: kernel.name for name, kernel in KERNELS.items()} == {
-        "torch": "torch", "flash": "flash", "flex": "flex"}
+        "torch": "torch", "flash": "flash", "flex": "flex", "dense": "dense"}
 
 
 def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypatch):

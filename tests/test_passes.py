@@ -11,6 +11,7 @@ the rewrite only reads their names and sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import operator
@@ -463,13 +464,21 @@ def test_report_table_rows_and_collectives():
     assert report.table([], stand_in_groups(2, 2), agree=True) == "no attention node with cu_seqlens was found"
 
 
-@pytest.mark.parametrize("ulysses, ring", [(1, 1), (1, 4), (4, 1), (2, 3)])
-def test_report_collective_counts(ulysses, ring):
+@pytest.mark.parametrize("ulysses, ring, heads_kv, groups", [
+    (1, 1, 2, 1), (1, 4, 2, 1), (4, 1, 2, 1), (2, 3, 2, 1),
+    # two KV heads per rank after the exchange: two head groups, each with its own
+    # exchanges and ring (docs/design.md §3.6)
+    (2, 3, 4, 2), (4, 2, 8, 2),
+])
+def test_report_collective_counts(ulysses, ring, heads_kv, groups):
     _, done = rewritten_three_calls(stand_in_groups(ulysses, ring))
-    counts = report.collectives(done[1], stand_in_groups(ulysses, ring), agree=False)
+    node = dataclasses.replace(done[1], heads_q=2 * heads_kv, heads_kv=heads_kv)  # lse used
+    counts = report.collectives(node, stand_in_groups(ulysses, ring), agree=False)
+    exchanges = ulysses > 1
     assert counts == report.Collectives(
-        forward_all_to_all=4 if ulysses > 1 else 0, forward_ring=ring - 1, forward_all_reduce=0,
-        backward_all_to_all=3 if ulysses > 1 else 0, backward_ring=2 * ring - 1 if ring > 1 else 0)
+        forward_all_to_all=4 * groups if exchanges else 0, forward_ring=groups * (ring - 1),
+        forward_all_reduce=0, backward_all_to_all=3 * groups if exchanges else 0,
+        backward_ring=groups * (2 * ring - 1) if ring > 1 else 0)
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, ulysses, message", [

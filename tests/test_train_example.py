@@ -1,31 +1,34 @@
 """``examples/train_packed.py`` in a reduced form (as a subprocess, the way users run it), and
-the ``("data", "ring", "ulysses")`` mesh of ``make_mesh(..., data=D)`` in a 4-process world,
-where the example's worker then trains with data-parallel replicas."""
+the ``("data", "ring", "ulysses")`` mesh of ``make_mesh(..., data=D)`` in a 4-process world
+(suite :func:`suite` of this module, run by ``distributed.py``), where the example's worker
+then trains with data-parallel replicas."""
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import hcp_compile as hc
-from distributed import free_port
+from cp_cases import World
+from distributed import WORLD_DIR_ENV
 from hcp_compile.mesh import resolve_groups
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_packed.py"
 SMALL = ["--layers", "1", "--tokens", "160", "--min-doc", "8", "--max-doc", "60"]
 RUN_DEADLINE_S = 300  # generous: the machine's cores may be shared
-COLLECTIVE_TIMEOUT_S = 60
+WORLD = (1, 4)  # a 4-rank world: (ulysses, ring) of its own mesh, which the case does not use
+SUITE = "test_train_example:suite"
+WORLD_DEADLINE_S = 240
 
 
 def run_example(*args: str, plot: Path) -> str:
@@ -65,24 +68,28 @@ def test_example_trains_and_matches_one_process(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the 3-D mesh
 
 
-def test_data_parallel_mesh_and_example(tmp_path: Path) -> None:
-    """data 2 x ring 2 x ulysses 1 on 4 ranks: :func:`check_data_mesh`, then the example's
-    worker on that mesh (each replica trains on its own batches; the one-process check covers
-    both replicas' batches). One world for both: starting ranks costs more than either."""
-    mp.spawn(_data_parallel_rank, args=(4, free_port(), str(tmp_path)), nprocs=4)
+@dataclass(frozen=True)
+class DataParallelCase:
+    """data 2 x ring 2 x ulysses 1 on the world's 4 ranks: :func:`check_data_mesh`, then the
+    example's worker on that mesh (each replica trains on its own batches; the one-process
+    check covers both replicas' batches). One world for both: starting ranks costs more than
+    either."""
+
+    id: str = "data-parallel-mesh-and-example"
+
+    def run(self, world: World) -> dict:
+        check_data_mesh(world.rank)
+        return {"example_passed": _example_worker_passes(world.rank, 4, os.environ[WORLD_DIR_ENV])}
 
 
-def _data_parallel_rank(rank: int, world: int, port: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    try:
-        check_data_mesh(rank)
-        assert _example_worker_passes(rank, world, tmp), f"rank {rank}: the example's checks failed"
-    finally:
-        dist.destroy_process_group()
+def suite(mesh: tuple[int, int]) -> list:
+    return [DataParallelCase()]
+
+
+def test_data_parallel_mesh_and_example(cp_world) -> None:
+    results = cp_world(WORLD, suite=SUITE, deadline_s=WORLD_DEADLINE_S).values(DataParallelCase().id)
+    for rank, result in enumerate(results):
+        assert result["example_passed"], f"rank {rank}: the example's checks failed"
 
 
 def _example_worker_passes(rank: int, world: int, tmp: str) -> bool:

@@ -24,13 +24,14 @@ from torch import Tensor
 
 from ..validation import InputError
 from .contract import BlockRequest, BlockSpec, Kernel, new_cache_key
+from .dense import DenseKernel
 from .flash import FlashKernel
 from .flex import FlexKernel
 from .measured import device_kind, fastest
 from .precision import accumulate_dtype
 from .torch_kernel import TorchKernel
 
-KERNELS: dict[str, Kernel] = {k.name: k for k in (TorchKernel(), FlashKernel(), FlexKernel())}
+KERNELS: dict[str, Kernel] = {k.name: k for k in (TorchKernel(), FlashKernel(), FlexKernel(), DenseKernel())}
 KERNEL_CHOICES = ("auto", *KERNELS)
 # "auto" on a device kind without measurements: the first of these that supports the call
 FALLBACK = ("flash", "torch")

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import math
 import operator
+import types
 from collections.abc import Iterator
 
 import torch
@@ -77,8 +78,9 @@ class FlexKernel:
         tensors = (*(getattr(mask.block_mask, name) for name in _BLOCKS), *mask.buffers)
         if _backend(q) is not None:
             _mark_rows_dynamic((q4, k4, v4), tensors)
+        static = (mask.variant, spec.scale, q4.dtype, q4.shape[1], k4.shape[1], q4.shape[3])
         with _top_level_dispatch():
-            out, aux = _forward_function(_backend(q))(q4, k4, v4, tensors, mask.variant, spec.scale)
+            out, aux = _forward_function(_backend(q), static)(q4, k4, v4, tensors, mask.variant, spec.scale)
         lse = aux.lse[0, :, :rows].to(accumulate_dtype(q.dtype)).contiguous()
         return _tokens_first(out)[:rows], lse
 
@@ -149,14 +151,15 @@ def _mark_rows_dynamic(heads_first: tuple[Tensor, ...], mask_inputs: tuple[Tenso
 
 def _static_shape(inputs: tuple[Tensor, ...]) -> tuple:
     """What a compiled backward graph is specialized on besides the layout: dtype, heads, head
-    dim, and per dynamic size whether it is 1 (Dynamo specializes those) and whether the row
-    counts divide the block size. A graph traced once and called with different values of these
+    dim, and per dynamic size whether it is 1 (Dynamo specializes those), whether the row
+    counts divide the block size and whether q and k have as many rows (Inductor's lowering
+    guards on both, torch 2.11). A graph traced once and called with different values of these
     would be traced again, which Dynamo refuses for flex's backward operator (torch 2.11 and
     2.14), so each combination gets its own graph."""
     q4, k4 = inputs[0], inputs[1]
     ones = tuple(size == 1 for x in inputs for size in x.shape)
     rows = tuple(x.shape[2] % BLOCK_SIZE == 0 for x in (q4, k4))
-    return (q4.dtype, q4.shape[1], k4.shape[1], q4.shape[3], ones, rows)
+    return (q4.dtype, q4.shape[1], k4.shape[1], q4.shape[3], ones, rows, q4.shape[2] == k4.shape[2])
 
 
 @contextlib.contextmanager
@@ -197,12 +200,17 @@ def _backend(q: Tensor) -> str | None:
 
 
 @functools.cache
-def _forward_function(backend: str | None):
-    # static but for the sizes the caller marks dynamic (_mark_rows_dynamic); the static ones
-    # (heads, dtype, sizes of 1, the mask variant, the scale) give a graph each
+def _forward_function(backend: str | None, static: tuple):
+    """The forward compiled for one ``static`` (mask variant, scale, dtype, head counts, head
+    dim): static but for the sizes the caller marks dynamic (_mark_rows_dynamic). Dynamo keeps
+    its graphs, and counts recompiles against its limit of 8, per code object, so each static
+    combination compiles a copy of ``_forward`` with a code object of its own: with one shared
+    code object, a model (or test session) with more than 8 combinations failed on the GPU."""
     if backend is None:
         return _forward
-    return torch.compile(_forward, backend=backend, dynamic=False, fullgraph=True)
+    code = _forward.__code__.replace()  # a new code object, the same code
+    copy = types.FunctionType(code, _forward.__globals__, _forward.__name__, _forward.__defaults__)
+    return torch.compile(copy, backend=backend, dynamic=False, fullgraph=True)
 
 
 # the block mask's tensors, as BlockMask's constructor takes them after the sequence lengths

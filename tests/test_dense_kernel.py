@@ -1,0 +1,151 @@
+"""The dense kernel (docs/design.md §8.6): how it cuts a block into dense calls and varlen runs,
+checked against the contract's element mask, and its forward and backward against the float64
+reference on CPU (the CPU flash op as the dense call; cuDNN on CUDA is in test_gpu.py), with
+segments long enough to be dense made tiny by lowering ``MIN_DENSE_ROWS``. Under eager CP:
+test_kernels.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from attention_reference import reference_with_grads
+from checks import assert_matches
+from cp_cases import HEAD_DIM, cu_seqlens, seeded
+from hcp_compile.kernels import BlockSpec, dense, run_backward, run_forward
+from hcp_compile.merge import merge_partials
+
+
+def contract_mask(cu_q: list[int], cu_k: list[int], causal: bool) -> torch.Tensor:
+    """``[Tq, Tk]`` bool from the contract: query segment i sees key segment i, causally
+    aligned bottom-right (query j of n sees keys up to m - n + j of m)."""
+    mask = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool)
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        rows = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+        keys = torch.arange(k1 - k0)[None, :]
+        mask[q0:q1, k0:k1] = keys <= rows if causal else True
+    return mask
+
+
+def covered(pieces: dense.Cut, cu_q: list[int], cu_k: list[int], causal: bool) -> torch.Tensor:
+    """How many times the pieces cover each (query, key) pair."""
+    count = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.int64)
+    for piece in pieces.dense:
+        rows, keys = piece.q.stop - piece.q.start, piece.k.stop - piece.k.start
+        block = torch.ones(rows, keys, dtype=torch.int64)
+        count[piece.q, piece.k] += block.tril() if piece.causal else block  # top-left causal
+    for run in pieces.varlen:
+        local_q = [c - run.q.start for c in cu_q[run.first : run.stop + 1]]
+        local_k = [c - run.k.start for c in cu_k[run.first : run.stop + 1]]
+        count[run.q, run.k] += contract_mask(local_q, local_k, causal).long()
+    return count
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("seed", range(6))
+def test_pieces_cover_every_visible_pair_exactly_once(seed, causal):
+    """Random blocks of long, short and empty segments, as many keys as queries or fewer or
+    more (a ring step's shapes)."""
+    rng = random.Random(seed)
+    q_lengths = [rng.choice([0, 1, 3, 8, 9, 20]) for _ in range(rng.randint(1, 8))]
+    k_lengths = [max(0, n + rng.choice([0, 0, -2, 5])) for n in q_lengths]
+    cu_q, cu_k = cu_seqlens(tuple(q_lengths)).tolist(), cu_seqlens(tuple(k_lengths)).tolist()
+    pieces = dense.cut(cu_q, cu_k, causal, min_rows=8)
+    assert torch.equal(covered(pieces, cu_q, cu_k, causal), contract_mask(cu_q, cu_k, causal).long())
+    long_segments = sum(min(q, k) >= 8 for q, k in zip(q_lengths, k_lengths))
+    assert len({(p.q.start, p.q.stop) for p in pieces.dense}) == long_segments
+
+
+def test_short_segments_next_to_each_other_are_one_varlen_run():
+    pieces = dense.cut([0, 2, 4, 20, 21, 23], [0, 2, 4, 20, 21, 23], True, min_rows=8)
+    assert [(r.first, r.stop) for r in pieces.varlen] == [(0, 2), (3, 5)]
+    assert [(p.q, p.k, p.causal) for p in pieces.dense] == [(slice(4, 20), slice(4, 20), True)]
+
+
+LENGTHS = (9, 0, 3, 17, 1, 12)
+
+
+@pytest.fixture
+def tiny_dense_segments(monkeypatch):
+    monkeypatch.setattr(dense, "MIN_DENSE_ROWS", 8)
+
+
+# long and short segments; one long segment (the block is one dense call); only short ones
+# (the block goes to the varlen kernel as it is)
+BLOCKS = {"mixed": LENGTHS, "one": (20,), "short": (3, 0, 5)}
+
+
+@pytest.mark.parametrize("docs, dtype", [("mixed", torch.float64), ("mixed", torch.float32),
+                                         ("one", torch.float64), ("short", torch.float64)], ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+def test_dense_kernel_matches_reference(tiny_dense_segments, heads_kv, causal, docs, dtype):
+    lengths = BLOCKS[docs]
+    tokens, cu = sum(lengths), cu_seqlens(lengths)
+    q, dout = (seeded(f"dense/{n}", tokens, 4, HEAD_DIM).to(dtype) for n in ("q", "dout"))
+    k, v = (seeded(f"dense/{n}", tokens, heads_kv, HEAD_DIM).to(dtype) for n in ("k", "v"))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = torch.ops.hcp.varlen_attention(*leaves, cu, cu, max(lengths), max(lengths), causal,
+                                            HEAD_DIM ** -0.5, -1, -1, "dense")
+    out.backward(dout)
+    expected = reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=causal)
+    for name, got in (("out", out), ("dq", leaves[0].grad), ("dk", leaves[1].grad), ("dv", leaves[2].grad)):
+        assert_matches(got, expected[name], name)
+
+
+def halves(lengths: tuple[int, ...], part: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the first (0) or second (1) half of every document, and their cu_seqlens."""
+    rows, counts, start = [], [], 0
+    for n in lengths:
+        half = range(start, start + n // 2) if part == 0 else range(start + n // 2, start + n)
+        rows += half
+        counts.append(len(half))
+        start += n
+    return torch.tensor(rows, dtype=torch.int64), cu_seqlens(tuple(counts))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-block", "two-blocks-merged"])
+def test_second_halves_against_whole_documents(tiny_dense_segments, split):
+    check_second_halves(LENGTHS, split, torch.device("cpu"), torch.float64)
+
+
+def check_second_halves(lengths: tuple[int, ...], split: bool, device: torch.device, dtype: torch.dtype,
+                        **tol) -> None:
+    """Queries of each document's second half, causal, against all its keys: one block (more
+    keys than queries, aligned bottom-right: a full rectangle and a causal square), or the
+    ring's two blocks (first halves full, second halves causal) merged, each backward given
+    the merged out and lse. Against the reference of whole documents with the first halves'
+    output gradient zero."""
+    tokens, cu = sum(lengths), cu_seqlens(lengths)
+    q, dout, k, v = (seeded(f"dense-halves/{n}", tokens, h, HEAD_DIM).to(dtype)
+                     for n, h in (("q", 4), ("dout", 4), ("k", 2), ("v", 2)))
+    rows, cu_q = halves(lengths, 1)
+    first, cu_first = halves(lengths, 0)
+    scale, longest = HEAD_DIM ** -0.5, max(lengths)
+    if split:
+        blocks = [(first, BlockSpec(cu_q, cu_first, longest, longest, False, scale)),
+                  (rows, BlockSpec(cu_q, cu_q, longest, longest, True, scale))]
+    else:
+        blocks = [(torch.arange(tokens), BlockSpec(cu_q, cu, longest, longest, True, scale))]
+    on = lambda t: t.to(device)  # noqa: E731
+    blocks = [(keys, BlockSpec(on(spec.cu_q), on(spec.cu_k), longest, longest, spec.causal, scale))
+              for keys, spec in blocks]
+    out = lse = None
+    for keys, spec in blocks:
+        out, lse = merge_partials(out, lse, *run_forward("dense", on(q[rows]), on(k[keys]), on(v[keys]), spec))
+    out = out.to(dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+    for keys, spec in blocks:
+        grads = run_backward("dense", on(dout[rows]), on(q[rows]), on(k[keys]), on(v[keys]), out, lse, spec)
+        dq[rows] += grads[0].cpu().double()
+        dk[keys] += grads[1].cpu().double()
+        dv[keys] += grads[2].cpu().double()
+    dout_second = torch.zeros_like(dout)
+    dout_second[rows] = dout[rows]
+    expected = reference_with_grads(q, k, v, dout_second, cu.tolist(), cu.tolist(), causal=True)
+    assert_matches(out.cpu(), expected["out"][rows], "out", **tol)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_matches(got, expected[name], name, **tol)
+
