@@ -8,8 +8,8 @@ Launch from the repository root, one process per GPU (ulysses A x ring R = the w
 Merge the JSON files of split runs into one table (efficiencies are recomputed over all rows):
     python -m benchmarks.speed --merge a.json b.json --out all.json --plot all.png
 CPU smoke test of the plumbing (gloo, 512-token batches, the torch kernel; under 2 minutes on
-2 cores). Neither one-GPU baseline runs on a CPU (flash needs CUDA; torch's flex has no CPU
-backward, its row records that error), so the CPU table has no efficiencies:
+2 cores). Of the one-GPU modes only hcp's and dense SDPA run there (flash needs CUDA; torch's
+flex has no CPU backward, its row records that error), so the efficiencies are against those:
     torchrun --nproc-per-node 2 -m benchmarks.speed --device cpu --ulysses 2 --ring 1 \\
         --shrink 256 --head-dim 16 --dtype float32 --heads mha --workloads W1-128K,W4-128K \\
         --out /tmp/speed_smoke.json
@@ -492,7 +492,8 @@ def run_workload(
                 if mode not in args.modes:
                     continue
                 if mode == "one-gpu-sdpa" and (len(workload.lengths) > 1 or workload.window_left >= 0):
-                    continue  # a dense call would let documents see each other
+                    setup.say(f"  {mode}: skipped, a dense call is exact only for one document without a window")
+                    continue
                 if mode == "one-gpu-flash" and setup.device.type != "cuda":
                     setup.say(f"  {mode}: skipped, flash needs CUDA")
                     continue

@@ -4,8 +4,10 @@ kernel (:class:`BlockRequest`) and what a kernel is (:class:`Kernel`)."""
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -52,11 +54,36 @@ class BlockSpec:
 
 
 _cache_keys = itertools.count()
+T = TypeVar("T")
 
 
 def new_cache_key() -> int:
     """A :attr:`BlockSpec.cache_key` never handed out before in this process."""
     return next(_cache_keys)
+
+
+class SpecCache:
+    """What a kernel derives from a block's segmentation, kept for the specs that have a
+    :attr:`BlockSpec.cache_key` (the layers and the backward of one eager batch ask for the
+    same blocks), the least recently used dropped beyond ``capacity``; derived per call for
+    the others."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, object] = OrderedDict()
+
+    def get(self, spec: BlockSpec, extra: tuple, build: Callable[[], T]) -> T:
+        """``build()``, or its earlier result for the same ``cache_key`` and ``extra``."""
+        if spec.cache_key < 0:
+            return build()
+        key = (spec.cache_key, *extra)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        value = self._entries[key] = build()
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return value
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..merge import merge_partials_torch
-from .contract import BlockRequest, BlockSpec
+from .contract import BlockRequest, BlockSpec, SpecCache
 from .precision import accumulate_dtype
 
 # a segment with fewer query or key rows runs in the varlen kernel: a dense call has a fixed
@@ -39,8 +39,8 @@ MIN_DENSE_ROWS = 4096
 SHORT_KERNELS = {"cuda": "flash", "cpu": "torch"}
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-# host copies of segment boundaries by BlockSpec.cache_key (the eager schedule's steps)
-_CACHE_LIMIT = 256
+# host copies of segment boundaries, kept per BlockSpec.cache_key (the eager schedule's steps)
+_boundaries = SpecCache(256)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class DenseKernel:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
         pieces = _cut(spec)
-        if _whole_varlen(pieces, q, k, spec):
+        if _whole_varlen(pieces, spec):
             return _short_kernel(q).forward(q, k, v, spec)
         if _whole_dense(pieces, q, k):
             out, lse = _dense_forward(q, k, v, pieces.dense[0].causal, spec.scale)
@@ -149,7 +149,7 @@ class DenseKernel:
         spec: BlockSpec,
     ) -> tuple[Tensor, Tensor, Tensor]:
         pieces = _cut(spec)
-        if _whole_varlen(pieces, q, k, spec):
+        if _whole_varlen(pieces, spec):
             return _short_kernel(q).backward(dout, q, k, v, out, lse, spec)
         if _whole_dense(pieces, q, k):
             grads = _dense_backward(dout, q, k, v, out, lse, pieces.dense[0].causal, spec.scale)
@@ -177,7 +177,7 @@ class DenseKernel:
         return dq, dk, dv
 
 
-def _whole_varlen(pieces: Cut, q: Tensor, k: Tensor, spec: BlockSpec) -> bool:
+def _whole_varlen(pieces: Cut, spec: BlockSpec) -> bool:
     """Every segment is short: the block goes to the varlen kernel as it is (no copies)."""
     return not pieces.dense and (
         not pieces.varlen or pieces.varlen[0].first == 0 and pieces.varlen[0].stop == spec.cu_q.shape[0] - 1)
@@ -197,20 +197,16 @@ def _short_kernel(q: Tensor):
     return KERNELS[SHORT_KERNELS[q.device.type]]
 
 
-_host_boundaries: dict[int, tuple[list[int], list[int]]] = {}
-
-
 def _cut(spec: BlockSpec) -> Cut:
     if spec.windowed:
         raise ValueError("the dense kernel was given a windowed block; kernel resolution refuses that")
-    boundaries = _host_boundaries.get(spec.cache_key) if spec.cache_key >= 0 else None
-    if boundaries is None:
-        boundaries = spec.cu_q.tolist(), spec.cu_k.tolist()
-        if spec.cache_key >= 0:
-            if len(_host_boundaries) >= _CACHE_LIMIT:
-                _host_boundaries.pop(next(iter(_host_boundaries)))
-            _host_boundaries[spec.cache_key] = boundaries
-    return cut(*boundaries, spec.causal, MIN_DENSE_ROWS)
+    return cut(*_boundaries.get(spec, (), lambda: _host_boundaries(spec)), spec.causal, MIN_DENSE_ROWS)
+
+
+def _host_boundaries(spec: BlockSpec) -> tuple[list[int], list[int]]:
+    """``cu_q`` and ``cu_k`` as host lists, in one device-to-host copy (one sync)."""
+    both = torch.cat([spec.cu_q, spec.cu_k]).tolist()
+    return both[: spec.cu_q.shape[0]], both[spec.cu_q.shape[0] :]
 
 
 def _run_spec(spec: BlockSpec, run: Varlen) -> BlockSpec:

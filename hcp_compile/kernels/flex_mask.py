@@ -15,19 +15,18 @@ block pair it could have skipped.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from .contract import BlockSpec
+from .contract import BlockSpec, SpecCache
 
 # the rows of a mask block: what flex's GPU kernels are tiled for
 BLOCK_SIZE = 128
 # masks kept for reuse (an eager batch needs one per ring step plus the local region, shared
-# by every layer and by the backward); the oldest is dropped first
+# by every layer and by the backward); the least recently used is dropped first
 CACHE_CAPACITY = 64
 
 
@@ -201,20 +200,9 @@ def build_document_mask(spec: BlockSpec, q_rows: int, k_rows: int, block: int = 
     return DocumentMask(block_mask, buffers, variant)
 
 
-_cache: OrderedDict[tuple, DocumentMask] = OrderedDict()
+_masks = SpecCache(CACHE_CAPACITY)
 
 
 def document_mask(spec: BlockSpec, q_rows: int, k_rows: int) -> DocumentMask:
-    """:func:`build_document_mask`, reused for a spec with a ``cache_key`` (the layers and the
-    backward of one eager batch ask for the same blocks)."""
-    if spec.cache_key < 0:
-        return build_document_mask(spec, q_rows, k_rows)
-    key = (spec.cache_key, q_rows, k_rows)
-    mask = _cache.get(key)
-    if mask is None:
-        mask = _cache[key] = build_document_mask(spec, q_rows, k_rows)
-        while len(_cache) > CACHE_CAPACITY:
-            _cache.popitem(last=False)
-    else:
-        _cache.move_to_end(key)
-    return mask
+    """:func:`build_document_mask`, reused for a spec with a ``cache_key``."""
+    return _masks.get(spec, (q_rows, k_rows), lambda: build_document_mask(spec, q_rows, k_rows))
