@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -76,3 +78,20 @@ def log_uniform_lengths(tokens: int, low: int, high: int, seed: int) -> list[int
         lengths.append(int(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
     lengths[-1] -= sum(lengths) - tokens
     return [n for n in lengths if n > 0]
+
+
+def cuda_median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream (CUDA events), after
+    ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -36,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import cuda_median_ms  # noqa: E402
 from hcp_compile.merge import (  # noqa: E402
     accumulate, merge_partials, merge_partials_torch, merge_partials_triton,
 )
@@ -44,21 +44,6 @@ from hcp_compile.merge import (  # noqa: E402
 def old_sum(acc, x):
     """The replaced version: ``dq.to(acc) + dq_block`` / ``received.to(acc) + dkv``."""
     return acc.to(torch.float32) + x
-
-
-def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def kernels_per_call(fn: Callable[[], object]) -> int:
@@ -142,8 +127,8 @@ def main() -> None:
              f"{'kernels old/new':>16} {'max |new-old|':>14}"]
     for name, nbytes, old, new, values in rows:
         diff = max_diff(*values())
-        old_ms = time_ms(old, args.warmup, args.iters)
-        new_ms = time_ms(new, args.warmup, args.iters)
+        old_ms = cuda_median_ms(old, args.warmup, args.iters)
+        new_ms = cuda_median_ms(new, args.warmup, args.iters)
         counts = f"{kernels_per_call(old)}/{kernels_per_call(new)}"
         lines.append(f"{name:32} {old_ms:8.3f} {new_ms:8.3f} {old_ms / new_ms:7.2f}x "
                      f"{nbytes / new_ms / 1e6:9.0f} {counts:>16} {diff:14.3g}")
@@ -153,7 +138,7 @@ def main() -> None:
         for block_t in (8, 16, 32, 64, 128):
             cells = []
             for warps in (2, 4, 8):
-                ms = time_ms(lambda: merge_partials_triton(run_out, run_lse, block_out, block_lse,
+                ms = cuda_median_ms(lambda: merge_partials_triton(run_out, run_lse, block_out, block_lse,
                                                            block_t=block_t, num_warps=warps),
                              args.warmup, args.iters)
                 cells.append(f"{warps} warps {ms:7.3f}")

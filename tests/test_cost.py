@@ -8,6 +8,8 @@ counted by hand, and torch's own counts of the same attention written as dense
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,7 +132,7 @@ def test_runtime_hook_estimates_blocks_only_from_their_flops():
 
 def test_runtime_hook_takes_the_throughput_of_the_nodes_kernel_and_device(monkeypatch):
     """Kernels measured at 100 and 400 TFLOP/s on this device kind: the estimates differ by 4x."""
-    monkeypatch.setattr(measured, "throughputs", lambda: {"cpu": {"torch": 100e12, "flex": 400e12}})
+    monkeypatch.setattr(measured, "throughputs", lambda windowed=False: {"cpu": {"torch": 100e12, "flex": 400e12}})
     inputs = block_inputs((8, 12), heads_q=4, heads_kv=2)
     slow, fast = hook_estimates(inputs, "torch"), hook_estimates(inputs, "flex")
     forward_flops, _ = forward_and_backward_flops(inputs, max_k=12, causal=True)
@@ -139,7 +141,7 @@ def test_runtime_hook_takes_the_throughput_of_the_nodes_kernel_and_device(monkey
 
 
 def test_unmeasured_devices_and_kernels_fall_back_to_other_measurements(monkeypatch):
-    monkeypatch.setattr(measured, "throughputs", lambda: {
+    monkeypatch.setattr(measured, "throughputs", lambda windowed=False: {
         "A": {"flash": 300e12, "flex": 400e12}, "B": {"flash": 100e12}})
     assert measured.throughput("flex", "A") == 400e12
     assert measured.throughput("flash", "unknown GPU") == 200e12  # flash's mean over A and B
@@ -149,8 +151,31 @@ def test_unmeasured_devices_and_kernels_fall_back_to_other_measurements(monkeypa
     assert measured.fastest("unknown GPU", ["flash", "flex"]) is None
 
 
+def test_windowed_calls_are_judged_by_the_windowed_measurements(monkeypatch, tmp_path):
+    """A device's ``tflops_window`` batches give the windowed means; a device without them
+    falls back to its unwindowed ones."""
+    recorded = {"devices": {
+        "A": {"tflops": {"one": {"flash": 300, "flex": 400}, "two": {"flash": 100, "flex": 200}},
+              "tflops_window": {"windowed": {"flash": 250, "flex": 150}}},
+        "B": {"tflops": {"one": {"flash": 100}}},
+    }}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(recorded))
+    monkeypatch.setattr(measured, "MEASURED_FILE", path)
+    measured.throughputs.cache_clear()
+    try:
+        assert measured.throughputs() == {"A": {"flash": 200e12, "flex": 300e12}, "B": {"flash": 100e12}}
+        assert measured.throughputs(True) == {"A": {"flash": 250e12, "flex": 150e12}, "B": {"flash": 100e12}}
+        assert measured.fastest("A", ["flash", "flex"]) == "flex"
+        assert measured.fastest("A", ["flash", "flex"], windowed=True) == "flash"
+    finally:
+        measured.throughputs.cache_clear()
+
+
 def test_the_recorded_measurements_load():
-    """measured.json as shipped: every device lists TFLOP/s per batch and kernel."""
-    table = measured.throughputs()
-    assert table and all(per_kernel for per_kernel in table.values())
-    assert all(1e12 < v < 1e16 for per_kernel in table.values() for v in per_kernel.values())
+    """measured.json as shipped: every device lists TFLOP/s per batch and kernel, with and
+    without a window."""
+    for windowed in (False, True):
+        table = measured.throughputs(windowed)
+        assert table and all(per_kernel for per_kernel in table.values())
+        assert all(1e12 < v < 1e16 for per_kernel in table.values() for v in per_kernel.values())

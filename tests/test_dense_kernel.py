@@ -95,6 +95,22 @@ def test_dense_kernel_matches_reference(tiny_dense_segments, heads_kv, causal, d
         assert_matches(got, expected[name], name)
 
 
+def test_blocks_whose_bounds_rule_out_a_dense_segment_skip_the_host_read(tiny_dense_segments, monkeypatch):
+    """max_q/max_k below MIN_DENSE_ROWS: the varlen kernel runs the block without the
+    boundaries being read on the host (a sync); a bound that allows a dense segment reads them."""
+    reads = []
+    read = dense._host_boundaries
+    monkeypatch.setattr(dense, "_host_boundaries", lambda spec: reads.append(spec) or read(spec))
+    lengths = BLOCKS["short"]
+    tokens, cu = sum(lengths), cu_seqlens(lengths)
+    q, k, v = (seeded(f"dense-bounds/{n}", tokens, 4, HEAD_DIM).double() for n in "qkv")
+    expected = reference_with_grads(q, k, v, torch.zeros_like(q), cu.tolist(), cu.tolist(), causal=True)
+    for bound, host_reads in ((max(lengths), 0), (dense.MIN_DENSE_ROWS, 1)):
+        out, _ = run_forward("dense", q, k, v, BlockSpec(cu, cu, bound, bound, True, HEAD_DIM ** -0.5))
+        assert_matches(out, expected["out"], f"bound {bound}")
+        assert len(reads) == host_reads
+
+
 def halves(lengths: tuple[int, ...], part: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the first (0) or second (1) half of every document, and their cu_seqlens."""
     rows, counts, start = [], [], 0

@@ -12,7 +12,7 @@ from checks import assert_matches, expected_for
 from cp_cases import AttentionCase, cu_seqlens, seeded
 from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import BlockRequest, measured, BlockSpec, resolve_kernel, run_backward, run_forward
-from hcp_compile.kernels import dense, flex
+from hcp_compile.kernels import dense
 from test_dense_kernel import check_second_halves
 from test_kernels import split_keys
 
@@ -153,6 +153,26 @@ def test_dense_matches_flash_and_reference_in_bf16(dense_from_128_rows, causal, 
         assert_matches(results["dense"][name].cpu(), results["flash"][name].cpu(), f"dense vs flash {name}",
                        atol=3.5e-2, rtol=3.5e-2)
     torch.testing.assert_close(results["dense"]["lse"], results["flash"]["lse"], atol=3.5e-2, rtol=3.5e-2)
+
+
+def test_dense_backward_after_a_call_of_the_same_shape_in_other_layouts(dense_from_128_rows):
+    """torch caches cuDNN's backward graph by q, k and v's layouts only. A block that is one
+    256-row document, then a block whose 256-row segment is one of its dense calls (its lse a
+    slice of the block's) given an output gradient laid out heads-first: both must match the
+    reference (they did not while the lse and the gradient were passed in their own layouts)."""
+    for lengths, heads_first_dout in (((256,), False), ((256, 100), True)):
+        tokens, cu = sum(lengths), cu_seqlens(lengths)
+        x = bf16_inputs(f"dense-layouts-{tokens}", tokens, 8, 2)
+        dout = x["dout"].cuda()
+        if heads_first_dout:  # the same values, in [H, T, D] memory
+            dout = dout.transpose(0, 1).contiguous().transpose(0, 1)
+        leaves = [x[n].cuda().requires_grad_() for n in "qkv"]
+        out, _ = torch.ops.hcp.varlen_attention(*leaves, cu.cuda(), cu.cuda(), max(lengths), max(lengths), True,
+                                                64 ** -0.5, -1, -1, "dense")
+        out.backward(dout)
+        expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(), causal=True)
+        for name, got in zip(("dq", "dk", "dv"), (t.grad for t in leaves)):
+            assert_matches(got.cpu(), expected[name], f"{lengths} {name}", atol=3.5e-2, rtol=3.5e-2)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-block", "two-blocks-merged"])

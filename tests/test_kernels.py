@@ -156,11 +156,13 @@ def test_masks_are_reused_for_a_cache_key_and_rebuilt_without_one():
 @pytest.fixture
 def traced_flex(monkeypatch):
     """Flex compiled on CPU with ``aot_eager``: Dynamo traces the same forward and backward
-    graphs as on CUDA (Inductor has no CPU flex backward)."""
+    graphs as on CUDA (Inductor has no CPU flex backward). No row shape gets a graph of its
+    own (``STATIC_SHAPES`` 0): the graphs with dynamic rows, which must serve every shape."""
     monkeypatch.setitem(flex.COMPILE_BACKENDS, "cpu", "aot_eager")
+    monkeypatch.setattr(flex, "STATIC_SHAPES", 0)
+    flex.clear_compiled()
     yield
-    flex._forward_function.cache_clear()
-    flex._backward_graph.cache_clear()
+    flex.clear_compiled()
 
 
 def test_traced_flex_matches_reference_without_a_recompile_per_batch(traced_flex):
@@ -204,6 +206,33 @@ def test_traced_flex_serves_blocks_of_equal_and_of_unequal_row_counts(traced_fle
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{len(rows)} keys {name}")
     # one forward graph; one backward graph for equal and one for unequal row counts (_static_shape)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+
+
+def test_traced_flex_specializes_the_first_row_shapes_and_serves_later_ones_dynamically(traced_flex, monkeypatch):
+    """With a budget of two static shapes: the first two row shapes get graphs of their own, the
+    third and fourth share one graph with dynamic rows, and a shape seen before reuses its
+    graph; every call matches the reference."""
+    monkeypatch.setattr(flex, "STATIC_SHAPES", 2)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    # > 128 rows each (no padding evens the shapes out), none a multiple of 128 and more than one
+    # mask block: the backward's other static facts (_static_shape) are the same for all
+    batches = [(150, 40), (190, 3, 20), (300,), (170, 90), (150, 40)]
+    for number, lengths in enumerate(batches):
+        tokens = sum(lengths)
+        q, dout = seeded(f"shapes/q{number}", tokens, 4, HEAD_DIM), seeded(f"shapes/o{number}", tokens, 4, HEAD_DIM)
+        k, v = seeded(f"shapes/k{number}", tokens, 2, HEAD_DIM), seeded(f"shapes/v{number}", tokens, 2, HEAD_DIM)
+        spec = BlockSpec(cu_seqlens(lengths), cu_seqlens(lengths), max(lengths), max(lengths), True, HEAD_DIM ** -0.5)
+        got, expected = (run_forward(kernel, q, k, v, spec) for kernel in ("flex", "torch"))
+        for name, a, b in zip(("out", "lse"), got, expected):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{lengths} {name}")
+        grads = (run_backward(kernel, dout, q, k, v, *expected, spec) for kernel in ("flex", "torch"))
+        for name, a, b in zip(("dq", "dk", "dv"), *grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{lengths} {name}")
+    # forward and backward: two static graphs and one with dynamic rows each (all static: four);
+    # the repeat adds none
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 6
+    assert flex._forward_function.cache_info().currsize == 3
 
 
 def test_traced_flex_compiles_each_static_combination_within_its_own_recompile_budget(traced_flex):
@@ -318,18 +347,22 @@ def test_every_kernel_is_registered_under_its_name():
 
 
 def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypatch):
-    monkeypatch.setattr(measured, "throughputs", lambda: {
-        "cpu": {"flex": 2e12, "torch": 1e12}, "NVIDIA X": {"flex": 400e12, "flash": 300e12}})
+    unwindowed = {"cpu": {"flex": 2e12, "torch": 1e12}, "NVIDIA X": {"flex": 400e12, "flash": 300e12}}
+    windowed = {"cpu": {"flex": 2e12, "torch": 1e12}, "NVIDIA X": {"flex": 200e12, "flash": 300e12}}
+    monkeypatch.setattr(measured, "throughputs", lambda window=False: windowed if window else unwindowed)
     monkeypatch.setattr(measured, "device_kind", lambda device: "NVIDIA X" if device.type == "cuda" else "cpu")
     monkeypatch.setattr(hc.kernels, "device_kind", measured.device_kind)
     assert resolve_kernel("auto", request("cpu")) == "flex"
     assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flex"
     # flex cannot take head_dim 8 on CUDA: the next fastest measured one that can
     assert resolve_kernel("auto", request("cuda", torch.bfloat16, head_dim=8)) == "flash"
+    # under a window, by the windowed measurements; a ring step's window rules flash out
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0))) == "flash"
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "flex"
 
 
 def test_auto_falls_back_to_flash_on_cuda_and_torch_elsewhere_when_unmeasured(monkeypatch):
-    monkeypatch.setattr(measured, "throughputs", lambda: {})
+    monkeypatch.setattr(measured, "throughputs", lambda windowed=False: {})
     monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "unmeasured")
     assert resolve_kernel("auto", request("cpu")) == "torch"
     assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flash"
@@ -350,3 +383,15 @@ def test_a_named_kernel_that_cannot_run_the_call_raises_its_reason(monkeypatch):
     assert resolve_kernel("flex", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "flex"
     # one device, the window is by offsets inside the documents: flash can apply it
     assert resolve_kernel("flash", request("cuda", torch.bfloat16, window=(8, 0))) == "flash"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_flex_layout_copies_equal_a_plain_transpose(dtype):
+    """flex's [T, H, D] <-> [H, T, D] copies move wider elements where the layout allows: the
+    result is the plain copy's, bit for bit, for views with offsets, transposed strides and a
+    head dim the wide element does not divide."""
+    x = seeded("copies", 7, 5, 16).to(dtype)
+    views = (x, x[1:], x[:, 1:3], x.transpose(0, 1).contiguous().transpose(0, 1), x[..., 1:9], x[..., :6])
+    for view in views:
+        got = flex._swap_first_dims(view)
+        assert got.is_contiguous() and torch.equal(got, view.transpose(0, 1).contiguous())

@@ -13,8 +13,8 @@ The contract (contract.py, docs/design.md §8): a block is q ``[Tq, Hq, D]``, k 
 
 A kernel is one class in one file implementing :class:`Kernel` (``name``, ``supports``,
 ``forward``, ``backward``), registered in ``KERNELS``. ``kernel="auto"`` takes the fastest
-supporting kernel measured on the device (measured.json), else the first supporting one of
-``FALLBACK``.
+supporting kernel measured on the device (measured.json; under a sliding window, by the
+windowed measurements), else the first supporting one of ``FALLBACK``.
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ FALLBACK = ("flash", "torch")
 
 def resolve_kernel(name: str, request: BlockRequest, how_to_choose: str = "kernel=...") -> str:
     """The kernel to run ``request`` with. ``"auto"``: the fastest measured supporting kernel
-    of the device, else the first supporting one of ``FALLBACK``. A named kernel that cannot
-    run it raises :class:`InputError` with its reason and the kernels that can, which the
-    caller passes as ``how_to_choose``."""
+    of the device (for a windowed call, measured under a window), else the first supporting
+    one of ``FALLBACK``. A named kernel that cannot run it raises :class:`InputError` with its
+    reason and the kernels that can, which the caller passes as ``how_to_choose``."""
     if name not in KERNEL_CHOICES:
         raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {name!r}")
     reasons = {n: kernel.supports(request) for n, kernel in KERNELS.items()}
     able = [n for n, reason in reasons.items() if reason is None]
     if name == "auto":
-        return fastest(device_kind(request.device), able) or next(n for n in FALLBACK if n in able)
+        windowed = request.window != (-1, -1)
+        return fastest(device_kind(request.device), able, windowed) or next(n for n in FALLBACK if n in able)
     if reasons[name] is not None:
         raise InputError(
             f"kernel={name!r} {reasons[name]}; pass 'auto' or one of {able} ({how_to_choose})"

@@ -18,7 +18,8 @@ them, so each piece yields its exact share, as every kernel's backward does).
 The dense call is cuDNN's on CUDA and ``aten._scaled_dot_product_flash_attention_for_cpu``
 on CPU, so that the cutting is tested against the float64 reference on CPU. The segment
 boundaries are read on the host (one device sync per block, none for a block whose
-``cache_key`` was seen before).
+``cache_key`` was seen before or whose length bounds ``max_q``/``max_k`` rule out a dense
+segment).
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ class DenseKernel:
         return None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
+        if _all_short(spec):
+            return _short_kernel(q).forward(q, k, v, spec)
         pieces = _cut(spec)
         if _whole_varlen(pieces, spec):
             return _short_kernel(q).forward(q, k, v, spec)
@@ -148,6 +151,8 @@ class DenseKernel:
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         spec: BlockSpec,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if _all_short(spec):
+            return _short_kernel(q).backward(dout, q, k, v, out, lse, spec)
         pieces = _cut(spec)
         if _whole_varlen(pieces, spec):
             return _short_kernel(q).backward(dout, q, k, v, out, lse, spec)
@@ -175,6 +180,12 @@ class DenseKernel:
         for (start, stop), grad in row_grads.items():
             dq[start:stop] = grad
         return dq, dk, dv
+
+
+def _all_short(spec: BlockSpec) -> bool:
+    """The length bounds rule out a dense segment: the block goes to the varlen kernel as it
+    is, without reading its boundaries (a device sync)."""
+    return min(spec.max_q, spec.max_k) < MIN_DENSE_ROWS
 
 
 def _whole_varlen(pieces: Cut, spec: BlockSpec) -> bool:
@@ -247,10 +258,14 @@ def _dense_backward(
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     if q.device.type == "cuda":
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unused
+        # torch caches cuDNN's backward graph by q, k and v's sizes and strides, not out's,
+        # dout's or the lse's: those always come in one layout (contiguous), or a graph built
+        # for one layout reads another's values wrong (docs/design.md §8.6)
+        dout, out = dout.contiguous(), out.contiguous()
+        stats = lse.float().contiguous().reshape(1, heads, q.shape[0], 1)
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             _heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v), _heads_first(out),
-            lse.float().reshape(1, heads, q.shape[0], 1), seed, offset, None, None, None,
-            q.shape[0], k.shape[0], 0.0, causal, scale=scale)
+            stats, seed, offset, None, None, None, q.shape[0], k.shape[0], 0.0, causal, scale=scale)
         return tuple(_tokens_first(g) for g in grads)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _heads_first(dout), _heads_first(q), _heads_first(_repeat_kv(k, heads)),

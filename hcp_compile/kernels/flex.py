@@ -52,6 +52,12 @@ _LN2 = math.log(2.0)
 # flex's GPU kernels tile by 128 rows; a 50-row block failed to compile (torch 2.11), so a
 # shorter block is padded to this many rows (docs/design.md §8.5)
 MIN_ROWS = 128
+# row shapes (query rows, key rows) per compiled function that get a graph specialized on them:
+# on an H200 (torch 2.11) the backward with static rows ran 1.2x faster than with dynamic ones
+# (docs/design.md §8.5). Later shapes share one graph with the rows dynamic, so batches of
+# ever-new sizes compile at most this many graphs + 1, and repeating ones (a fixed packing
+# length, a ring's steps) run specialized.
+STATIC_SHAPES = 4
 
 
 class FlexKernel:
@@ -76,11 +82,14 @@ class FlexKernel:
         mask = document_mask(spec, q.shape[0], k.shape[0])
         q4, k4, v4 = _heads_first(q), _heads_first(k), _heads_first(v)
         tensors = (*(getattr(mask.block_mask, name) for name in _BLOCKS), *mask.buffers)
-        if _backend(q) is not None:
-            _mark_rows_dynamic((q4, k4, v4), tensors)
         static = (mask.variant, spec.scale, q4.dtype, q4.shape[1], k4.shape[1], q4.shape[3])
+        backend = _backend(q)
+        shape = _static_rows.specialize(("forward", backend, static), (q4.shape[2], k4.shape[2]), backend)
+        if backend is not None and shape is None:
+            tensors = _mark_rows_dynamic((q4, k4, v4), tensors)
         with _top_level_dispatch():
-            out, aux = _forward_function(_backend(q), static)(q4, k4, v4, tensors, mask.variant, spec.scale)
+            out, aux = _forward_function(backend, static, shape)(q4, k4, v4, tensors, mask.variant, spec.scale)
+        del q4, k4, v4  # flex's copies, freed before the result's copy (peak memory)
         lse = aux.lse[0, :, :rows].to(accumulate_dtype(q.dtype)).contiguous()
         return _tokens_first(out)[:rows], lse
 
@@ -98,13 +107,16 @@ class FlexKernel:
         lse_base2 = (lse.to(torch.float32) / _LN2).unsqueeze(0)
         inputs = (q4, k4, v4, out4, lse_base2, dout4, *_mask_tensors(mask), *mask.buffers)
         backend = _backend(q)
-        if backend is not None:
-            _mark_rows_dynamic(inputs[:6], inputs[6:])
+        static = (mask.variant, spec.scale, _template(mask.block_mask.as_tuple()), _kernel_options(q4, k4, v4),
+                  _static_shape(inputs))
+        shape = _static_rows.specialize(("backward", backend, static), (q4.shape[2], k4.shape[2]), backend)
+        if backend is not None and shape is None:
+            inputs = (*inputs[:6], *_mark_rows_dynamic(inputs[:6], inputs[6:]))
         with _top_level_dispatch():  # also for tracing the graph, on its first use
-            graph = _backward_graph(backend, mask.variant, spec.scale, _template(mask.block_mask.as_tuple()),
-                                    _kernel_options(q4, k4, v4), _static_shape(inputs))
-            dq, dk, dv = graph(*inputs)
-        return _tokens_first(dq)[:rows], _tokens_first(dk)[:keys], _tokens_first(dv)[:keys]
+            grads = list(_backward_graph(backend, *static, shape)(*inputs))
+        # flex's copies freed, and each gradient's copy freed once copied back (peak memory)
+        del inputs, q4, k4, v4, out4, dout4
+        return tuple(_tokens_first(grads.pop(0))[:count] for count in (rows, keys, keys))
 
 
 def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tuple[Tensor, ...], BlockSpec]:
@@ -131,22 +143,57 @@ def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tu
     )
 
 
+class _StaticRows:
+    """Which row shapes get graphs specialized on them: the first :data:`STATIC_SHAPES` seen
+    per compiled function; ``None`` (rows dynamic) for the others."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, set[tuple[int, int]]] = {}
+
+    def specialize(self, function: tuple, rows: tuple[int, int], backend: str | None) -> tuple[int, int] | None:
+        if backend is None:  # uncompiled: one function serves every shape
+            return None
+        seen = self._seen.setdefault(function, set())
+        if rows not in seen and len(seen) >= STATIC_SHAPES:
+            return None
+        seen.add(rows)
+        return rows
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
+_static_rows = _StaticRows()
+
+
+def clear_compiled() -> None:
+    """Forget the compiled forwards and backwards and the row shapes seen (tests)."""
+    _forward_function.cache_clear()
+    _backward_graph.cache_clear()
+    _static_rows.clear()
+
+
 def _mask_tensors(mask: DocumentMask) -> list[Tensor]:
     """The block mask's tensors, in ``BlockMask.as_tuple()`` order."""
     return [t for t in mask.block_mask.as_tuple()[2:-1] if isinstance(t, Tensor)]
 
 
-def _mark_rows_dynamic(heads_first: tuple[Tensor, ...], mask_inputs: tuple[Tensor, ...]) -> None:
+def _mark_rows_dynamic(heads_first: tuple[Tensor, ...], mask_inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """Mark the sizes that change with the batch dynamic, rows (dim 2 of the ``[1, H, T, ...]``
     tensors) and the mask's block counts and rows, and leave everything else static (the
     compiles are ``dynamic=False``). With every size dynamic, torch 2.11 fails: Inductor writes
     ``floor`` of the symbolic head counts into the backward kernel, and the mask's block size
-    becomes symbolic and the forward's lowering fails (docs/design.md §8.5)."""
+    becomes symbolic and the forward's lowering fails (docs/design.md §8.5).
+
+    The mask's tensors are marked as aliases, returned: the cached mask may serve a graph
+    specialized on its shape later, and Dynamo would read a mark on the cached tensors there."""
     for x in heads_first:
         torch._dynamo.maybe_mark_dynamic(x, 2)
-    for x in mask_inputs:  # block-mask tensors [1, 1, blocks(, blocks)] and row buffers [rows]
+    marked = tuple(x.view(x.shape) for x in mask_inputs)
+    for x in marked:  # block-mask tensors [1, 1, blocks(, blocks)] and row buffers [rows]
         for dim in range(max(x.dim() - 2, 0), x.dim()):
             torch._dynamo.maybe_mark_dynamic(x, dim)
+    return marked
 
 
 def _static_shape(inputs: tuple[Tensor, ...]) -> tuple:
@@ -188,11 +235,33 @@ def _heads_first(x: Tensor) -> Tensor:
     """``[T, H, D]`` -> flex's ``[1, H, T, D]``, contiguous: flex on a strided view of the THD
     tensor ran about 20 % slower on an H200 than on this copy (docs/design.md §8.5), and one
     stride pattern is what the compiled backward is specialized on."""
-    return x.detach().transpose(0, 1).contiguous().unsqueeze(0)
+    return _swap_first_dims(x.detach()).unsqueeze(0)
 
 
 def _tokens_first(x: Tensor) -> Tensor:
-    return x[0].transpose(0, 1).contiguous()
+    return _swap_first_dims(x[0])
+
+
+# the widest element a row of head_dim values is copied as (see _swap_first_dims)
+_WIDE = torch.int64
+
+
+def _swap_first_dims(x: Tensor) -> Tensor:
+    """``x.transpose(0, 1).contiguous()`` for a 3-D tensor, copied in 8-byte elements where its
+    layout allows: torch copies a transposed tensor one element per thread, and on an H200 the
+    copies of flex's layouts took 10 ms per forward + backward of 131K tokens in 2-byte elements
+    (docs/design.md §8.5)."""
+    width = _WIDE.itemsize // x.element_size()
+    if width <= 1 or not _viewable(x, width):
+        return x.transpose(0, 1).contiguous()
+    return x.view(_WIDE).transpose(0, 1).contiguous().view(x.dtype)
+
+
+def _viewable(x: Tensor, width: int) -> bool:
+    """Whether ``x.view`` of an element ``width`` times wider is allowed (innermost rows
+    contiguous, every other stride and the offset multiples of ``width``)."""
+    return (x.stride(-1) == 1 and x.shape[-1] % width == 0 and x.storage_offset() % width == 0
+            and all(stride % width == 0 for stride in x.stride()[:-1]))
 
 
 def _backend(q: Tensor) -> str | None:
@@ -200,9 +269,10 @@ def _backend(q: Tensor) -> str | None:
 
 
 @functools.cache
-def _forward_function(backend: str | None, static: tuple):
+def _forward_function(backend: str | None, static: tuple, rows: tuple[int, int] | None):
     """The forward compiled for one ``static`` (mask variant, scale, dtype, head counts, head
-    dim): static but for the sizes the caller marks dynamic (_mark_rows_dynamic). Dynamo keeps
+    dim) and one row shape, or (``rows`` None) with the sizes the caller marks dynamic
+    (_mark_rows_dynamic). Dynamo keeps
     its graphs, and counts recompiles against its limit of 8, per code object, so each static
     combination compiles a copy of ``_forward`` with a code object of its own: with one shared
     code object, a model (or test session) with more than 8 combinations failed on the GPU."""
@@ -253,11 +323,12 @@ _TENSOR = "<tensor>"
 @functools.cache
 def _backward_graph(
     backend: str | None, variant: tuple[bool, int, int], scale: float, template: tuple,
-    kernel_options: tuple, static_shape: tuple,
+    kernel_options: tuple, static_shape: tuple, rows: tuple[int, int] | None,
 ):
     """``(q, k, v, out, lse_base2, dout, *block mask tensors, *mask buffers) -> (dq, dk, dv)``
-    in flex's ``[1, H, T, D]`` layout, as a compiled graph calling flex's backward operator;
-    sizes the caller marked dynamic stay symbolic, the rest is ``static_shape``'s."""
+    in flex's ``[1, H, T, D]`` layout, as a compiled graph calling flex's backward operator,
+    one per row shape ``rows``, or (``rows`` None) with the sizes the caller marked dynamic
+    symbolic and the rest ``static_shape``'s."""
     root = torch.nn.Module()
     root.score_graph, root.joint_graph = _score_graphs()
     root.mask_graph = _mask_graph(variant)

@@ -137,11 +137,11 @@ def block_structure(
     rows in ``segments`` segments."""
     q_blocks, k_blocks = -(-seg_q.shape[0] // block), -(-seg_k.shape[0] // block)
     pieces_q, pieces_k = _pieces(seg_q, pos_q, block, segments), _pieces(seg_k, pos_k, block, segments)
-    hits = torch.zeros(q_blocks, k_blocks, dtype=torch.int32, device=seg_q.device)
     visible = _visible_somewhere(pieces_q, pieces_k, causal, left, right)
-    hits.index_put_((pieces_q.block[:, None].expand_as(visible), pieces_k.block[None, :].expand_as(visible)),
-                    visible.to(torch.int32), accumulate=True)
-    some = hits > 0
+    pair = pieces_q.block[:, None] * k_blocks + pieces_k.block[None, :]
+    some = torch.zeros(q_blocks * k_blocks, dtype=torch.int32, device=seg_q.device)
+    some = some.scatter_reduce(0, pair.flatten(), visible.flatten().to(torch.int32), "amax")
+    some = some.view(q_blocks, k_blocks) > 0
     # every pair is visible: one segment filling both blocks, and the extremes satisfy the mask
     seg_q_lo, seg_q_hi = _per_block(seg_q, block)
     seg_k_lo, seg_k_hi = _per_block(seg_k, block)
@@ -162,12 +162,19 @@ def block_structure(
 
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """BlockMask's form of a ``[query blocks, key blocks]`` bool matrix: the count of set key
-    blocks per query block and their indices first in each row, int32, batch and head dims 1,
-    row-major: flex's GPU kernels read the indices as contiguous rows (argsort of a transposed
-    matrix keeps its strides, and the backward's dK and dV came out wrong, torch 2.11)."""
+    blocks per query block and the key block indices, those set first, each part in index order
+    (what a stable argsort gives, from two prefix sums and a scatter), int32, batch and head
+    dims 1, row-major: flex's GPU kernels read the indices as contiguous rows (argsort of a
+    transposed matrix keeps its strides, and the backward's dK and dV came out wrong, torch
+    2.11)."""
+    blocks = blocks.contiguous()
     counts = blocks.sum(-1, dtype=torch.int32)
-    indices = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    return counts[None, None].contiguous(), indices[None, None].contiguous()
+    before_set = blocks.cumsum(-1, dtype=torch.int32) - 1
+    before_unset = (~blocks).cumsum(-1, dtype=torch.int32) - 1 + counts[:, None]
+    slot = torch.where(blocks, before_set, before_unset).to(torch.int64)
+    columns = torch.arange(blocks.shape[-1], dtype=torch.int32, device=blocks.device).expand_as(slot)
+    indices = torch.empty_like(columns).scatter_(-1, slot, columns)
+    return counts[None, None].contiguous(), indices[None, None]
 
 
 @functools.cache

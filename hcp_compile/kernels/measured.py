@@ -21,22 +21,26 @@ def device_kind(device: torch.device) -> str:
 
 
 @functools.cache
-def throughputs() -> dict[str, dict[str, float]]:
-    """Device kind -> kernel -> FLOP/s (the mean over the measured batches)."""
+def throughputs(windowed: bool = False) -> dict[str, dict[str, float]]:
+    """Device kind -> kernel -> FLOP/s: the mean over the batches measured without a window
+    (``"tflops"``), or with ``windowed`` over those measured under a sliding window
+    (``"tflops_window"``; a device without them: its unwindowed means)."""
     recorded = json.loads(MEASURED_FILE.read_text())["devices"]
     result: dict[str, dict[str, float]] = {}
     for device, entry in recorded.items():
+        batches = entry.get("tflops_window") if windowed else None
         per_kernel: dict[str, list[float]] = {}
-        for batch in entry["tflops"].values():
+        for batch in (batches or entry["tflops"]).values():
             for kernel, tflops in batch.items():
                 per_kernel.setdefault(kernel, []).append(tflops * 1e12)
         result[device] = {kernel: mean(values) for kernel, values in per_kernel.items()}
     return result
 
 
-def fastest(kind: str, kernels: list[str]) -> str | None:
-    """The fastest of ``kernels`` measured on ``kind``; None when none of them was."""
-    measured = throughputs().get(kind, {})
+def fastest(kind: str, kernels: list[str], windowed: bool = False) -> str | None:
+    """The fastest of ``kernels`` measured on ``kind`` (under a window, with ``windowed``);
+    None when none of them was."""
+    measured = throughputs(windowed).get(kind, {})
     candidates = [k for k in kernels if k in measured]
     return max(candidates, key=measured.__getitem__) if candidates else None
 
