@@ -272,10 +272,10 @@ def _backend(q: Tensor) -> str | None:
 def _forward_function(backend: str | None, static: tuple, rows: tuple[int, int] | None):
     """The forward compiled for one ``static`` (mask variant, scale, dtype, head counts, head
     dim) and one row shape, or (``rows`` None) with the sizes the caller marks dynamic
-    (_mark_rows_dynamic). Dynamo keeps
-    its graphs, and counts recompiles against its limit of 8, per code object, so each static
-    combination compiles a copy of ``_forward`` with a code object of its own: with one shared
-    code object, a model (or test session) with more than 8 combinations failed on the GPU."""
+    (_mark_rows_dynamic). Dynamo keeps its graphs, and counts recompiles against its limit of
+    8, per code object, so each combination compiles a copy of ``_forward`` with a code object
+    of its own: with one shared code object, a model (or test session) with more than 8
+    combinations failed on the GPU."""
     if backend is None:
         return _forward
     code = _forward.__code__.replace()  # a new code object, the same code

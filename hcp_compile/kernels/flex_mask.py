@@ -163,16 +163,17 @@ def block_structure(
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """BlockMask's form of a ``[query blocks, key blocks]`` bool matrix: the count of set key
     blocks per query block and the key block indices, those set first, each part in index order
-    (what a stable argsort gives, from two prefix sums and a scatter), int32, batch and head
+    (what a stable argsort gives, from a prefix sum and a scatter), int32, batch and head
     dims 1, row-major: flex's GPU kernels read the indices as contiguous rows (argsort of a
     transposed matrix keeps its strides, and the backward's dK and dV came out wrong, torch
     2.11)."""
     blocks = blocks.contiguous()
     counts = blocks.sum(-1, dtype=torch.int32)
-    before_set = blocks.cumsum(-1, dtype=torch.int32) - 1
-    before_unset = (~blocks).cumsum(-1, dtype=torch.int32) - 1 + counts[:, None]
-    slot = torch.where(blocks, before_set, before_unset).to(torch.int64)
-    columns = torch.arange(blocks.shape[-1], dtype=torch.int32, device=blocks.device).expand_as(slot)
+    set_so_far = blocks.cumsum(-1, dtype=torch.int32)  # column j: set blocks among 0..j
+    columns = torch.arange(blocks.shape[-1], dtype=torch.int32, device=blocks.device).expand_as(set_so_far)
+    # a set block goes after the set ones before it, an unset one after all set ones and the
+    # unset ones before it (columns - set_so_far of them)
+    slot = torch.where(blocks, set_so_far - 1, counts[:, None] + columns - set_so_far).to(torch.int64)
     indices = torch.empty_like(columns).scatter_(-1, slot, columns)
     return counts[None, None].contiguous(), indices[None, None]
 
