@@ -23,7 +23,8 @@ from .layout import BatchLayout
 from .mesh import CPGroups, resolve_groups
 from .placements import PLACEMENTS, placement_rule
 from .plan import check_plan_agrees
-from .schedule import build_schedule
+from .kernels import KeysByValue
+from .schedule import build_schedule, cache_keys_needed
 
 
 def checked_layout(
@@ -32,9 +33,10 @@ def checked_layout(
     placement: str, agree: bool,
 ) -> tuple[BatchLayout, tuple[int, ...]]:
     """Check the batch on the device and return its layout with this rank's sizes (the values
-    of :func:`layout.rank_size_values`) read to the host: symbolic ints in a graph. Every
-    attention call of the batch reuses both. ``tokens``: the token counts of q, k and v;
-    ``max_seqlens``: ``max_seqlen_q`` and ``max_seqlen_k``.
+    of :func:`layout.rank_size_values`) and the first cache key of its schedules' blocks read
+    to the host: symbolic ints in a graph. Every attention call of the batch reuses them.
+    ``tokens``: the token counts of q, k and v; ``max_seqlens``: ``max_seqlen_q`` and
+    ``max_seqlen_k``.
 
     The rules are :data:`validation.DEVICE_RULES`. With ``agree`` their outcome and a
     fingerprint of ``cu_seqlens`` are all-reduced over the mesh first, so every rank raises
@@ -43,11 +45,13 @@ def checked_layout(
     groups = groups_from_names(ulysses_group, ring_group)
     cu = cu_seqlens_q.to(torch.int64)
     ulysses, ring = groups.ulysses_size, groups.ring_size
-    batch = BatchLayout(
-        ulysses, ring, cu[:-1], cu[1:] - cu[:-1],
-        *torch.ops.hcp.batch_layout(cu_seqlens_q, ulysses, ring, placement),
+    *decided, first_cache_key = torch.ops.hcp.batch_layout(
+        cu_seqlens_q, ulysses, ring, placement, groups.ring_rank, groups.ulysses_rank
     )
-    values = layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank)
+    batch = BatchLayout(ulysses, ring, cu[:-1], cu[1:] - cu[:-1], *decided)
+    values = torch.cat([
+        layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank), first_cache_key,
+    ])
     failed = validation.batch_failures(
         cu_seqlens_q, cu_seqlens_k, values[0], tokens, max_seqlens,
         torch.ops.hcp.plan_disagrees(cu_seqlens_q, ulysses, ring, placement),
@@ -67,16 +71,27 @@ _DECIDED = ("kind", "ring_rank", "ulysses_rank", "chunk", "local_extent", "excha
 
 
 @torch.library.custom_op("hcp::batch_layout", mutates_args=())
-def batch_layout_op(cu_seqlens: Tensor, ulysses: int, ring: int, placement: str) -> tuple[
-    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
-]:
-    """:func:`layout.batch_layout`'s decided fields, as one opaque op. The rule runs on the
-    host, once per distinct batch: on a GPU its hundreds of small sorts, scans and searches
-    cost milliseconds of launches per call, the host copy of ``cu_seqlens`` microseconds
-    (docs/design.md §5.3)."""
+def batch_layout_op(
+    cu_seqlens: Tensor, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`layout.batch_layout`'s decided fields, and (``[1]`` int64) the first of the cache
+    keys that name rank ``(ring_rank, ulysses_rank)``'s segmentations of this batch, as one
+    opaque op. The rule runs on the host, once per distinct batch: on a GPU its hundreds of
+    small sorts, scans and searches cost milliseconds of launches per call, the host copy of
+    ``cu_seqlens`` microseconds (docs/design.md §5.3). The keys are given by the batch's
+    values, so the layers and the backward of one batch share what kernels derive from a
+    block (flex's masks), while Inductor reuses the graph's buffers (§8.1)."""
     host = cu_seqlens.cpu()
-    decided = _host_layout(host.numpy().tobytes(), str(host.dtype), ulysses, ring, placement)
-    return tuple(t.to(cu_seqlens.device, copy=True) for t in decided)
+    cu_bytes = host.numpy().tobytes()
+    decided = _host_layout(cu_bytes, str(host.dtype), ulysses, ring, placement)
+    batch = (cu_bytes, str(host.dtype), ulysses, ring, placement, ring_rank, ulysses_rank)
+    first_key = _batch_keys.key(batch, cache_keys_needed(ring))
+    key = torch.tensor([first_key], dtype=torch.int64)
+    return tuple(t.to(cu_seqlens.device, copy=True) for t in (*decided, key))
+
+
+# the keys of the batches seen last (a compiled model's graphs see one batch per step)
+_batch_keys = KeysByValue(64)
 
 
 @functools.lru_cache(maxsize=8)
@@ -90,10 +105,11 @@ def _host_layout(
 
 
 @batch_layout_op.register_fake
-def _(cu_seqlens, ulysses, ring, placement):
+def _(cu_seqlens, ulysses, ring, placement, ring_rank, ulysses_rank):
     per_doc = [cu_seqlens.new_empty(cu_seqlens.shape[0] - 1, dtype=torch.int64) for _ in range(4)]
     per_rank = [cu_seqlens.new_empty((ring, ulysses), dtype=torch.int64) for _ in range(2)]
-    return (*per_doc, *per_rank, cu_seqlens.new_empty((), dtype=torch.int64))
+    return (*per_doc, *per_rank, cu_seqlens.new_empty((), dtype=torch.int64),
+            cu_seqlens.new_empty(1, dtype=torch.int64))
 
 
 @torch.library.custom_op("hcp::plan_disagrees", mutates_args=())
@@ -138,7 +154,7 @@ def hierarchical_varlen_attention(
     laid out by ``shard_plan``; ``batch`` comes from :func:`checked_layout`. The groups are
     given by name so that the call prints as readable code in a dumped graph."""
     groups = groups_from_names(ulysses_group, ring_group)
-    batch_layout, values = batch
+    batch_layout, (*values, first_cache_key) = batch
     for size in values[1:]:
         _check_is_size(size)
     rank_sizes = dataclasses.replace(
@@ -148,7 +164,7 @@ def hierarchical_varlen_attention(
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
     sched = build_schedule(
         batch_layout.to(q.device), rank_sizes, max_seqlen, groups.ring_rank, causal=causal, scale=float(scale),
-        window=window, kernel=kernel, skip_outside_window=False,
+        window=window, kernel=kernel, skip_outside_window=False, first_cache_key=first_cache_key,
     )
     return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse)
 

@@ -10,12 +10,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import layout, validation
 from .hierarchical import HierarchicalAttention
-from .kernels import KERNEL_CHOICES, BlockRequest, resolve_kernel
+from .kernels import KERNEL_CHOICES, BlockRequest, new_cache_key, resolve_kernel
 from .layout import BatchLayout, RankSizes
 from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
 from .placements import DEFAULT_PLACEMENT, PLACEMENTS, check_placement, placement_rule
 from .plan import check_plan_agrees
-from .schedule import RingSchedule, build_schedule
+from .schedule import RingSchedule, build_schedule, cache_keys_needed
 from .validation import InputError
 
 _ACTIVE: contextvars.ContextVar["ContextParallel | None"] = contextvars.ContextVar(
@@ -153,7 +153,7 @@ class ContextParallel:
             per_tensor[key] = build_schedule(
                 facts.layout.to(q.device), facts.sizes, max_seqlen, groups.ring_rank, causal=causal, scale=scale,
                 window=window, kernel=kernel, skip_outside_window=self.options.skip_outside_window,
-                cacheable=True,
+                first_cache_key=new_cache_key(cache_keys_needed(groups.ring_size)),
             )
         return per_tensor[key]
 

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from . import validation
 from .context import active_context
-from .kernels import KERNELS, BlockRequest, BlockSpec, resolve_kernel, run_backward
+from .kernels import KERNELS, BlockRequest, BlockSpec, KeysByValue, resolve_kernel
 from .kernels.precision import accumulate_dtype
 
 
@@ -32,8 +32,19 @@ def varlen_attention_op(
         )
     _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     window_left, window_right)
+                     window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k))
     return KERNELS[_kernel(kernel, q, k, window_left, window_right)].forward(q, k, v, spec)
+
+
+# keys of the batches seen last: the layers of a model and the backward share what a kernel
+# derives from one batch (flex's mask)
+_keys_by_value = KeysByValue(64)
+
+
+def _cache_key(cu_q: Tensor, cu_k: Tensor) -> int:
+    """The :attr:`BlockSpec.cache_key` of a batch, given by its values (read on the host once
+    per tensor version, as the checks read them)."""
+    return _keys_by_value.key(tuple(validation.host_copy(cu).numpy().tobytes() for cu in (cu_q, cu_k)))
 
 
 def _kernel(name: str, q: Tensor, k: Tensor, window_left: int, window_right: int) -> str:
@@ -61,12 +72,31 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    spec = BlockSpec(cu_q, cu_k, *ctx.args)
-    dq, dk, dv = run_backward(ctx.kernel, grad_out, q, k, v, out, lse, spec)
+    dq, dk, dv = torch.ops.hcp.varlen_attention_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args, ctx.kernel
+    )
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 varlen_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("hcp::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward_op(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    causal: bool, softmax_scale: float, window_left: int, window_right: int, kernel: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``hcp::varlen_attention`` (an op of its own, so that a compiled
+    backward finds the batch's cache key when it runs, not when it is traced)."""
+    spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k))
+    return tuple(KERNELS[kernel].backward(grad_out, q, k, v, out, lse, spec))
+
+
+@varlen_attention_backward_op.register_fake
+def _(grad_out, q, k, v, *rest):
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
 
 def varlen_attention(

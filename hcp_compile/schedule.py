@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from . import layout
-from .kernels.contract import new_cache_key
 from .layout import BatchLayout, RankSizes, StepKind
 
 
@@ -71,12 +70,13 @@ class RingSchedule:
 def build_schedule(
     batch: BatchLayout, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int, *,
     causal: bool, scale: float, window: tuple[int, int], kernel: str, skip_outside_window: bool,
-    cacheable: bool = False,
+    first_cache_key: int | torch.SymInt = -1,
 ) -> RingSchedule:
     """Schedule of rank ``(ring_rank, sizes.ulysses_rank)``; ``skip_outside_window`` reads one
-    small tensor on the host. ``cacheable``: the schedule's tensors keep their values for as
-    long as they live (eager; not in a compiled graph, whose buffers Inductor reuses), so its
-    blocks get cache keys and kernels may reuse what they derive from them."""
+    small tensor on the host. ``first_cache_key``: the first of :func:`cache_keys_needed`
+    keys that name this schedule's segmentations (:attr:`BlockSpec.cache_key`: the ring steps
+    in order, then the local region), so that kernels reuse what they derive from them; -1:
+    none."""
     ring = batch.ring
     windowed = window != (-1, -1)
     own = layout.stream_table(batch, ring_rank)
@@ -98,19 +98,19 @@ def build_schedule(
             for table, src, kind in zip(tables[1:], sources[1:], kinds[1:])
         ])
         active = [True, *seen.tolist()]
-    key = new_cache_key if cacheable else lambda: -1
+    key = (lambda slot: -1) if _no_key(first_cache_key) else (lambda slot: first_cache_key + slot)
     steps = tuple(
         RingStep(src, kind, *_step_tables(own, table, ring_rank, src, ring, kind, entries), pos,
-                 bool(on), key())
-        for src, kind, table, pos, on, entries in zip(
+                 bool(on), key(index))
+        for index, (src, kind, table, pos, on, entries) in enumerate(zip(
             sources, kinds, tables, positions, active, sizes.step_entries
-        )
+        ))
     )
     local_cu = layout.local_segments(batch, ring_rank, sizes.ulysses_rank)
     return RingSchedule(
         sizes=sizes,
         local_cu=layout.leading_segments(local_cu, sizes.local_entries),
-        local_cache_key=key(),
+        local_cache_key=key(ring),
         steps=steps,
         q_positions=positions[0],
         max_seqlen=layout.step_max_seqlen(max_seqlen, ring),
@@ -120,6 +120,17 @@ def build_schedule(
         window_right=window[1],
         kernel=kernel,
     )
+
+
+def cache_keys_needed(ring: int) -> int:
+    """How many cache keys one schedule's blocks take: one per ring step, one for the local
+    region."""
+    return ring + 1
+
+
+def _no_key(first_cache_key: int | torch.SymInt) -> bool:
+    # a symbolic key (read from the batch in a compiled graph) is a key
+    return isinstance(first_cache_key, int) and first_cache_key < 0
 
 
 def _step_tables(

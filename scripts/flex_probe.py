@@ -7,6 +7,7 @@ Per batch (GQA 32/8 x 128, bf16, causal, optionally a sliding window), forward a
 backward medians (CUDA events) of:
   torch       compiled flex_attention (static shapes), create_block_mask document mask, built
               once outside the timing, on [1, H, T, D] tensors made outside the timing;
+  torch-strided  the same on [1, H, T, D] views of the [T, H, D] tensors (no copies);
   hcp         torch.ops.hcp.varlen_attention with kernel "flex" (rows static, STATIC_SHAPES);
   hcp-dynamic the same with the rows dynamic (STATIC_SHAPES = 0);
   mask        hcp's build_document_mask alone.
@@ -66,6 +67,10 @@ def probe(name: str, lengths: list[int], window: int, profile: bool) -> None:
     def torch_forward():
         return compiled_flex(q4, k4, v4, block_mask=torch_mask, enable_gqa=True, scale=scale)
 
+    def torch_strided_forward():  # on [1, H, T, D] views of the THD tensors: no copies
+        views = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        return compiled_flex(*views, block_mask=torch_mask, enable_gqa=True, scale=scale)
+
     def hcp_forward():
         return torch.ops.hcp.varlen_attention(q, k, v, cu, cu, longest, longest, True, scale, window,
                                               -1 if window < 0 else 0, "flex")[0]
@@ -80,7 +85,9 @@ def probe(name: str, lengths: list[int], window: int, profile: bool) -> None:
         return lambda: forward().backward(grad)
 
     spec = BlockSpec(cu, cu, longest, longest, True, scale, window, -1 if window < 0 else 0)
-    results = {"torch": (cuda_median_ms(forward_only(torch_forward), WARMUP, ITERS), cuda_median_ms(both(torch_forward, dout4), WARMUP, ITERS))}
+    results = {"torch": (cuda_median_ms(forward_only(torch_forward), WARMUP, ITERS), cuda_median_ms(both(torch_forward, dout4), WARMUP, ITERS)),
+               "torch-strided": (cuda_median_ms(forward_only(torch_strided_forward), WARMUP, ITERS),
+                                 cuda_median_ms(both(torch_strided_forward, dout4), WARMUP, ITERS))}
     budget = flex_kernel.STATIC_SHAPES
     for label, shapes in (("hcp", budget), ("hcp-dynamic", 0)):
         flex_kernel.STATIC_SHAPES = shapes

@@ -252,6 +252,7 @@ class CompiledAttentionCase:
     # build between them (the slowest part of an Inductor compile on 2 cores)
     dump: bool = False
     placement: str = "balanced"
+    kernel: str = "auto"
 
     @property
     def id(self) -> str:
@@ -269,7 +270,7 @@ class CompiledAttentionCase:
         dump = shared_dir(f"dump-{self.id}") if self.dump and world.rank == 0 else None
         counter = CompileCounter(hc.backend(mesh=world.mesh, inner=self.inner,
                                             dump_dir=str(dump) if dump else None,
-                                            placement=self.placement))
+                                            placement=self.placement, kernel=self.kernel))
         module = VarlenAttention(self.causal, self.scale, self.window)
         compiled = torch.compile(module, backend=counter, dynamic=self.dynamic, fullgraph=True)
         result: dict = {"graphs_after": []}
@@ -277,7 +278,7 @@ class CompiledAttentionCase:
             got = run_attention(batch, world, compiled)
             result["graphs_after"].append(counter.graphs)
             if self.eager:
-                with hc.context_parallel(world.mesh, placement=self.placement):
+                with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel):
                     eager = run_attention(batch, world, module)
                 got.update({f"eager_{n}": eager[n] for n in ("out", "dq", "dk", "dv")})
             result.update({f"{index}/{n}": value for n, value in got.items()})
@@ -304,11 +305,13 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     # MHA where it is one head group (no exchange on 1 x 4, one KV head per rank on 4 x 1),
     # as fast to compile as MQA; on 2 x 2 it makes two groups, which the model cases compile
     heads_kv, name = (1, "mqa") if full else (4, "mha")
+    # the windowed case runs flex, the one kernel that caches per block (its masks): ring
+    # steps under a window, batch after batch, with the cache keys read from each batch
     return [
         CompiledAttentionCase("gqa-causal-batches", ("mixed", "mixed-permuted", "four", *single),
                               4, 2, True),
-        CompiledAttentionCase(f"{name}-full-window-scale-zigzag", automatic, 4, heads_kv, False,
-                              (3, 5), 0.3, dynamic=None, placement="zigzag"),
+        CompiledAttentionCase(f"{name}-full-window-scale-zigzag-flex", automatic, 4, heads_kv, False,
+                              (3, 5), 0.3, dynamic=None, placement="zigzag", kernel="flex"),
     ]
 
 

@@ -22,3 +22,19 @@ def cp_world():
         return worlds[key]
 
     return get
+
+
+@pytest.fixture
+def mask_builds(monkeypatch) -> list[int]:
+    """How many flex block masks are built from here on (a one-element list)."""
+    from hcp_compile.kernels import flex_mask
+
+    builds = [0]
+    build = flex_mask.build_document_mask
+
+    def counting(*args, **kwargs):
+        builds[0] += 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(flex_mask, "build_document_mask", counting)
+    return builds

@@ -149,6 +149,40 @@ def test_masks_are_reused_for_a_cache_key_and_rebuilt_without_one():
     assert flex_mask.document_mask(unkeyed, 14, 14) is not flex_mask.document_mask(unkeyed, 14, 14)
 
 
+LAYER_WINDOWS = ((-1, -1), (2, 0), (-1, -1), (2, 0))  # layers alternating two masks
+
+
+def layers_with_grads(lengths: tuple[int, ...], cu: torch.Tensor) -> tuple[dict, dict]:
+    """Single-device flex attention of one q, k, v per window of :data:`LAYER_WINDOWS`
+    (layers sharing ``cu``), summed, forward and backward; and the float64 reference."""
+    q, k, v = (seeded(f"layers/{n}", sum(lengths), heads, HEAD_DIM) for n, heads in (("q", 4), ("k", 2), ("v", 2)))
+    dout = seeded("layers/dout", *q.shape)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    longest = max(lengths)
+    out = sum(torch.ops.hcp.varlen_attention(*leaves, cu, cu, longest, longest, True, 0.5, *window, "flex")[0]
+              for window in LAYER_WINDOWS)
+    out.backward(dout)
+    got = {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    per_layer = [reference_with_grads(q, k, v, dout, bounds, bounds, causal=True, window=w, scale=0.5)
+                 for w in LAYER_WINDOWS]
+    expected = {name: sum(r[name] for r in per_layer) for name in got}
+    return got, expected
+
+
+def test_single_device_flex_builds_one_mask_per_batch_and_window(mask_builds):
+    """Four layers of two windows sharing one batch, forward and backward: one mask per
+    window; the same values in a new tensor: none; other values: new ones. Each result
+    against the float64 reference (a mask reused across windows or batches would fail it)."""
+    for lengths, cu, builds in (((5, 9, 3), cu_seqlens((5, 9, 3)), 2),
+                                ((5, 9, 3), cu_seqlens((5, 9, 3)).clone(), 2),
+                                ((9, 5, 3), cu_seqlens((9, 5, 3)), 4)):
+        got, expected = layers_with_grads(lengths, cu)
+        for name in got:
+            assert_matches(got[name], expected[name], f"{lengths} {name}")
+        assert mask_builds[0] == builds, f"{lengths}: {mask_builds[0]} masks built in all, expected {builds}"
+
+
 # --------------------------------------------------------------------------------------------
 # flex traced by Dynamo (as on CUDA, with aot_eager instead of Inductor)
 # --------------------------------------------------------------------------------------------
@@ -175,6 +209,33 @@ def test_traced_flex_matches_reference_without_a_recompile_per_batch(traced_flex
         got, expected = flex_with_grads(case), expected_for(case)
         for name in ("out", "dq", "dk", "dv"):
             assert_matches(got[name], expected[name], f"{docs} {name}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_traced_flex_takes_non_contiguous_inputs_without_another_graph(traced_flex):
+    """Flex runs on views of the THD tensors: q, k and v split from one projection buffer (as
+    a model or the ring's KV exchange passes them) give the results of contiguous ones
+    through the same graphs, and every result comes back contiguous."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    case = AttentionCase("long", 4, 2, True, (4, 0))
+    x, cu = case.inputs(), cu_seqlens(case.lengths)
+    longest, scale = max(case.lengths), HEAD_DIM ** -0.5
+    spec = BlockSpec(cu, cu, longest, longest, True, scale, 4, 0)
+    packed = torch.cat([x["q"], x["k"], x["v"]], dim=1)  # [T, 4 + 2 + 2, D]
+    split = packed.split([4, 2, 2], dim=1)
+    assert not any(t.is_contiguous() for t in split)
+    results = []
+    for q, k, v in ((x["q"], x["k"], x["v"]), split):
+        out, lse = run_forward("flex", q, k, v, spec)
+        grads = run_backward("flex", x["dout"], q, k, v, out, lse, spec)
+        assert all(t.is_contiguous() for t in (out, lse, *grads))
+        results.append((out, lse, *grads))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    expected = expected_for(case)
+    for name, got in zip(("out", "dq", "dk", "dv"), (results[0][0], *results[0][2:])):
+        assert_matches(got, expected[name], name)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 

@@ -683,6 +683,41 @@ def test_torch_varlen_attn_compiles_and_matches_reference_on_one_rank(mesh):
     assert torch.isfinite(lse[:, index >= 0]).all()
 
 
+class TwoWindows(nn.Module):
+    """Four attention layers alternating two windows, on one q, k, v, summed."""
+
+    windows = ((-1, -1), (3, 0), (-1, -1), (3, 0))
+
+    def forward(self, q, k, v, cu, max_seqlen):
+        return sum(hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, window_size=w)
+                   for w in self.windows)
+
+
+def test_compiled_flex_builds_one_mask_per_batch_and_window(mesh, mask_builds):
+    """Compiled on one rank with the flex kernel: the block keys read from the batch let
+    the layers and the backward share the masks of one batch (one per window), a batch of the
+    same values in a new tensor builds none, another batch builds its own; each result
+    against the float64 reference."""
+    compiled = torch.compile(TwoWindows(), backend=hc.backend(mesh=mesh, inner="aot_eager", kernel="flex"),
+                             dynamic=True, fullgraph=True)
+    for lengths, expected_builds in (((5, 9, 3), 2), ((5, 9, 3), 2), ((9, 5, 3), 4)):
+        cu = cu_seqlens(lengths)  # a new tensor every batch
+        q, k, v = qkv(17, name="windows")
+        dout = seeded("windows/dout", 17, 4, HEAD_DIM)
+        plan = hc.shard_plan(cu, mesh)
+        shards = [plan.shard(t).requires_grad_() for t in (q, k, v)]
+        out = compiled(*shards, cu, max(lengths))
+        out.backward(plan.shard(dout))
+        per_window = [reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=True, window=w)
+                      for w in TwoWindows.windows]
+        index = plan.global_index
+        for name, got in zip(("out", "dq", "dk", "dv"), (out.detach(), *(s.grad for s in shards))):
+            expected = sum(r[name] for r in per_window)
+            assert_matches(got[index >= 0], expected[index[index >= 0]], f"{lengths} {name}")
+        assert mask_builds[0] == expected_builds, (
+            f"{lengths}: {mask_builds[0]} masks built in all, expected {expected_builds}")
+
+
 class GraphBreak(nn.Module):
     def forward(self, q, k, v, cu):
         a = hc.varlen_attention(q, k, v, cu, cu, 7, 7, causal=True)

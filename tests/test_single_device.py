@@ -341,3 +341,14 @@ def test_opcheck_block_backward(heads, mask):
     out, lse = torch.ops.hcp.block_forward(q, k, v, *block_args(mask))
     dout = seeded("opcheck/dout", *q.shape)
     torch.library.opcheck(torch.ops.hcp.block_backward, (dout, q, k, v, out, lse, *block_args(mask)))
+
+
+@pytest.mark.parametrize("mask", OPCHECK_MASKS)
+@pytest.mark.parametrize("heads", OPCHECK_HEADS)
+def test_opcheck_varlen_attention_backward(heads, mask):
+    causal, (left, right), _ = OPCHECK_MASKS[mask]
+    q, k, v = qkv(heads)
+    args = (CU, CU, 9, 9, causal, SCALE, left, right)
+    out, lse = torch.ops.hcp.varlen_attention(q, k, v, *args, "torch")
+    dout = seeded("opcheck/dout", *q.shape)
+    torch.library.opcheck(torch.ops.hcp.varlen_attention_backward, (dout, q, k, v, out, lse, *args, "torch"))

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..validation import InputError
-from .contract import BlockRequest, BlockSpec, Kernel, new_cache_key
+from .contract import BlockRequest, BlockSpec, Kernel, KeysByValue, new_cache_key
 from .dense import DenseKernel
 from .flash import FlashKernel
 from .flex import FlexKernel

@@ -4,6 +4,7 @@ kernel (:class:`BlockRequest`) and what a kernel is (:class:`Kernel`)."""
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -21,10 +22,13 @@ class BlockSpec:
     ``q_positions``/``k_positions``, when given, are the rows' positions inside their
     documents (a ring step under a window passes them); otherwise positions are the offsets
     inside the segment, aligned bottom-right (flash's convention when a segment has more keys
-    than queries). ``max_q``/``max_k`` bound the segment lengths. ``cache_key`` names this
-    segmentation for as long as its tensors live unchanged (the eager schedule's steps), so a
-    kernel may cache what it derives from them; -1: derive it per call (a compiled graph, whose
-    buffers Inductor reuses for other values)."""
+    than queries). ``max_q``/``max_k`` bound the segment lengths. ``cache_key`` names the
+    values of ``cu_q``, ``cu_k`` and the positions: blocks with the same key (and the same
+    causal flag and window) have the same values, so a kernel may cache what it derives from
+    them across layers and the backward; -1: derive it per call. The keys come from
+    :func:`new_cache_key` (eager: per schedule, whose tensors live unchanged) or from
+    :class:`KeysByValue` (the values read on the host: a compiled graph's batch, whose buffers
+    Inductor reuses for other values, and single-device calls)."""
 
     cu_q: Tensor
     cu_k: Tensor
@@ -54,29 +58,54 @@ class BlockSpec:
 
 
 _cache_keys = itertools.count()
+_cache_keys_lock = threading.Lock()
 T = TypeVar("T")
 
 
-def new_cache_key() -> int:
-    """A :attr:`BlockSpec.cache_key` never handed out before in this process."""
-    return next(_cache_keys)
+def new_cache_key(count: int = 1) -> int:
+    """The first of ``count`` consecutive :attr:`BlockSpec.cache_key` values never handed out
+    before in this process."""
+    with _cache_keys_lock:
+        keys = [next(_cache_keys) for _ in range(count)]
+    return keys[0]
+
+
+class KeysByValue:
+    """Cache keys for segmentations given by value on the host: the same values (and
+    ``count``) get the same first key of ``count`` fresh ones, for as long as the last
+    ``capacity`` distinct values are remembered."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._keys: OrderedDict[tuple, int] = OrderedDict()
+
+    def key(self, values: tuple, count: int = 1) -> int:
+        identity = (*values, count)
+        if identity in self._keys:
+            self._keys.move_to_end(identity)
+            return self._keys[identity]
+        first = self._keys[identity] = new_cache_key(count)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+        return first
 
 
 class SpecCache:
     """What a kernel derives from a block's segmentation, kept for the specs that have a
-    :attr:`BlockSpec.cache_key` (the layers and the backward of one eager batch ask for the
-    same blocks), the least recently used dropped beyond ``capacity``; derived per call for
-    the others."""
+    :attr:`BlockSpec.cache_key` (the layers and the backward of one batch ask for the same
+    blocks), the least recently used dropped beyond ``capacity``; derived per call for the
+    others."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._entries: OrderedDict[tuple, object] = OrderedDict()
 
     def get(self, spec: BlockSpec, extra: tuple, build: Callable[[], T]) -> T:
-        """``build()``, or its earlier result for the same ``cache_key`` and ``extra``."""
+        """``build()``, or its earlier result for the same ``cache_key``, mask constants and
+        ``extra``."""
         if spec.cache_key < 0:
             return build()
-        key = (spec.cache_key, *extra)
+        key = (spec.cache_key, spec.causal, spec.window_left, spec.window_right, *extra)
         if key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key]

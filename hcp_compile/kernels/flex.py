@@ -2,7 +2,7 @@
 through ``enable_gqa`` (KV heads not repeated), the window and causal mask in ``mask_mod``.
 
 Forward: the public ``flex_attention`` with ``return_aux=AuxRequest(lse=True)`` (lse in
-natural log), on contiguous ``[1, H, T, D]`` copies, compiled on CUDA with only the
+natural log), on ``[1, H, T, D]`` views of the THD tensors, compiled on CUDA with only the
 batch-dependent sizes dynamic and the block mask built inside the compiled function
 (docs/design.md §8.5 has the torch 2.11 facts behind each of these choices).
 
@@ -77,9 +77,9 @@ class FlexKernel:
             lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device,
                              dtype=accumulate_dtype(q.dtype))
             return torch.zeros_like(q), lse
-        rows = q.shape[0]
+        rows, keys = q.shape[0], k.shape[0]
         (q, k, v), spec = _padded(q, (q, k, v), spec)
-        mask = document_mask(spec, q.shape[0], k.shape[0])
+        mask = document_mask(spec, q.shape[0], k.shape[0], (rows, keys))
         q4, k4, v4 = _heads_first(q), _heads_first(k), _heads_first(v)
         tensors = (*(getattr(mask.block_mask, name) for name in _BLOCKS), *mask.buffers)
         static = (mask.variant, spec.scale, q4.dtype, q4.shape[1], k4.shape[1], q4.shape[3])
@@ -89,7 +89,7 @@ class FlexKernel:
             tensors = _mark_rows_dynamic((q4, k4, v4), tensors)
         with _top_level_dispatch():
             out, aux = _forward_function(backend, static, shape)(q4, k4, v4, tensors, mask.variant, spec.scale)
-        del q4, k4, v4  # flex's copies, freed before the result's copy (peak memory)
+        del q4, k4, v4  # contiguous copies of q, k, v if they were not: freed first (peak memory)
         lse = aux.lse[0, :, :rows].to(accumulate_dtype(q.dtype)).contiguous()
         return _tokens_first(out)[:rows], lse
 
@@ -102,7 +102,7 @@ class FlexKernel:
         rows, keys = q.shape[0], k.shape[0]
         (q, k, v, out, dout), spec = _padded(q, (q, k, v, out, dout), spec)
         lse = torch.cat([lse, lse.new_full((lse.shape[0], q.shape[0] - rows), float("-inf"))], 1)
-        mask = document_mask(spec, q.shape[0], k.shape[0])
+        mask = document_mask(spec, q.shape[0], k.shape[0], (rows, keys))
         q4, k4, v4, out4, dout4 = (_heads_first(x) for x in (q, k, v, out, dout))
         lse_base2 = (lse.to(torch.float32) / _LN2).unsqueeze(0)
         inputs = (q4, k4, v4, out4, lse_base2, dout4, *_mask_tensors(mask), *mask.buffers)
@@ -114,7 +114,8 @@ class FlexKernel:
             inputs = (*inputs[:6], *_mark_rows_dynamic(inputs[:6], inputs[6:]))
         with _top_level_dispatch():  # also for tracing the graph, on its first use
             grads = list(_backward_graph(backend, *static, shape)(*inputs))
-        # flex's copies freed, and each gradient's copy freed once copied back (peak memory)
+        # copies of non-contiguous inputs freed, and each gradient freed once in its layout
+        # (a copy only where flex's differs; peak memory)
         del inputs, q4, k4, v4, out4, dout4
         return tuple(_tokens_first(grads.pop(0))[:count] for count in (rows, keys, keys))
 
@@ -122,7 +123,9 @@ class FlexKernel:
 def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tuple[Tensor, ...], BlockSpec]:
     """``tensors`` = ``(q, k, v, *more with q's rows)`` padded to at least
     ``MIN_ROWS`` query and key rows, and ``spec`` with the pad rows in two extra segments (pad
-    keys with no queries, pad queries with no keys), so they see and are seen by nothing."""
+    keys with no queries, pad queries with no keys), so they see and are seen by nothing. The
+    cache key stays: the padded segmentation follows from the key's and the unpadded row
+    counts, which the mask cache is keyed on too."""
     q_rows, k_rows = q.shape[0], tensors[1].shape[0]
     q_pad, k_pad = max(MIN_ROWS - q_rows, 0), max(MIN_ROWS - k_rows, 0)
     if q_pad == 0 and k_pad == 0:
@@ -139,7 +142,7 @@ def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tu
         positions = dict(q_positions=pad(spec.q_positions, q_pad), k_positions=pad(spec.k_positions, k_pad))
     return padded, dataclasses.replace(
         spec, cu_q=ends(spec.cu_q, q_rows, q_total), cu_k=ends(spec.cu_k, k_total, k_total),
-        cache_key=-1, **positions,
+        **positions,
     )
 
 
@@ -232,13 +235,17 @@ def _has(keys: torch._C.DispatchKeySet, key: torch._C.DispatchKey) -> bool:
 
 
 def _heads_first(x: Tensor) -> Tensor:
-    """``[T, H, D]`` -> flex's ``[1, H, T, D]``, contiguous: flex on a strided view of the THD
-    tensor ran about 20 % slower on an H200 than on this copy (docs/design.md §8.5), and one
-    stride pattern is what the compiled backward is specialized on."""
-    return _swap_first_dims(x.detach()).unsqueeze(0)
+    """``[T, H, D]`` -> flex's ``[1, H, T, D]``, a view of the THD tensor made contiguous
+    (copied only if it is not): on an H200 compiled flex ran as fast on this view as on a
+    contiguous copy, which cost about 4 ms per forward + backward of 131K tokens of short
+    documents (docs/design.md §8.5); and one stride pattern is what the compiled graphs are
+    specialized on."""
+    return x.detach().contiguous().transpose(0, 1).unsqueeze(0)
 
 
 def _tokens_first(x: Tensor) -> Tensor:
+    """Flex's ``[1, H, T, D]`` result -> ``[T, H, D]``, contiguous: a view when flex laid it out
+    as its inputs, else a copy."""
     return _swap_first_dims(x[0])
 
 

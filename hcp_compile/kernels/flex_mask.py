@@ -25,8 +25,9 @@ from .contract import BlockSpec, SpecCache
 
 # the rows of a mask block: what flex's GPU kernels are tiled for
 BLOCK_SIZE = 128
-# masks kept for reuse (an eager batch needs one per ring step plus the local region, shared
-# by every layer and by the backward); the least recently used is dropped first
+# masks kept for reuse (a batch needs one per ring step plus the local region and per mask,
+# shared by every layer and by the backward); the least recently used is dropped first
+# (docs/design.md §8.5: the memory this may hold)
 CACHE_CAPACITY = 64
 
 
@@ -73,7 +74,9 @@ def row_values(spec: BlockSpec, q_rows: int, k_rows: int) -> tuple[Tensor, Tenso
         pos_q, pos_k = off_q + len_k_of_q - len_q, off_k
     else:
         pos_q, pos_k = spec.q_positions, spec.k_positions
-    return tuple(t.to(torch.int32) for t in (seg_q, seg_k, pos_q, pos_k))
+    # copies: a cached mask must not hold the spec's tensors, which in a compiled graph are
+    # buffers that Inductor reuses for other values
+    return tuple(t.to(torch.int32, copy=True) for t in (seg_q, seg_k, pos_q, pos_k))
 
 
 def _per_block(values: Tensor, block: int) -> tuple[Tensor, Tensor]:
@@ -211,6 +214,7 @@ def build_document_mask(spec: BlockSpec, q_rows: int, k_rows: int, block: int = 
 _masks = SpecCache(CACHE_CAPACITY)
 
 
-def document_mask(spec: BlockSpec, q_rows: int, k_rows: int) -> DocumentMask:
-    """:func:`build_document_mask`, reused for a spec with a ``cache_key``."""
-    return _masks.get(spec, (q_rows, k_rows), lambda: build_document_mask(spec, q_rows, k_rows))
+def document_mask(spec: BlockSpec, q_rows: int, k_rows: int, key_extra: tuple = ()) -> DocumentMask:
+    """:func:`build_document_mask`, reused for a spec with a ``cache_key`` (and the same rows
+    and ``key_extra``)."""
+    return _masks.get(spec, (q_rows, k_rows, *key_extra), lambda: build_document_mask(spec, q_rows, k_rows))

@@ -64,7 +64,7 @@ DEFAULT_COST = CostModel()
 
 
 def balanced(lengths: Tensor, ulysses: int, ring: int, cost: CostModel = DEFAULT_COST) -> Assignment:
-    n, ranks = lengths.numel(), ulysses * ring
+    ranks = ulysses * ring
     total = lengths.sum()
     work = lengths * lengths
     total_work = work.sum()
