@@ -87,8 +87,9 @@ def varlen_attention_backward_op(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
     causal: bool, softmax_scale: float, window_left: int, window_right: int, kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of ``hcp::varlen_attention`` (an op of its own, so that a compiled
-    backward finds the batch's cache key when it runs, not when it is traced)."""
+    """The gradients of ``hcp::varlen_attention``, its autograd formula: the inputs are the
+    ones the forward op checked, with its resolved kernel. An op of its own, so that a
+    compiled backward finds the batch's cache key when it runs, not when it is traced."""
     spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k))
     return tuple(KERNELS[kernel].backward(grad_out, q, k, v, out, lse, spec))

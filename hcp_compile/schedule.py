@@ -70,13 +70,13 @@ class RingSchedule:
 def build_schedule(
     batch: BatchLayout, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int, *,
     causal: bool, scale: float, window: tuple[int, int], kernel: str, skip_outside_window: bool,
-    first_cache_key: int | torch.SymInt = -1,
+    first_cache_key: int | torch.SymInt | None = None,
 ) -> RingSchedule:
     """Schedule of rank ``(ring_rank, sizes.ulysses_rank)``; ``skip_outside_window`` reads one
     small tensor on the host. ``first_cache_key``: the first of :func:`cache_keys_needed`
     keys that name this schedule's segmentations (:attr:`BlockSpec.cache_key`: the ring steps
-    in order, then the local region), so that kernels reuse what they derive from them; -1:
-    none."""
+    in order, then the local region), so that kernels reuse what they derive from them; None:
+    no keys."""
     ring = batch.ring
     windowed = window != (-1, -1)
     own = layout.stream_table(batch, ring_rank)
@@ -98,7 +98,10 @@ def build_schedule(
             for table, src, kind in zip(tables[1:], sources[1:], kinds[1:])
         ])
         active = [True, *seen.tolist()]
-    key = (lambda slot: -1) if _no_key(first_cache_key) else (lambda slot: first_cache_key + slot)
+
+    def key(slot: int) -> int | torch.SymInt:
+        return -1 if first_cache_key is None else first_cache_key + slot
+
     steps = tuple(
         RingStep(src, kind, *_step_tables(own, table, ring_rank, src, ring, kind, entries), pos,
                  bool(on), key(index))
@@ -126,11 +129,6 @@ def cache_keys_needed(ring: int) -> int:
     """How many cache keys one schedule's blocks take: one per ring step, one for the local
     region."""
     return ring + 1
-
-
-def _no_key(first_cache_key: int | torch.SymInt) -> bool:
-    # a symbolic key (read from the batch in a compiled graph) is a key
-    return isinstance(first_cache_key, int) and first_cache_key < 0
 
 
 def _step_tables(

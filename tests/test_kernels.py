@@ -444,15 +444,3 @@ def test_a_named_kernel_that_cannot_run_the_call_raises_its_reason(monkeypatch):
     assert resolve_kernel("flex", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "flex"
     # one device, the window is by offsets inside the documents: flash can apply it
     assert resolve_kernel("flash", request("cuda", torch.bfloat16, window=(8, 0))) == "flash"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
-def test_flex_layout_copies_equal_a_plain_transpose(dtype):
-    """flex's [T, H, D] <-> [H, T, D] copies move wider elements where the layout allows: the
-    result is the plain copy's, bit for bit, for views with offsets, transposed strides and a
-    head dim the wide element does not divide."""
-    x = seeded("copies", 7, 5, 16).to(dtype)
-    views = (x, x[1:], x[:, 1:3], x.transpose(0, 1).contiguous().transpose(0, 1), x[..., 1:9], x[..., :6])
-    for view in views:
-        got = flex._swap_first_dims(view)
-        assert got.is_contiguous() and torch.equal(got, view.transpose(0, 1).contiguous())

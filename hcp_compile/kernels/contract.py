@@ -66,8 +66,10 @@ def new_cache_key(count: int = 1) -> int:
     """The first of ``count`` consecutive :attr:`BlockSpec.cache_key` values never handed out
     before in this process."""
     with _cache_keys_lock:
-        keys = [next(_cache_keys) for _ in range(count)]
-    return keys[0]
+        first = next(_cache_keys)
+        for _ in range(count - 1):
+            next(_cache_keys)
+    return first
 
 
 class KeysByValue:

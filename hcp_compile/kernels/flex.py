@@ -244,31 +244,9 @@ def _heads_first(x: Tensor) -> Tensor:
 
 
 def _tokens_first(x: Tensor) -> Tensor:
-    """Flex's ``[1, H, T, D]`` result -> ``[T, H, D]``, contiguous: a view when flex laid it out
-    as its inputs, else a copy."""
-    return _swap_first_dims(x[0])
-
-
-# the widest element a row of head_dim values is copied as (see _swap_first_dims)
-_WIDE = torch.int64
-
-
-def _swap_first_dims(x: Tensor) -> Tensor:
-    """``x.transpose(0, 1).contiguous()`` for a 3-D tensor, copied in 8-byte elements where its
-    layout allows: torch copies a transposed tensor one element per thread, and on an H200 the
-    copies of flex's layouts took 10 ms per forward + backward of 131K tokens in 2-byte elements
-    (docs/design.md §8.5)."""
-    width = _WIDE.itemsize // x.element_size()
-    if width <= 1 or not _viewable(x, width):
-        return x.transpose(0, 1).contiguous()
-    return x.view(_WIDE).transpose(0, 1).contiguous().view(x.dtype)
-
-
-def _viewable(x: Tensor, width: int) -> bool:
-    """Whether ``x.view`` of an element ``width`` times wider is allowed (innermost rows
-    contiguous, every other stride and the offset multiples of ``width``)."""
-    return (x.stride(-1) == 1 and x.shape[-1] % width == 0 and x.storage_offset() % width == 0
-            and all(stride % width == 0 for stride in x.stride()[:-1]))
+    """Flex's ``[1, H, T, D]`` result -> ``[T, H, D]``, contiguous: a view, since flex lays its
+    results out as its inputs (a copy otherwise)."""
+    return x[0].transpose(0, 1).contiguous()
 
 
 def _backend(q: Tensor) -> str | None:
