@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import gzip
 import json
 import os
 import platform
@@ -75,7 +76,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import hcp_compile
-from benchmarks.common import exposed_length, kernel_intervals, log_uniform_lengths
+from benchmarks.common import exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths
 from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
 from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, resolve_kernel
 
@@ -218,12 +219,13 @@ class Batch:
 
 def measure(
     fn: Callable[..., Tensor], inputs: list[Tensor], setup: Setup, *, alone: bool = False,
-    first_call: bool = False, profile: bool = False,
+    first_call: bool = False, profile: str | None = None,
 ) -> Measurement:
     """fwd+bwd of ``fn(*inputs)``: with ``first_call`` one call (the compile) timed apart,
     which counts as the first warm-up; then the median of ``--iters`` after the (other)
-    warm-ups and the peak memory beyond what is allocated before them; then (``profile``, CUDA)
-    the exposed communication of one more step. ``alone``: only this rank runs it, no barrier."""
+    warm-ups and the peak memory beyond what is allocated before them; then (``profile``, the
+    mode's name for its trace; CUDA, unless ``--no-profile``) the exposed communication of one
+    more step. ``alone``: only this rank runs it, no barrier."""
     first_call_s = None
     if first_call:
         started = time.perf_counter()
@@ -239,7 +241,8 @@ def measure(
     warmup = max(0, setup.args.warmup - first_call)
     ms = time_fwd_bwd(fn, inputs, warmup, setup.args.iters, barrier=not alone)
     peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else None
-    exposed = exposed_communication(fn, inputs) if profile and cuda else (None, None)
+    profiled = profile is not None and cuda and not setup.args.no_profile
+    exposed = exposed_communication(fn, inputs, setup, profile, alone) if profiled else (None, None)
     return Measurement(ms, peak, *exposed, first_call_s)
 
 
@@ -249,29 +252,53 @@ def _synchronize(device: torch.device) -> None:
 
 
 def exposed_communication(
-    fn: Callable[..., Tensor], inputs: list[Tensor]
+    fn: Callable[..., Tensor], inputs: list[Tensor], setup: Setup, name: str, alone: bool,
 ) -> tuple[float | None, float | None]:
-    """One fwd+bwd under the profiler on every rank; from rank 0's trace, the time some NCCL
-    kernel runs while no other kernel does: ms, and % of the traced step (first kernel start to
-    last kernel end). None on the other ranks."""
+    """One fwd+bwd under the profiler on every rank (``alone``: on this one); from rank 0's
+    trace, the time some NCCL kernel runs while no other kernel does: ms, and % of the traced
+    step (first kernel start to last kernel end). None on the other ranks. With ``--trace DIR`` the host is traced too,
+    every rank's trace is kept as ``DIR/<name>_rank<r>.json.gz`` and rank 0 prints where its
+    step's time went (:func:`kernel_summary`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    folder = setup.args.trace
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if folder else [])
+    if not alone:
+        dist.barrier()
+    with profile(activities=activities) as prof:
         fn(*inputs).sum().backward()
         torch.cuda.synchronize()
-    if dist.get_rank() != 0:
-        return None, None
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        comm, compute = kernel_intervals(json.loads(Path(path).read_text()))
+    rank = dist.get_rank()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "trace.json"
+        if folder:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{name}_rank{rank}.json.gz"
+        prof.export_chrome_trace(str(path))  # once: a profile exports one trace
+        if rank != 0:
+            return None, None
+        trace = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
+    comm, compute = kernel_intervals(trace)
     kernels = comm + compute
     if not kernels:
+        return None, None
+    if folder:
+        setup.say(f"  {name}: {kernel_summary(trace)}")
+    if alone:  # a one-GPU mode: no communication
         return None, None
     span_us = max(stop for _, stop in kernels) - min(start for start, _ in kernels)
     exposed_us = exposed_length(comm, compute)
     return round(exposed_us / 1e3, 2), round(100 * exposed_us / span_us, 1)
+
+
+def trace_name(batch: Batch, setup: Setup, mode: str, placement: str = "-") -> str:
+    args = setup.args
+    return f"{batch.workload.name}_{batch.heads}_{mode}_{placement}_u{args.ulysses}r{args.ring}"
+
+
+def one_gpu_trace(batch: Batch, setup: Setup, mode: str) -> str | None:
+    """A one-GPU mode is profiled only for ``--trace`` (it has no communication to measure)."""
+    return trace_name(batch, setup, mode) if setup.args.trace else None
 
 
 def record(row: Row, run: Callable[[], Measurement], setup: Setup, *, together: bool) -> Row:
@@ -321,7 +348,7 @@ def one_gpu_flex(batch: Batch, setup: Setup) -> Measurement:
     attend = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
     gqa = q.shape[1] != k.shape[1]
     return measure(lambda q, k, v: attend(q, k, v, block_mask=mask, enable_gqa=gqa), [q, k, v], setup,
-                   alone=True, first_call=cuda)
+                   alone=True, first_call=cuda, profile=one_gpu_trace(batch, setup, "one-gpu-flex"))
 
 
 def document_block_mask(workload: Workload, device: torch.device) -> BlockMask:
@@ -348,7 +375,7 @@ def one_gpu_sdpa(batch: Batch, setup: Setup) -> Measurement:
     q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for t in batch.qkv)
     gqa = q.shape[1] != k.shape[1]
     return measure(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
-                   [q, k, v], setup, alone=True)
+                   [q, k, v], setup, alone=True, profile=one_gpu_trace(batch, setup, "one-gpu-sdpa"))
 
 
 def one_gpu_hcp(batch: Batch, setup: Setup) -> Measurement:
@@ -356,7 +383,8 @@ def one_gpu_hcp(batch: Batch, setup: Setup) -> Measurement:
     with the kernel ``--kernel`` resolves to."""
     q, k, v = (t.clone().requires_grad_() for t in batch.qkv)
     attend = PackedAttention(batch.workload.window)
-    return measure(lambda q, k, v: attend(q, k, v, batch.cu, batch.longest), [q, k, v], setup, alone=True)
+    return measure(lambda q, k, v: attend(q, k, v, batch.cu, batch.longest), [q, k, v], setup, alone=True,
+                   profile=one_gpu_trace(batch, setup, "one-gpu-hcp"))
 
 
 def one_gpu_flash(batch: Batch, setup: Setup) -> Measurement:
@@ -372,7 +400,7 @@ def one_gpu_flash(batch: Batch, setup: Setup) -> Measurement:
             q, k, v, cu, cu, longest, longest, 0.0, True, False, **window
         )[0]
 
-    return measure(attend, [q, k, v], setup, alone=True)
+    return measure(attend, [q, k, v], setup, alone=True, profile=one_gpu_trace(batch, setup, "one-gpu-flash"))
 
 
 class PackedAttention(nn.Module):
@@ -398,7 +426,7 @@ def hcp_mode(
     mesh, args = setup.hcp_mesh(), setup.args
     plan = hcp_compile.shard_plan(batch.cu, mesh, placement=placement)
     local = [plan.shard(t).requires_grad_() for t in batch.qkv]
-    profile = not args.no_profile
+    profile = trace_name(batch, setup, "hcp-compiled" if compiled is not None else "hcp-eager", placement)
     if compiled is None:
         attend = PackedAttention(batch.workload.window)
         with hcp_compile.context_parallel(mesh, kernel=args.kernel, placement=placement):
@@ -446,7 +474,7 @@ def torch_native_cp(batch: Batch, setup: Setup) -> Measurement:
         local = [t.requires_grad_() for t in (q, k, v)]
         # F's attribute is looked up per call: the patched function
         return measure(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), local,
-                       setup, profile=not setup.args.no_profile)
+                       setup, profile=trace_name(batch, setup, "torch-native-cp", "head-tail"))
 
 
 # --------------------------------------------------------------------------- the run
@@ -643,6 +671,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (exposed comm)")
+    parser.add_argument("--trace", type=Path, metavar="DIR",
+                        help="also trace the host in the profiled step, keep every rank's trace in DIR and "
+                             "print where rank 0's step went")
     parser.add_argument("--shrink", type=int, default=1,
                         help="divide token counts, document lengths and the window by this (CPU smoke tests)")
     parser.add_argument("--head-dim", type=int, default=128)

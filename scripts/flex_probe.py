@@ -2,6 +2,7 @@
 
     python scripts/flex_probe.py                      # the three batches of measure_kernels.py
     python scripts/flex_probe.py --window 4096 --batches loguniform --profile
+    python scripts/flex_probe.py --tokens 131000   # rows that are not whole 128-row mask blocks
 
 Per batch (GQA 32/8 x 128, bf16, causal, optionally a sliding window), forward and forward +
 backward medians (CUDA events) of:
@@ -11,7 +12,8 @@ backward medians (CUDA events) of:
   hcp         torch.ops.hcp.varlen_attention with kernel "flex" (rows static, STATIC_SHAPES);
   hcp-dynamic the same with the rows dynamic (STATIC_SHAPES = 0);
   mask        hcp's build_document_mask alone.
-``--profile``: the CUDA kernels of one forward + backward of torch and of hcp, summed by name.
+``--profile``: the CUDA kernels of one forward + backward of torch, torch-strided and hcp, summed
+by name.
 docs/design.md §8.5 records what it found.
 """
 
@@ -102,7 +104,8 @@ def probe(name: str, lengths: list[int], window: int, profile: bool) -> None:
         print(f"[{name}] {label:12s} fwd {forward_ms:8.2f} ms ({flops * 2 / 7 / forward_ms / 1e9:6.1f} TF/s)  "
               f"fwd+bwd {both_ms:8.2f} ms ({flops / both_ms / 1e9:6.1f} TF/s)", flush=True)
     if profile:
-        for label, run in (("torch", both(torch_forward, dout4)), ("hcp", both(hcp_forward, dout))):
+        for label, run in (("torch", both(torch_forward, dout4)), ("torch-strided", both(torch_strided_forward, dout4)),
+                           ("hcp", both(hcp_forward, dout))):
             print(f"[{name}] kernels of one {label} forward + backward\n{kernel_table(run)}", flush=True)
 
 

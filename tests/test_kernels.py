@@ -46,6 +46,33 @@ def test_flex_kernel_matches_reference(case):
         assert_matches(got[name], expected[name], name)
 
 
+def test_flex_runs_on_whole_mask_blocks_and_is_told_so(monkeypatch):
+    """A block of 207 query and 130 key rows reaches flex padded to 256 and 256 rows (whole
+    128-row mask blocks), with the option that lets flex's GPU kernels skip their bounds
+    checks, forward and backward; the pad rows change nothing (the float64 reference)."""
+    calls = []
+    real = flex.flex_attention
+
+    def recording(q, k, v, **options):
+        calls.append((q.shape[2], k.shape[2], options["kernel_options"]))
+        return real(q, k, v, **options)
+
+    monkeypatch.setattr(flex, "flex_attention", recording)
+    q_lengths, k_lengths = (150, 57), (100, 30)
+    q, dout = seeded("pad/q", sum(q_lengths), 4, HEAD_DIM), seeded("pad/dout", sum(q_lengths), 4, HEAD_DIM)
+    k, v = seeded("pad/k", sum(k_lengths), 2, HEAD_DIM), seeded("pad/v", sum(k_lengths), 2, HEAD_DIM)
+    cu_q, cu_k = cu_seqlens(q_lengths), cu_seqlens(k_lengths)
+    spec = BlockSpec(cu_q, cu_k, max(q_lengths), max(k_lengths), False, HEAD_DIM ** -0.5)
+    out, lse = run_forward("flex", q, k, v, spec)
+    assert calls == [(256, 256, {"IS_DIVISIBLE": True})]
+    grads = run_backward("flex", dout, q, k, v, out, lse, spec)
+    expected = reference_with_grads(q, k, v, dout, cu_q.tolist(), cu_k.tolist(), causal=False)
+    for name, got in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+        assert_matches(got, expected[name], name)
+    q4, k4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k))
+    assert dict(flex._kernel_options(q4, k4, k4))["IS_DIVISIBLE"] is True
+
+
 # --------------------------------------------------------------------------------------------
 # the ring's case: two blocks merged, each backward given the merged out and lse
 # --------------------------------------------------------------------------------------------
@@ -276,9 +303,10 @@ def test_traced_flex_specializes_the_first_row_shapes_and_serves_later_ones_dyna
     monkeypatch.setattr(flex, "STATIC_SHAPES", 2)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    # > 128 rows each (no padding evens the shapes out), none a multiple of 128 and more than one
-    # mask block: the backward's other static facts (_static_shape) are the same for all
-    batches = [(150, 40), (190, 3, 20), (300,), (170, 90), (150, 40)]
+    # padded to 256, 384, 512 and 640 rows (multiples of 128, the block size): four shapes with
+    # more than one mask block, so the backward's other static facts (_static_shape) are the
+    # same for all
+    batches = [(150, 40), (190, 3, 120), (300, 150), (170, 90, 300), (150, 40)]
     for number, lengths in enumerate(batches):
         tokens = sum(lengths)
         q, dout = seeded(f"shapes/q{number}", tokens, 4, HEAD_DIM), seeded(f"shapes/o{number}", tokens, 4, HEAD_DIM)

@@ -1,11 +1,12 @@
-"""The interval arithmetic behind benchmarks.speed's exposed-communication column."""
+"""The trace arithmetic behind benchmarks.speed's exposed-communication column and its
+``--trace`` summary."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package
 
-from benchmarks.common import exposed_length, kernel_intervals, union_intervals  # noqa: E402
+from benchmarks.common import exposed_length, kernel_intervals, kernel_summary, union_intervals  # noqa: E402
 
 
 def test_union_merges_overlapping_and_touching_intervals():
@@ -36,3 +37,18 @@ def test_kernel_intervals_split_nccl_from_other_kernels():
         {"cat": "kernel", "name": "no duration", "ts": 3},
     ]}
     assert kernel_intervals(trace) == ([(10.0, 15.0)], [(0.0, 12.0)])
+
+
+def test_kernel_summary_counts_busy_time_and_ranks_kernels_by_time():
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "copy", "ts": 0, "dur": 1000},
+        {"cat": "kernel", "name": "attention", "ts": 500, "dur": 2000},
+        {"cat": "kernel", "name": "copy", "ts": 4000, "dur": 1000},
+        {"cat": "cpu_op", "name": "aten::cat", "ts": 0, "dur": 9000},
+    ]}
+    lines = kernel_summary(trace).splitlines()
+    # span 0..5000 us; busy 0..2500 and 4000..5000
+    assert lines[0] == "span 5.00 ms, some kernel running 3.50 ms, 3 kernels"
+    assert lines[1].split() == ["2.000", "ms", "2x", "copy"]
+    assert lines[2].split() == ["2.000", "ms", "1x", "attention"]
+    assert len(lines) == 3

@@ -49,9 +49,12 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COMPILE_BACKENDS: dict[str, str] = {"cuda": "inductor"}
 # flex's backward operator takes the forward operator's lse, which is in base 2
 _LN2 = math.log(2.0)
-# flex's GPU kernels tile by 128 rows; a 50-row block failed to compile (torch 2.11), so a
-# shorter block is padded to this many rows (docs/design.md §8.5)
-MIN_ROWS = 128
+# Every block is padded to a multiple of BLOCK_SIZE query and key rows, and flex is told so
+# (IS_DIVISIBLE): its GPU kernels then skip the bounds checks of every tile, which cost 1.2-1.9x
+# fwd+bwd on an H200 (torch 2.11), with the rows static or dynamic; a 50-row block also failed
+# to compile (docs/design.md §8.5). An internal option of flex's Triton templates, which the
+# public kernel_options pass through.
+KERNEL_OPTIONS = {"IS_DIVISIBLE": True}
 # row shapes (query rows, key rows) per compiled function that get a graph specialized on them:
 # on an H200 (torch 2.11) the backward with static rows ran 1.2x faster than with dynamic ones
 # (docs/design.md §8.5). Later shapes share one graph with the rows dynamic, so batches of
@@ -121,13 +124,13 @@ class FlexKernel:
 
 
 def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tuple[Tensor, ...], BlockSpec]:
-    """``tensors`` = ``(q, k, v, *more with q's rows)`` padded to at least
-    ``MIN_ROWS`` query and key rows, and ``spec`` with the pad rows in two extra segments (pad
-    keys with no queries, pad queries with no keys), so they see and are seen by nothing. The
-    cache key stays: the padded segmentation follows from the key's and the unpadded row
-    counts, which the mask cache is keyed on too."""
+    """``tensors`` = ``(q, k, v, *more with q's rows)`` padded to a multiple of ``BLOCK_SIZE``
+    query and key rows (copies; none where the rows are one already), and ``spec`` with the pad
+    rows in two extra segments (pad keys with no queries, pad queries with no keys), so they
+    see and are seen by nothing. The cache key stays: the padded segmentation follows from the
+    key's and the unpadded row counts, which the mask cache is keyed on too."""
     q_rows, k_rows = q.shape[0], tensors[1].shape[0]
-    q_pad, k_pad = max(MIN_ROWS - q_rows, 0), max(MIN_ROWS - k_rows, 0)
+    q_pad, k_pad = -q_rows % BLOCK_SIZE, -k_rows % BLOCK_SIZE
     if q_pad == 0 and k_pad == 0:
         return tensors, spec
 
@@ -201,15 +204,13 @@ def _mark_rows_dynamic(heads_first: tuple[Tensor, ...], mask_inputs: tuple[Tenso
 
 def _static_shape(inputs: tuple[Tensor, ...]) -> tuple:
     """What a compiled backward graph is specialized on besides the layout: dtype, heads, head
-    dim, and per dynamic size whether it is 1 (Dynamo specializes those), whether the row
-    counts divide the block size and whether q and k have as many rows (Inductor's lowering
-    guards on both, torch 2.11). A graph traced once and called with different values of these
-    would be traced again, which Dynamo refuses for flex's backward operator (torch 2.11 and
-    2.14), so each combination gets its own graph."""
+    dim, and per dynamic size whether it is 1 (Dynamo specializes those) and whether q and k
+    have as many rows (Inductor's lowering guards on that, torch 2.11). A graph traced once and
+    called with different values of these would be traced again, which Dynamo refuses for
+    flex's backward operator (torch 2.11 and 2.14), so each combination gets its own graph."""
     q4, k4 = inputs[0], inputs[1]
     ones = tuple(size == 1 for x in inputs for size in x.shape)
-    rows = tuple(x.shape[2] % BLOCK_SIZE == 0 for x in (q4, k4))
-    return (q4.dtype, q4.shape[1], k4.shape[1], q4.shape[3], ones, rows, q4.shape[2] == k4.shape[2])
+    return (q4.dtype, q4.shape[1], k4.shape[1], q4.shape[3], ones, q4.shape[2] == k4.shape[2])
 
 
 @contextlib.contextmanager
@@ -284,14 +285,14 @@ def _forward(
     *blocks, seg_q, seg_k, pos_q, pos_k = tensors
     mask_mod = functools.partial(mask_function(variant), seg_q=seg_q, seg_k=seg_k, pos_q=pos_q, pos_k=pos_k)
     block_mask = BlockMask((q.shape[2], k.shape[2]), *blocks, (BLOCK_SIZE, BLOCK_SIZE), mask_mod)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
-                          enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True))
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                          return_aux=AuxRequest(lse=True), kernel_options=KERNEL_OPTIONS)
 
 
 def _kernel_options(q: Tensor, k: Tensor, v: Tensor) -> tuple:
     """The options flex's forward gives its backward when the lse is returned (as a hashable
     tuple of items)."""
-    options = flex_module._apply_kernel_options(q, k, v, False, None, AuxRequest(lse=True))
+    options = flex_module._apply_kernel_options(q, k, v, False, KERNEL_OPTIONS, AuxRequest(lse=True))
     return tuple(sorted(options.items()))
 
 
