@@ -20,7 +20,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import layout, validation
 from .hierarchical import HierarchicalAttention
 from .layout import BatchLayout
-from .mesh import CPGroups, resolve_groups
+from .mesh import CPGroups, agreeing_groups, resolve_groups
 from .placements import PLACEMENTS, placement_rule
 from .plan import check_plan_agrees
 from .kernels import KeysByValue
@@ -59,7 +59,7 @@ def checked_layout(
     fingerprint = validation.batch_fingerprint(cu, list(PLACEMENTS).index(placement))
     flags = torch.cat([failed, torch.stack([fingerprint, -fingerprint])])
     if agree:
-        for group in (groups.ulysses_group, groups.ring_group):
+        for _, group in agreeing_groups(groups):
             issued = torch.ops._c10d_functional.all_reduce(flags, "max", group.group_name)
             flags = torch.ops._c10d_functional.wait_tensor(issued)
     return batch, tuple(torch.ops.hcp.raise_if_rejected(flags, values).tolist())

@@ -143,7 +143,7 @@ def agree_on_error(
         [error is not None, fingerprint, -fingerprint], dtype=torch.int64,
         device=_flag_device(groups),
     )
-    for name, group in (("ulysses", groups.ulysses_group), ("ring", groups.ring_group)):
+    for name, group in agreeing_groups(groups):
         _all_reduce_max(flags, group, name, timeout_s, caller)
     if error is not None:
         raise error
@@ -155,6 +155,13 @@ def agree_on_error(
         )
     if highest != -negated_lowest:
         raise SAME_BATCH.error(BATCHES_DIFFER)
+
+
+def agreeing_groups(groups: CPGroups) -> list[tuple[str, dist.ProcessGroup]]:
+    """The mesh's groups an agreement all-reduces over, by name: those of more than one rank
+    (over one rank the all-reduce would change nothing and still cost a collective)."""
+    named = (("ulysses", groups.ulysses_group, groups.ulysses_size), ("ring", groups.ring_group, groups.ring_size))
+    return [(name, group) for name, group, size in named if size > 1]
 
 
 def _all_reduce_max(

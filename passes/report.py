@@ -37,13 +37,14 @@ def collectives(node: Rewritten, groups: CPGroups, agree: bool) -> Collectives:
     ulysses, ring = groups.ulysses_size, groups.ring_size
     # every head group has its own exchanges and its own ring (docs/design.md §3.6), per
     # group: q and kv in, out back (and the lse when the graph reads it); dout in, dq and dkv
-    # back. The batch check's all-reduces are once per cu_seqlens, whatever the groups.
+    # back. The batch check's all-reduces are once per cu_seqlens, whatever the groups, one
+    # per mesh dimension of more than one rank.
     parts = head_groups(rank_kv_heads(node.heads_kv, ulysses), ulysses)
     exchanges = ulysses > 1
     return Collectives(
         forward_all_to_all=parts * (3 + node.returns_lse) if exchanges else 0,
         forward_ring=parts * (ring - 1),
-        forward_all_reduce=2 if node.checked and agree else 0,
+        forward_all_reduce=int(ulysses > 1) + int(ring > 1) if node.checked and agree else 0,
         backward_all_to_all=parts * 3 if exchanges else 0,
         backward_ring=parts * (2 * ring - 1) if ring > 1 else 0,  # R-1 KV hops, R dKV hops
     )
