@@ -1,10 +1,11 @@
 """Hierarchical CP attention as the ``hcp`` backend inserts it into a traced graph.
 
-It is the eager algorithm (``build_schedule`` + ``HierarchicalAttention``) with the host-side
-parts replaced by traceable ones: the layout is derived on the device from ``cu_seqlens`` by
-the same placement rule as ``shard_plan``'s, checked there (and agreed over the mesh), and
-the few sizes the collectives need are read to the host once per batch, where they become
-the graph's data-dependent sizes (docs/design.md §5).
+It is the eager algorithm (``HierarchicalAttention`` on a ``RingSchedule``) with the host-side
+parts done by opaque ops when the graph runs: ``hcp::batch_layout`` reads ``cu_seqlens`` to the
+host, lays the batch out by the same placement rule as ``shard_plan``'s and checks it there,
+the verdict is agreed over the mesh, and the few sizes the collectives need become the
+graph's data-dependent sizes; ``hcp::schedule_tables`` hands every attention call its
+schedule's tables from the host (docs/design.md §5).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,70 +26,88 @@ from .mesh import CPGroups, agreeing_groups, resolve_groups
 from .placements import PLACEMENTS, placement_rule
 from .plan import check_plan_agrees
 from .kernels import KeysByValue
-from .schedule import build_schedule, cache_keys_needed
+from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps, schedule_tables
 
 
 def checked_layout(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tokens: tuple[int | torch.SymInt, ...],
     max_seqlens: tuple[int | torch.SymInt, ...], *, ulysses_group: str, ring_group: str,
     placement: str, agree: bool,
-) -> tuple[BatchLayout, tuple[int, ...]]:
-    """Check the batch on the device and return its layout with this rank's sizes (the values
-    of :func:`layout.rank_size_values`) and the first cache key of its schedules' blocks read
-    to the host: symbolic ints in a graph. Every attention call of the batch reuses them.
-    ``tokens``: the token counts of q, k and v; ``max_seqlens``: ``max_seqlen_q`` and
-    ``max_seqlen_k``.
+) -> "CheckedBatch":
+    """Check the batch and return what every attention call of it in the graph reuses: this
+    rank's sizes (the values of :func:`layout.rank_size_values`) and the first cache key of
+    its schedules' blocks, read to the host (symbolic ints in a graph), and a host copy of
+    ``cu_seqlens``. ``tokens``: the token counts of q, k and v; ``max_seqlens``:
+    ``max_seqlen_q`` and ``max_seqlen_k``.
 
-    The rules are :data:`validation.DEVICE_RULES`. With ``agree`` their outcome and a
-    fingerprint of ``cu_seqlens`` are all-reduced over the mesh first, so every rank raises
-    together (also when the ranks were given different batches) instead of some ranks waiting
-    in the next collective."""
+    One opaque op (``hcp::batch_layout``) reads ``cu_seqlens`` to the host, lays the batch out
+    and checks :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a
+    fingerprint of ``cu_seqlens`` are all-reduced over the mesh first (on the device, where
+    the groups' collectives run), so every rank raises together (also when the ranks were
+    given different batches) instead of some ranks waiting in the next collective; reading
+    the agreed verdict is the second and last host read of the batch."""
     groups = groups_from_names(ulysses_group, ring_group)
-    cu = cu_seqlens_q.to(torch.int64)
-    ulysses, ring = groups.ulysses_size, groups.ring_size
-    *decided, first_cache_key = torch.ops.hcp.batch_layout(
-        cu_seqlens_q, ulysses, ring, placement, groups.ring_rank, groups.ulysses_rank
+    on_host, cu_on_host = torch.ops.hcp.batch_layout(
+        cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
+        groups.ulysses_rank, list(tokens), list(max_seqlens),
     )
-    batch = BatchLayout(ulysses, ring, cu[:-1], cu[1:] - cu[:-1], *decided)
-    values = torch.cat([
-        layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank), first_cache_key,
-    ])
-    failed = validation.batch_failures(
-        cu_seqlens_q, cu_seqlens_k, values[0], tokens, max_seqlens,
-        torch.ops.hcp.plan_disagrees(cu_seqlens_q, ulysses, ring, placement),
-    )
-    fingerprint = validation.batch_fingerprint(cu, list(PLACEMENTS).index(placement))
-    flags = torch.cat([failed, torch.stack([fingerprint, -fingerprint])])
-    if agree:
-        for _, group in agreeing_groups(groups):
-            issued = torch.ops._c10d_functional.all_reduce(flags, "max", group.group_name)
-            flags = torch.ops._c10d_functional.wait_tensor(issued)
-    return batch, tuple(torch.ops.hcp.raise_if_rejected(flags, values).tolist())
+    verdict, sizes = on_host.split([_FLAGS, on_host.shape[0] - _FLAGS])
+    agreeing = agreeing_groups(groups) if agree else []
+    if agreeing:
+        verdict = verdict.to(cu_seqlens_q.device)
+    for _, group in agreeing:
+        issued = torch.ops._c10d_functional.all_reduce(verdict, "max", group.group_name)
+        verdict = torch.ops._c10d_functional.wait_tensor(issued)
+    sizes = tuple(torch.ops.hcp.raise_if_rejected(verdict, sizes).tolist())
+    return CheckedBatch(cu_on_host, placement, sizes)
 
 
-# the fields of BatchLayout that the placement decides, in order
-_DECIDED = ("kind", "ring_rank", "ulysses_rank", "chunk", "local_extent", "exchange_extent",
-            "local_tokens")
+class CheckedBatch(NamedTuple):
+    """A batch as :func:`checked_layout` hands it to every attention call of the graph."""
+
+    cu_on_host: Tensor  # int64 CPU copy of cu_seqlens_q: what the schedule tables come from
+    placement: str
+    sizes: tuple[int | torch.SymInt, ...]  # layout.rank_size_values of this rank, then the first cache key
+
+
+# the verdict: one flag per rule of validation.BATCH_RULES, then the fingerprint and its
+# negation (an all-reduced max of both gives the highest and the lowest fingerprint of the mesh)
+_FLAGS = len(validation.BATCH_RULES) + 2
 
 
 @torch.library.custom_op("hcp::batch_layout", mutates_args=())
 def batch_layout_op(
-    cu_seqlens: Tensor, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`layout.batch_layout`'s decided fields, and (``[1]`` int64) the first of the cache
-    keys that name rank ``(ring_rank, ulysses_rank)``'s segmentations of this batch, as one
-    opaque op. The rule runs on the host, once per distinct batch: on a GPU its hundreds of
-    small sorts, scans and searches cost milliseconds of launches per call, the host copy of
-    ``cu_seqlens`` microseconds (docs/design.md §5.3). The keys are given by the batch's
-    values, so the layers and the backward of one batch share what kernels derive from a
-    block (flex's masks), while Inductor reuses the graph's buffers (§8.1)."""
-    host = cu_seqlens.cpu()
-    cu_bytes = host.numpy().tobytes()
-    decided = _host_layout(cu_bytes, str(host.dtype), ulysses, ring, placement)
-    batch = (cu_bytes, str(host.dtype), ulysses, ring, placement, ring_rank, ulysses_rank)
-    first_key = _batch_keys.key(batch, cache_keys_needed(ring))
-    key = torch.tensor([first_key], dtype=torch.int64)
-    return tuple(t.to(cu_seqlens.device, copy=True) for t in (*decided, key))
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, ulysses: int, ring: int, placement: str,
+    ring_rank: int, ulysses_rank: int, tokens: list[int], max_seqlens: list[int],
+) -> tuple[Tensor, Tensor]:
+    """One batch on the host, once per call: ``(on_host, cu_on_host)``, int64 CPU tensors.
+
+    ``on_host``: the verdict, then rank ``(ring_rank, ulysses_rank)``'s sizes
+    (:func:`layout.rank_size_values` of :func:`layout.batch_layout`) and the first of the cache
+    keys that name its segmentations of this batch. The verdict: a flag per rule of
+    :data:`validation.BATCH_RULES` (``tokens``: q, k and v's token counts, ``max_seqlens``:
+    both ``max_seqlen``), a fingerprint of ``cu_seqlens_q`` and its negation. ``cu_on_host``:
+    a CPU copy of ``cu_seqlens_q``, from which ``hcp::schedule_tables`` derives the schedules.
+
+    On a GPU the rule's hundreds of small sorts, scans and searches, and the checks, would cost
+    milliseconds of launches per call; the host copy of ``cu_seqlens`` costs microseconds
+    (docs/design.md §5.3). The layout and sizes are computed once per distinct batch. The
+    keys are given by the batch's values, so the layers and the backward of one batch share
+    what kernels derive from a block (flex's masks), while Inductor reuses the graph's
+    buffers (§8.1)."""
+    if cu_seqlens_k is cu_seqlens_q:
+        host_q = host_k = cu_seqlens_q.to("cpu", torch.int64)
+    else:  # both in one copy (one device sync)
+        both = torch.cat([cu_seqlens_q.to(torch.int64).reshape(-1), cu_seqlens_k.to(torch.int64).reshape(-1)]).cpu()
+        host_q, host_k = both.split([cu_seqlens_q.numel(), cu_seqlens_k.numel()])
+        host_k = host_k.view(cu_seqlens_k.shape)
+    batch = (host_q.numpy().tobytes(), ulysses, ring, placement, ring_rank, ulysses_rank)
+    sizes, fingerprint = _host_sizes(*batch)
+    plan_differs = torch.tensor(_plan_disagrees(cu_seqlens_q, ulysses, ring, placement))
+    failed = validation.batch_failures(host_q, host_k, sizes[0], tokens, max_seqlens, plan_differs)
+    verdict = torch.cat([failed, torch.stack([fingerprint, -fingerprint])])
+    key = torch.tensor([_batch_keys.key(batch, cache_keys_needed(ring))], dtype=torch.int64)
+    return torch.cat([verdict, sizes, key]), host_q.to(torch.int64, copy=True)
 
 
 # the keys of the batches seen last (a compiled model's graphs see one batch per step)
@@ -95,43 +115,47 @@ _batch_keys = KeysByValue(64)
 
 
 @functools.lru_cache(maxsize=8)
-def _host_layout(
-    cu_bytes: bytes, dtype: str, ulysses: int, ring: int, placement: str
-) -> tuple[Tensor, ...]:
-    """The decided fields for a batch given by value (the cache key), on the host."""
-    cu = torch.frombuffer(bytearray(cu_bytes), dtype=getattr(torch, dtype.removeprefix("torch.")))
-    batch = layout.batch_layout(cu, ulysses, ring, placement_rule(placement))
-    return tuple(getattr(batch, name) for name in _DECIDED)
+def _host_batch(cu_bytes: bytes, ulysses: int, ring: int, placement: str) -> BatchLayout:
+    """The layout of a batch given by value (the cache key: ``cu_seqlens`` as int64 bytes), on
+    the host."""
+    return layout.batch_layout(_from_bytes(cu_bytes), ulysses, ring, placement_rule(placement))
 
 
-@batch_layout_op.register_fake
-def _(cu_seqlens, ulysses, ring, placement, ring_rank, ulysses_rank):
-    per_doc = [cu_seqlens.new_empty(cu_seqlens.shape[0] - 1, dtype=torch.int64) for _ in range(4)]
-    per_rank = [cu_seqlens.new_empty((ring, ulysses), dtype=torch.int64) for _ in range(2)]
-    return (*per_doc, *per_rank, cu_seqlens.new_empty((), dtype=torch.int64),
-            cu_seqlens.new_empty(1, dtype=torch.int64))
+def _from_bytes(cu_bytes: bytes) -> Tensor:
+    return torch.frombuffer(bytearray(cu_bytes), dtype=torch.int64)
 
 
-@torch.library.custom_op("hcp::plan_disagrees", mutates_args=())
-def plan_disagrees(cu_seqlens: Tensor, ulysses: int, ring: int, placement: str) -> Tensor:
-    """``[1]`` int64, 1 when this ``cu_seqlens`` tensor was given to ``shard_plan`` with another
-    mesh shape or placement (a host-side look-up, so an opaque op)."""
+@functools.lru_cache(maxsize=8)
+def _host_sizes(
+    cu_bytes: bytes, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int,
+) -> tuple[Tensor, Tensor]:
+    """For a batch given by value, on the host: the rank's sizes and the batch's fingerprint."""
+    batch = _host_batch(cu_bytes, ulysses, ring, placement)
+    fingerprint = validation.batch_fingerprint(_from_bytes(cu_bytes), list(PLACEMENTS).index(placement))
+    return layout.rank_size_values(batch, ring_rank, ulysses_rank), fingerprint
+
+
+def _plan_disagrees(cu_seqlens: Tensor, ulysses: int, ring: int, placement: str) -> bool:
+    """Whether this ``cu_seqlens`` tensor was given to ``shard_plan`` with another mesh shape
+    or placement."""
     try:
         check_plan_agrees(cu_seqlens, ulysses, ring, placement)
     except validation.InputError:
-        return torch.ones(1, dtype=torch.int64, device=cu_seqlens.device)
-    return torch.zeros(1, dtype=torch.int64, device=cu_seqlens.device)
+        return True
+    return False
 
 
-@plan_disagrees.register_fake
-def _(cu_seqlens, ulysses, ring, placement):
-    return cu_seqlens.new_empty(1, dtype=torch.int64)
+@batch_layout_op.register_fake
+def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens):
+    sizes = 3 + ulysses + 1 + ring  # layout.rank_size_values
+    on_host = torch.empty(_FLAGS + sizes + 1, dtype=torch.int64, device="cpu")
+    return on_host, torch.empty(cu_seqlens_q.shape[0], dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("hcp::raise_if_rejected", mutates_args=())
 def raise_if_rejected(flags: Tensor, sizes: Tensor) -> Tensor:
-    """Raise :class:`InputError` on the host if the agreed ``flags`` reject the batch, else
-    pass ``sizes`` on (the host read it needs is the one the sizes need anyway)."""
+    """Raise :class:`InputError` on the host if the (agreed) ``flags`` reject the batch, else
+    pass ``sizes`` on."""
     *failed, highest, negated_lowest = flags.tolist()
     error = validation.rejected_batch_error(failed, batches_differ=highest != -negated_lowest)
     if error is not None:
@@ -146,7 +170,7 @@ def _(flags, sizes):
 
 def hierarchical_varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, max_seqlen: int | torch.SymInt,
-    batch: tuple[BatchLayout, tuple[int, ...]], *, causal: bool, scale: float,
+    batch: CheckedBatch, *, causal: bool, scale: float,
     window: tuple[int, int], kernel: str, ulysses_group: str, ring_group: str,
     return_lse: bool,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -154,7 +178,7 @@ def hierarchical_varlen_attention(
     laid out by ``shard_plan``; ``batch`` comes from :func:`checked_layout`. The groups are
     given by name so that the call prints as readable code in a dumped graph."""
     groups = groups_from_names(ulysses_group, ring_group)
-    batch_layout, (*values, first_cache_key) = batch
+    *values, first_cache_key = batch.sizes
     for size in values[1:]:
         _check_is_size(size)
     rank_sizes = dataclasses.replace(
@@ -162,11 +186,51 @@ def hierarchical_varlen_attention(
     )
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
-    sched = build_schedule(
-        batch_layout.to(q.device), rank_sizes, max_seqlen, groups.ring_rank, causal=causal, scale=float(scale),
-        window=window, kernel=kernel, skip_outside_window=False, first_cache_key=first_cache_key,
+    steps, windowed = schedule_steps(rank_sizes, groups.ring_size), window != (-1, -1)
+    flat = torch.ops.hcp.schedule_tables(
+        batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
+        groups.ring_rank, groups.ulysses_rank, steps, causal, windowed, values,
+    )
+    sched = assemble_schedule(
+        ScheduleTables.unflat(*flat, rank_sizes, steps, windowed), rank_sizes, max_seqlen, groups.ring_rank,
+        groups.ring_size, causal=causal, scale=float(scale), window=window, kernel=kernel,
+        first_cache_key=first_cache_key,
     )
     return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse)
+
+
+@torch.library.custom_op("hcp::schedule_tables", mutates_args=())
+def schedule_tables_op(
+    cu_on_host: Tensor, device: torch.device, ulysses: int, ring: int, placement: str,
+    ring_rank: int, ulysses_rank: int, steps: int, causal: bool, windowed: bool, sizes: list[int],
+) -> tuple[Tensor, Tensor]:
+    """The tables of rank ``(ring_rank, ulysses_rank)``'s schedule of the batch ``cu_on_host``
+    (:meth:`ScheduleTables.flat`: int32 segmentations, int64 positions), computed on the host
+    once per batch and mask (one copy to ``device`` per call): on a GPU their sorts, scans and
+    searches cost a dozen small kernels per attention call (docs/design.md §5.3). ``sizes``:
+    the rank's sizes as :func:`checked_layout` read them."""
+    tables = _host_schedule_tables(
+        cu_on_host.numpy().tobytes(), ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal,
+        windowed, tuple(sizes),
+    )
+    return tuple(t.to(device, copy=True) for t in tables)
+
+
+@functools.lru_cache(maxsize=16)
+def _host_schedule_tables(
+    cu_bytes: bytes, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int,
+    steps: int, causal: bool, windowed: bool, sizes: tuple[int, ...],
+) -> tuple[Tensor, Tensor]:
+    batch = _host_batch(cu_bytes, ulysses, ring, placement)
+    rank_sizes = layout.rank_sizes(list(sizes), ulysses_rank, ulysses)
+    return schedule_tables(batch, rank_sizes, ring_rank, steps, causal=causal, windowed=windowed).flat()
+
+
+@schedule_tables_op.register_fake
+def _(cu_on_host, device, ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal, windowed, sizes):
+    tables, positions = ScheduleTables.lengths(layout.rank_sizes(sizes, ulysses_rank, ulysses), steps, windowed)
+    return (torch.empty(sum(tables), dtype=torch.int32, device=device),
+            torch.empty(sum(positions), dtype=torch.int64, device=device))
 
 
 def _check_is_size(size: int | torch.SymInt) -> None:

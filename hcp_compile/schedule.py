@@ -67,6 +67,77 @@ class RingSchedule:
     kernel: str
 
 
+@dataclass(frozen=True)
+class ScheduleTables:
+    """The tensors of one rank's schedule, per ring step: the segmentations (int32) and, under
+    a window, the positions of the keys (int64); and the local region's segmentation and the
+    exchange stream's positions. A compiled graph gets them from the host (docs/design.md §5),
+    flattened into one tensor of each dtype (:meth:`flat`, :meth:`lengths`, :meth:`unflat`)."""
+
+    local_cu: Tensor
+    cu_q: tuple[Tensor, ...]
+    cu_k: tuple[Tensor, ...]
+    q_positions: Tensor | None
+    k_positions: tuple[Tensor | None, ...]
+
+    def flat(self) -> tuple[Tensor, Tensor]:
+        """``(segmentations, positions)``: the int32 tables in the order of :meth:`lengths`, and
+        the int64 positions (empty without a window)."""
+        tables = torch.cat([self.local_cu, *(t for pair in zip(self.cu_q, self.cu_k) for t in pair)])
+        windowed = self.q_positions is not None
+        positions = torch.cat([self.q_positions, *self.k_positions]) if windowed else self.local_cu.new_empty(0, dtype=torch.int64)
+        return tables, positions
+
+    @staticmethod
+    def lengths(sizes: RankSizes, steps: int, windowed: bool) -> tuple[list, list]:
+        """The lengths of :meth:`flat`'s parts for a schedule of ``steps`` steps."""
+        tables = [sizes.local_entries + 1]
+        for entries in sizes.step_entries[:steps]:
+            tables += [4 * entries + 1] * 2
+        positions = [sizes.stream] * 2 + [sizes.ring_width] * (steps - 1) if windowed else []
+        return tables, positions
+
+    @classmethod
+    def unflat(cls, tables: Tensor, positions: Tensor, sizes: RankSizes, steps: int, windowed: bool) -> "ScheduleTables":
+        """The inverse of :meth:`flat` (views)."""
+        table_lengths, position_lengths = cls.lengths(sizes, steps, windowed)
+        local_cu, *pairs = tables.split(table_lengths)
+        q_positions, *k_positions = positions.split(position_lengths) if windowed else [None] * (steps + 1)
+        return cls(local_cu, tuple(pairs[0::2]), tuple(pairs[1::2]), q_positions, tuple(k_positions))
+
+
+def schedule_tables(
+    batch: BatchLayout, sizes: RankSizes, ring_rank: int, steps: int, *, causal: bool,
+    windowed: bool,
+) -> ScheduleTables:
+    """The tables of rank ``(ring_rank, sizes.ulysses_rank)``'s first ``steps`` ring steps."""
+    ring = batch.ring
+    own = layout.stream_table(batch, ring_rank)
+    sources = _sources(ring_rank, ring, steps)
+    tables = [own] + [layout.stream_table(batch, src, with_group=False) for src in sources[1:]]
+    lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
+    positions = [
+        layout.stream_tokens(table, src, ring, length).position if windowed else None
+        for table, src, length in zip(tables, sources, lengths)
+    ]
+    step_cu = [
+        _step_tables(own, table, ring_rank, src, ring, layout.step_kind(ring_rank, src, causal), entries)
+        for table, src, entries in zip(tables, sources, sizes.step_entries)
+    ]
+    local_cu = layout.leading_segments(
+        layout.local_segments(batch, ring_rank, sizes.ulysses_rank), sizes.local_entries
+    )
+    return ScheduleTables(local_cu, tuple(q for q, _ in step_cu), tuple(k for _, k in step_cu),
+                          positions[0], tuple(positions))
+
+
+def schedule_steps(sizes: RankSizes, ring: int) -> int:
+    """How many ring steps a schedule has: without a ring section (a batch of short documents)
+    nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
+    keeps every step."""
+    return 1 if isinstance(sizes.ring_width, int) and sizes.ring_width == 0 else ring
+
+
 def build_schedule(
     batch: BatchLayout, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int, *,
     causal: bool, scale: float, window: tuple[int, int], kernel: str, skip_outside_window: bool,
@@ -79,43 +150,49 @@ def build_schedule(
     no keys."""
     ring = batch.ring
     windowed = window != (-1, -1)
-    own = layout.stream_table(batch, ring_rank)
-    # no ring section (a batch of short documents): nothing goes round the ring, so the
-    # schedule has the own step only; a symbolic width (a compiled graph) keeps every step
-    steps = 1 if isinstance(sizes.ring_width, int) and sizes.ring_width == 0 else ring
-    sources = [(ring_rank - s) % ring for s in range(steps)]
-    kinds = [layout.step_kind(ring_rank, src, causal) for src in sources]
-    tables = [own] + [layout.stream_table(batch, src, with_group=False) for src in sources[1:]]
-    lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
-    positions = [
-        layout.stream_tokens(table, src, ring, length).position if windowed else None
-        for table, src, length in zip(tables, sources, lengths)
-    ]
+    steps = schedule_steps(sizes, ring)
+    tables = schedule_tables(batch, sizes, ring_rank, steps, causal=causal, windowed=windowed)
     active = [True] * steps
     if windowed and skip_outside_window and steps > 1:
+        own = layout.stream_table(batch, ring_rank)
         seen = torch.stack([
-            layout.step_sees_any_key(own, table, ring_rank, src, ring, kind, *window)
-            for table, src, kind in zip(tables[1:], sources[1:], kinds[1:])
+            layout.step_sees_any_key(own, layout.stream_table(batch, src, with_group=False), ring_rank, src, ring,
+                                     layout.step_kind(ring_rank, src, causal), *window)
+            for src in _sources(ring_rank, ring, steps)[1:]
         ])
         active = [True, *seen.tolist()]
+    return assemble_schedule(
+        tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window,
+        kernel=kernel, first_cache_key=first_cache_key, active=active,
+    )
+
+
+def assemble_schedule(
+    tables: ScheduleTables, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int,
+    ring: int, *, causal: bool, scale: float, window: tuple[int, int], kernel: str,
+    first_cache_key: int | torch.SymInt | None, active: list[bool] | None = None,
+) -> RingSchedule:
+    """The schedule with the given tables (:func:`build_schedule`'s, or a compiled graph's from
+    the host), one ring step per step of ``tables``; ``active`` (default: all) says which
+    steps compute."""
+    steps = len(tables.cu_q)
+    sources = _sources(ring_rank, ring, steps)
+    active = [True] * steps if active is None else active
 
     def key(slot: int) -> int | torch.SymInt:
         return -1 if first_cache_key is None else first_cache_key + slot
 
-    steps = tuple(
-        RingStep(src, kind, *_step_tables(own, table, ring_rank, src, ring, kind, entries), pos,
-                 bool(on), key(index))
-        for index, (src, kind, table, pos, on, entries) in enumerate(zip(
-            sources, kinds, tables, positions, active, sizes.step_entries
-        ))
-    )
-    local_cu = layout.local_segments(batch, ring_rank, sizes.ulysses_rank)
     return RingSchedule(
         sizes=sizes,
-        local_cu=layout.leading_segments(local_cu, sizes.local_entries),
+        local_cu=tables.local_cu,
         local_cache_key=key(ring),
-        steps=steps,
-        q_positions=positions[0],
+        steps=tuple(
+            RingStep(src, layout.step_kind(ring_rank, src, causal), cu_q, cu_k, positions, bool(on), key(index))
+            for index, (src, cu_q, cu_k, positions, on) in enumerate(zip(
+                sources, tables.cu_q, tables.cu_k, tables.k_positions, active
+            ))
+        ),
+        q_positions=tables.q_positions,
         max_seqlen=layout.step_max_seqlen(max_seqlen, ring),
         causal=causal,
         scale=scale,
@@ -123,6 +200,11 @@ def build_schedule(
         window_right=window[1],
         kernel=kernel,
     )
+
+
+def _sources(ring_rank: int, ring: int, steps: int) -> list[int]:
+    """The ring rank whose keys each step uses: step ``s`` those of ``ring_rank - s``."""
+    return [(ring_rank - s) % ring for s in range(steps)]
 
 
 def cache_keys_needed(ring: int) -> int:

@@ -2,12 +2,12 @@
 message, in one place.
 
 Errors name the argument, say what was expected and how to fix it. The single-device op,
-the eager CP path (``context.py``, on the host), the compiled path at compile time
-(``passes/rewrite.py``: what the graph alone decides) and the compiled path on the device
-(``compiled.checked_layout``: the batch) all call the functions here. A rule checked on the
-device has a tensor form next to its host form and the same message; the device flags carry
-no values, so there the message leaves out what was found. All checks run before any
-collective.
+the eager CP path (``context.py``), the compiled path at compile time (``passes/rewrite.py``:
+what the graph alone decides) and the compiled path when its graph runs
+(``compiled.checked_layout``: the batch) all call the functions here. A rule checked per batch
+by the compiled path has a tensor form next to its plain form and the same message; its flags
+are agreed over the mesh and carry no values, so there the message leaves out what was found.
+All checks run before any collective.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Rule:
 
 
 # --------------------------------------------------------------------------------------------
-# the batch rules: checked on the host (single device, eager CP) and on the device (compiled)
+# the batch rules: checked by every path, by the compiled one when its graph runs
 # --------------------------------------------------------------------------------------------
 
 CU_STARTS_AT_0 = Rule("cu_seqlens", "must start at 0", "prepend a 0")
@@ -75,8 +75,9 @@ SAME_BATCH = Rule(
 
 BATCHES_DIFFER = "another cu_seqlens on some rank (the ranks were given different batches)"
 
-# what the compiled path checks on the device, in the order of its flags (batch_failures)
-DEVICE_RULES = (
+# what the compiled path checks per batch when its graph runs, in the order of its flags
+# (batch_failures)
+BATCH_RULES = (
     CU_STARTS_AT_0, CU_NON_DECREASING, SHARD_TOKENS, SAME_DOCUMENTS, MAX_SEQLEN_COVERS,
     PLANNED_FOR_THIS_MESH,
 )
@@ -121,7 +122,7 @@ def check_shard_tokens(
 def check_same_token_counts(q: Tensor, k: Tensor, v: Tensor) -> None:
     """What a compiled graph decides of :data:`SHARD_TOKENS` at compile time: q, k and v hold
     the same number of tokens (whether it is the rank's count depends on the batch: checked
-    on the device)."""
+    when the graph runs)."""
     counts = (q.shape[0], k.shape[0], v.shape[0])
     if counts[1] != counts[0] or counts[2] != counts[0]:
         raise SHARD_TOKENS.error(f"{counts[0]}, {counts[1]} and {counts[2]} tokens (q, k, v)")
@@ -137,10 +138,10 @@ def batch_failures(
     tokens: Sequence[int | torch.SymInt], max_seqlens: Sequence[int | torch.SymInt],
     plan_differs: Tensor,
 ) -> Tensor:
-    """The tensor form of :data:`DEVICE_RULES`: int64 ``[len(DEVICE_RULES)]``, 1 where a rule
+    """The tensor form of :data:`BATCH_RULES`: int64 ``[len(BATCH_RULES)]``, 1 where a rule
     fails. ``rank_tokens``: the rank's token count under the layout (0-d); ``tokens``: the
     token counts of q, k and v; ``plan_differs``: 1 when the batch was planned for another
-    mesh or placement. Traceable: no host read, no branch on values."""
+    mesh or placement. No branch on values: the flags of every rule, on any device."""
     cu = cu_seqlens_q.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     longest = lengths.max()
@@ -161,16 +162,16 @@ def batch_failures(
 
 
 def rejected_batch_error(failed: Sequence[bool], batches_differ: bool) -> InputError | None:
-    """The error of the device-side check, from its flags agreed over the mesh (None when
-    they accept the batch): every failed rule's message."""
-    messages = [rule.message() for rule, bad in zip(DEVICE_RULES, failed) if bad]
+    """The error of the compiled path's batch check, from its flags agreed over the mesh (None
+    when they accept the batch): every failed rule's message."""
+    messages = [rule.message() for rule, bad in zip(BATCH_RULES, failed) if bad]
     if batches_differ:
         messages.append(SAME_BATCH.message(BATCHES_DIFFER))
     if not messages:
         return None
     return InputError(
         "cu_seqlens: the batch does not match the local shards on some rank of the "
-        "context-parallel mesh (checked on the device, agreed by every rank); failed:\n"
+        "context-parallel mesh (checked when the compiled graph ran, agreed by every rank); failed:\n"
         + "\n".join(f"  - {message}" for message in messages)
     )
 
@@ -198,7 +199,7 @@ def check_cu_seqlens_dtype(cu_seqlens: Tensor, name: str) -> None:
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, token_counts: bool = True) -> None:
     """Ranks, shapes, dtypes and devices of q, k, v. ``token_counts=False`` leaves out the
-    token dim, which a compiled graph knows only when it runs (checked there on the device,
+    token dim, which a compiled graph knows only when it runs (checked then,
     :data:`SHARD_TOKENS`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 3:

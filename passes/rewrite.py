@@ -3,7 +3,7 @@
 Each match becomes one call of :func:`hcp_compile.compiled.hierarchical_varlen_attention`
 (which AOTAutograd traces into all-to-all -> ring -> all-to-all functional collectives and the
 block kernels), preceded, once per ``cu_seqlens``, by :func:`hcp_compile.compiled.checked_layout`:
-the device-side check of the batch, its layout and the read of its sizes. Every output the graph
+the check of the batch, its layout and the read of its sizes when the graph runs. Every output the graph
 used is rewired: the attention output and the logsumexp.
 """
 
@@ -185,7 +185,7 @@ def _rewrite_one(
 
 def _check_static(match: AttentionMatch, q: Any, k: Any, v: Any, groups: CPGroups) -> None:
     """The rules of validation.py that the graph alone decides, raised at compile time on
-    every rank alike (the batch's rules are checked on the device: checked_layout)."""
+    every rank alike (the batch's rules are checked when the graph runs: checked_layout)."""
     with _refusing(match):
         for name, cu in (("cu_seqlens_q", match.call.cu_seqlens_q), ("cu_seqlens_k", match.call.cu_seqlens_k)):
             check_cu_seqlens_dtype(example_value(cu), name)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_cases import cu_seqlens
-from hcp_compile import layout
+from hcp_compile import layout, schedule
 from hcp_compile.placements import PLACEMENTS
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -224,3 +224,27 @@ def test_balanced_is_balanced_on_random_batches_and_never_worse_than_zigzag(batc
     assert pads < 0.02 or pads <= pad_fraction(zigzag, lengths)
     work = imbalance(rank_work(balanced, mesh[0]))
     assert work < 0.05 or work <= imbalance(rank_work(zigzag, mesh[0]))
+
+
+@SETTINGS
+@given(lengths=lengths_st, ulysses=size_st, ring=size_st, placement=placement_st,
+       causal=st.booleans(), windowed=st.booleans())
+def test_schedule_tables_travel_flat_and_come_back_unchanged(lengths, ulysses, ring, placement, causal, windowed):
+    """What a compiled graph gets from the host (``hcp::schedule_tables``): every rank's
+    tables flattened into one tensor per dtype, in the lengths its sizes predict, split back
+    into the same tables."""
+    ranks = build(lengths, ulysses, ring, placement)
+    for index, sizes in enumerate(ranks.sizes):
+        ring_rank = index // ulysses
+        tables = schedule.schedule_tables(ranks.batch, sizes, ring_rank, ring, causal=causal, windowed=windowed)
+        flat = tables.flat()
+        table_lengths, position_lengths = schedule.ScheduleTables.lengths(sizes, ring, windowed)
+        assert (flat[0].dtype, flat[1].dtype) == (torch.int32, torch.int64)
+        assert (flat[0].numel(), flat[1].numel()) == (sum(table_lengths), sum(position_lengths))
+        back = schedule.ScheduleTables.unflat(*flat, sizes, ring, windowed)
+        for name in ("local_cu", "cu_q", "cu_k", "q_positions", "k_positions"):
+            got, expected = getattr(back, name), getattr(tables, name)
+            got, expected = (x if isinstance(x, tuple) else (x,) for x in (got, expected))
+            assert len(got) == len(expected), name
+            for a, b in zip(got, expected):
+                assert (a is None and b is None) or torch.equal(a, b), name
