@@ -56,10 +56,10 @@ _LN2 = math.log(2.0)
 # public kernel_options pass through.
 KERNEL_OPTIONS = {"IS_DIVISIBLE": True}
 # row shapes (query rows, key rows) per compiled function that get a graph specialized on them:
-# on an H200 (torch 2.11) the backward with static rows ran 1.2x faster than with dynamic ones
-# (docs/design.md §8.5). Later shapes share one graph with the rows dynamic, so batches of
-# ever-new sizes compile at most this many graphs + 1, and repeating ones (a fixed packing
-# length, a ring's steps) run specialized.
+# on an H200 (torch 2.11) static rows ran 3-5 % faster than dynamic ones on whole mask blocks
+# (1.2-1.45x before KERNEL_OPTIONS; docs/design.md §8.5). Later shapes share one graph with the
+# rows dynamic, so batches of ever-new sizes compile at most this many graphs + 1, and
+# repeating ones (a fixed packing length, a ring's steps) run specialized.
 STATIC_SHAPES = 4
 
 
