@@ -176,6 +176,38 @@ def test_masks_are_reused_for_a_cache_key_and_rebuilt_without_one():
     assert flex_mask.document_mask(unkeyed, 14, 14) is not flex_mask.document_mask(unkeyed, 14, 14)
 
 
+def test_spec_cache_drops_the_least_recently_used_beyond_its_bytes_but_keeps_the_newest():
+    cache = hc.kernels.contract.SpecCache(capacity=3, max_bytes=100, size_of=len)
+    cu = cu_seqlens((4,))
+    specs = [BlockSpec(cu, cu, 4, 4, True, 1.0, cache_key=hc.kernels.new_cache_key()) for _ in range(5)]
+    builds = []
+
+    def get(index: int, size: int) -> bytes:
+        return cache.get(specs[index], (), lambda: builds.append(index) or b"x" * size)
+
+    get(0, 40), get(1, 40), get(0, 40)  # the third is a hit, and makes 1 the least recent
+    get(2, 40)  # 120 bytes: 1 goes
+    assert builds == [0, 1, 2] and cache.nbytes == 80
+    get(1, 40)
+    assert builds[-1] == 1 and cache.nbytes == 80  # rebuilt; 0 went
+    get(3, 150)  # alone over the budget: everything else goes, the newest stays
+    assert cache.nbytes == 150
+    get(3, 150)
+    assert builds == [0, 1, 2, 1, 3]
+    get(4, 1), get(2, 1)  # 3 goes; then the count: at most 3 entries
+    get(0, 1), get(1, 1)
+    assert builds[-2:] == [0, 1] and cache.nbytes == 3
+
+
+def test_mask_bytes_count_the_block_indices_and_the_row_values():
+    cu = cu_seqlens((100, 156))
+    spec = BlockSpec(cu, cu, 156, 156, True, 1.0)
+    mask = flex_mask.build_document_mask(spec, 256, 256)
+    blocks = 2  # 256 rows of 128
+    # 4 index matrices and 4 count vectors (int32), 4 row vectors (int32)
+    assert flex_mask.mask_bytes(mask) == 4 * 4 * blocks * blocks + 4 * 4 * blocks + 4 * 4 * 256
+
+
 LAYER_WINDOWS = ((-1, -1), (2, 0), (-1, -1), (2, 0))  # layers alternating two masks
 
 

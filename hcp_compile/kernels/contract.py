@@ -95,12 +95,13 @@ class KeysByValue:
 class SpecCache:
     """What a kernel derives from a block's segmentation, kept for the specs that have a
     :attr:`BlockSpec.cache_key` (the layers and the backward of one batch ask for the same
-    blocks), the least recently used dropped beyond ``capacity``; derived per call for the
-    others."""
+    blocks), the least recently used dropped beyond ``capacity`` entries or, with ``size_of``,
+    beyond ``max_bytes`` (the newest entry always stays); derived per call for the others."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple, object] = OrderedDict()
+    def __init__(self, capacity: int, max_bytes: int | None = None, size_of: Callable[[object], int] | None = None):
+        self.capacity, self.max_bytes, self.size_of = capacity, max_bytes, size_of
+        self._entries: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
+        self._bytes = 0
 
     def get(self, spec: BlockSpec, extra: tuple, build: Callable[[], T]) -> T:
         """``build()``, or its earlier result for the same ``cache_key``, mask constants and
@@ -110,11 +111,22 @@ class SpecCache:
         key = (spec.cache_key, spec.causal, spec.window_left, spec.window_right, *extra)
         if key in self._entries:
             self._entries.move_to_end(key)
-            return self._entries[key]
-        value = self._entries[key] = build()
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            return self._entries[key][0]
+        value = build()
+        size = self.size_of(value) if self.size_of is not None else 0
+        self._entries[key] = (value, size)
+        self._bytes += size
+        while len(self._entries) > self.capacity or (
+            self.max_bytes is not None and self._bytes > self.max_bytes and len(self._entries) > 1
+        ):
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
         return value
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the entries kept, as ``size_of`` counts them."""
+        return self._bytes
 
 
 @dataclass(frozen=True)

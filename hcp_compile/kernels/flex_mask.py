@@ -26,9 +26,12 @@ from .contract import BlockSpec, SpecCache
 # the rows of a mask block: what flex's GPU kernels are tiled for
 BLOCK_SIZE = 128
 # masks kept for reuse (a batch needs one per ring step plus the local region and per mask,
-# shared by every layer and by the backward); the least recently used is dropped first
-# (docs/design.md §8.5: the memory this may hold)
+# shared by every layer and by the backward); the least recently used is dropped first once
+# there are more, or once they hold more device memory than CACHE_BYTES (a mask of Tq x Tk rows
+# holds 16 (Tq/128)(Tk/128) bytes of indices: 16 MiB at 131K x 131K, 1 GiB at 1M x 1M;
+# docs/design.md §8.5)
 CACHE_CAPACITY = 64
+CACHE_BYTES = 2 * 2**30
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,13 @@ def build_document_mask(spec: BlockSpec, q_rows: int, k_rows: int, block: int = 
     return DocumentMask(block_mask, buffers, variant)
 
 
-_masks = SpecCache(CACHE_CAPACITY)
+def mask_bytes(mask: DocumentMask) -> int:
+    """The memory a mask holds: its block tensors and its row values."""
+    tensors = [t for t in mask.block_mask.as_tuple() if isinstance(t, Tensor)] + list(mask.buffers)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+_masks = SpecCache(CACHE_CAPACITY, CACHE_BYTES, mask_bytes)
 
 
 def document_mask(spec: BlockSpec, q_rows: int, k_rows: int, key_extra: tuple = ()) -> DocumentMask:
