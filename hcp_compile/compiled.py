@@ -95,12 +95,12 @@ def batch_layout_op(
     keys are given by the batch's values, so the layers and the backward of one batch share
     what kernels derive from a block (flex's masks), while Inductor reuses the graph's
     buffers (§8.1)."""
+    # both 1-D int32 (checked at compile time), read in one copy (one device sync)
     if cu_seqlens_k is cu_seqlens_q:
         host_q = host_k = cu_seqlens_q.to("cpu", torch.int64)
-    else:  # both in one copy (one device sync)
-        both = torch.cat([cu_seqlens_q.to(torch.int64).reshape(-1), cu_seqlens_k.to(torch.int64).reshape(-1)]).cpu()
-        host_q, host_k = both.split([cu_seqlens_q.numel(), cu_seqlens_k.numel()])
-        host_k = host_k.view(cu_seqlens_k.shape)
+    else:
+        both = torch.cat([cu_seqlens_q, cu_seqlens_k]).to("cpu", torch.int64)
+        host_q, host_k = both.split([cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]])
     batch = (host_q.numpy().tobytes(), ulysses, ring, placement, ring_rank, ulysses_rank)
     sizes, fingerprint = _host_sizes(*batch)
     plan_differs = torch.tensor(_plan_disagrees(cu_seqlens_q, ulysses, ring, placement))

@@ -3,7 +3,6 @@ kernel (:class:`BlockRequest`) and what a kernel is (:class:`Kernel`)."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -57,7 +56,7 @@ class BlockSpec:
         return self.window_left >= 0 or self.window_right >= 0
 
 
-_cache_keys = itertools.count()
+_next_cache_key = 0
 _cache_keys_lock = threading.Lock()
 T = TypeVar("T")
 
@@ -65,10 +64,10 @@ T = TypeVar("T")
 def new_cache_key(count: int = 1) -> int:
     """The first of ``count`` consecutive :attr:`BlockSpec.cache_key` values never handed out
     before in this process."""
+    global _next_cache_key
     with _cache_keys_lock:
-        first = next(_cache_keys)
-        for _ in range(count - 1):
-            next(_cache_keys)
+        first = _next_cache_key
+        _next_cache_key += count
     return first
 
 
