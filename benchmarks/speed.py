@@ -49,7 +49,9 @@ beyond what it held before (the inputs), and its ratio to the best one-GPU mode'
 comm = in one profiled step of rank 0, the time some NCCL kernel runs while no other kernel
 does, in ms and in % of the traced step (first kernel start to last kernel end). A failing mode
 (compile error, OOM, unsupported) is a row with its error; the run goes on. The JSON file is
-rewritten after every row, so a run cut short keeps what it measured.
+rewritten after every row, so a run cut short keeps what it measured. ``--trace DIR`` also
+traces the host in the profiled step (of every mode, the one-GPU ones included), keeps each
+rank's trace in DIR and prints the step's span, busy time and top kernels.
 """
 
 from __future__ import annotations
@@ -256,9 +258,9 @@ def exposed_communication(
 ) -> tuple[float | None, float | None]:
     """One fwd+bwd under the profiler on every rank (``alone``: on this one); from rank 0's
     trace, the time some NCCL kernel runs while no other kernel does: ms, and % of the traced
-    step (first kernel start to last kernel end). None on the other ranks. With ``--trace DIR`` the host is traced too,
-    every rank's trace is kept as ``DIR/<name>_rank<r>.json.gz`` and rank 0 prints where its
-    step's time went (:func:`kernel_summary`)."""
+    step (first kernel start to last kernel end). None on the other ranks. With ``--trace DIR``
+    the host is traced too, every rank's trace is kept as ``DIR/<name>_rank<r>.json.gz`` and
+    rank 0 prints where its step's time went (:func:`kernel_summary`)."""
     from torch.profiler import ProfilerActivity, profile
 
     folder = setup.args.trace
