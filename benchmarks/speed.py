@@ -5,6 +5,8 @@ Launch from the repository root, one process per GPU (ulysses A x ring R = the w
     torchrun --nproc-per-node 2 -m benchmarks.speed --ulysses 2 --ring 1
     torchrun --nproc-per-node 2 -m benchmarks.speed --ulysses 1 --ring 2 --workloads W2,W3 --heads gqa
     torchrun --nproc-per-node 1 -m benchmarks.speed --modes one-gpu-flex,one-gpu-flash
+Per-rank memory of 2 ranks on a machine of one GPU (both on cuda:0, over gloo; no speeds):
+    torchrun --nproc-per-node 2 -m benchmarks.speed --share-gpu --ulysses 2 --ring 1
 Merge the JSON files of split runs into one table (efficiencies are recomputed over all rows):
     python -m benchmarks.speed --merge a.json b.json --out all.json --plot all.png
 CPU smoke test of the plumbing (gloo, 512-token batches, the torch kernel; under 2 minutes on
@@ -35,7 +37,8 @@ Modes (``--modes``; default all that apply):
   (``--placements``), eagerly in ``context_parallel`` and with ``torch.compile(backend="hcp")``
   (Inductor on CUDA); the compiled modules are reused across workloads (dynamic shapes). The
   kernel column is the one ``--kernel`` (default auto) resolves to, as hcp resolves it (under a
-  window, flash cannot run a ring step, so auto takes another kernel).
+  window, flash cannot run a ring step, so auto takes another kernel). ``--recompute-exchange
+  on|both`` runs them with hcp's ``recompute_exchange`` option (too, with ``both``).
 - ``torch-native-cp``: ``torch.distributed.tensor.experimental.context_parallel`` (SDPA ring,
   head-tail load balancing) over all ranks, on W1 with MHA only (it knows no documents and no GQA).
 The one-GPU modes run on rank 0 while the other ranks wait at a barrier, so that they are
@@ -45,13 +48,18 @@ Columns: ms = median fwd+bwd of ``--iters`` after ``--warmup`` (for compiled mod
 call, the compile, is the first warm-up; its seconds are first_call_s in the JSON); TF/s per GPU counts only visible pairs (causal,
 inside the window), 7 products of 2·D FLOPs per pair and query head; eff = best one-GPU ms /
 (GPUs x ms); peak GiB = the largest ``max_memory_allocated`` of a rank during the timed steps
-beyond what it held before (the inputs), and its ratio to the best one-GPU mode's; exposed
+beyond what it held before (the inputs), and its ratio to the best one-GPU mode's; saved GiB =
+the largest memory a rank's forward allocates and still holds when it returns (the output and
+what the backward needs: what a model holds per layer until its backward), and its ratio; exposed
 comm = in one profiled step of rank 0, the time some NCCL kernel runs while no other kernel
 does, in ms and in % of the traced step (first kernel start to last kernel end). A failing mode
 (compile error, OOM, unsupported) is a row with its error; the run goes on. The JSON file is
 rewritten after every row, so a run cut short keeps what it measured. ``--trace DIR`` also
 traces the host in the profiled step (of every mode, the one-GPU ones included), keeps each
-rank's trace in DIR and prints the step's span, busy time and top kernels.
+rank's trace in DIR and prints the step's span, busy time and top kernels. ``--share-gpu``
+puts every rank on cuda:0 and runs the collectives over gloo (staged through the host): the
+CP rows then keep their peak memory, which is the same allocations as on one GPU per rank,
+and leave out their times (mesh ``AxR shared``); the one-GPU rows run alone and keep theirs.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ import argparse
 import datetime
 import gc
 import gzip
+import itertools
 import json
 import os
 import platform
@@ -131,26 +140,30 @@ class Row:
     mode: str
     placement: str  # "-" where the mode has none
     kernel: str
-    mesh: str  # "AxR" for hcp, the world size for torch-native-cp, "1" for one GPU
+    mesh: str  # "AxR" for hcp ("AxR shared": --share-gpu), the world size for torch-native-cp, "1" for one GPU
     gpus: int
     ms: float | None = None
     tflops_per_gpu: float | None = None
     efficiency: float | None = None
     peak_gib: float | None = None
     peak_vs_one_gpu: float | None = None
+    saved_gib: float | None = None
+    saved_vs_one_gpu: float | None = None
     exposed_comm_ms: float | None = None
     exposed_comm_pct: float | None = None
     first_call_s: float | None = None
     error: str | None = None
+    recompute_exchange: bool = False  # hcp's option of that name
 
-    def key(self) -> tuple[str, ...]:
-        return self.workload, self.heads, self.mode, self.placement, self.mesh
+    def key(self) -> tuple[str | bool, ...]:
+        return self.workload, self.heads, self.mode, self.placement, self.mesh, self.recompute_exchange
 
 
 @dataclass
 class Measurement:
     ms: float
     peak_gib: float | None = None
+    saved_gib: float | None = None
     exposed_comm_ms: float | None = None
     exposed_comm_pct: float | None = None
     first_call_s: float | None = None
@@ -245,7 +258,20 @@ def measure(
     peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else None
     profiled = profile is not None and cuda and not setup.args.no_profile
     exposed = exposed_communication(fn, inputs, setup, profile, alone) if profiled else (None, None)
-    return Measurement(ms, peak, *exposed, first_call_s)
+    saved = held_after_forward(fn, inputs) if cuda else None
+    return Measurement(ms, peak, saved, *exposed, first_call_s)
+
+
+def held_after_forward(fn: Callable[..., Tensor], inputs: list[Tensor]) -> float:
+    """GiB allocated by one forward and still held when it returns: the output and what the
+    step saved for its backward, which a model holds for every layer until its backward."""
+    before = torch.cuda.memory_allocated()
+    out = fn(*inputs)
+    held = (torch.cuda.memory_allocated() - before) / 2**30
+    out.backward(torch.ones_like(out))
+    for t in inputs:
+        t.grad = None
+    return held
 
 
 def _synchronize(device: torch.device) -> None:
@@ -318,16 +344,16 @@ def record(row: Row, run: Callable[[], Measurement], setup: Setup, *, together: 
         torch.cuda.empty_cache()
     if together and setup.world > 1:
         report = [None] * setup.world
-        dist.all_gather_object(report, (error, measured.peak_gib if measured else None))
+        dist.all_gather_object(report, (error, (measured.peak_gib, measured.saved_gib) if measured else None))
         error = next((e for e, _ in report if e), None)
-        peaks = [p for _, p in report if p is not None]
-        if measured is not None and peaks:
-            measured.peak_gib = max(peaks)
+        if measured is not None and measured.peak_gib is not None:
+            measured.peak_gib, measured.saved_gib = (max(m[i] for _, m in report if m) for i in (0, 1))
     if error is not None:
         row.error = error
     elif measured is not None:
         row.ms = _significant(measured.ms)
         row.peak_gib = None if measured.peak_gib is None else _significant(measured.peak_gib)
+        row.saved_gib = None if measured.saved_gib is None else _significant(measured.saved_gib)
         row.exposed_comm_ms, row.exposed_comm_pct = measured.exposed_comm_ms, measured.exposed_comm_pct
         row.first_call_s = measured.first_call_s
     return row
@@ -421,17 +447,20 @@ class PackedAttention(nn.Module):
 
 
 def hcp_mode(
-    batch: Batch, setup: Setup, placement: str, compiled: Callable[..., Tensor] | None
+    batch: Batch, setup: Setup, placement: str, compiled: Callable[..., Tensor] | None,
+    recompute_exchange: bool,
 ) -> Measurement:
     """hcp on this rank's shard: eagerly in ``context_parallel``, or through ``compiled`` (a
-    compiled :class:`PackedAttention` of the batch's window)."""
+    compiled :class:`PackedAttention` of the batch's window, with the same
+    ``recompute_exchange``)."""
     mesh, args = setup.hcp_mesh(), setup.args
     plan = hcp_compile.shard_plan(batch.cu, mesh, placement=placement)
     local = [plan.shard(t).requires_grad_() for t in batch.qkv]
     profile = trace_name(batch, setup, "hcp-compiled" if compiled is not None else "hcp-eager", placement)
     if compiled is None:
         attend = PackedAttention(batch.workload.window)
-        with hcp_compile.context_parallel(mesh, kernel=args.kernel, placement=placement):
+        with hcp_compile.context_parallel(mesh, kernel=args.kernel, placement=placement,
+                                          recompute_exchange=recompute_exchange):
             return measure(lambda q, k, v: attend(q, k, v, batch.cu, batch.longest), local, setup,
                            profile=profile)
     # the token count, the document count and the longest document vary across workloads:
@@ -447,10 +476,12 @@ def hcp_mode(
     return measure(step, local, setup, first_call=True, profile=profile)
 
 
-def compile_hcp(setup: Setup, placement: str, window: tuple[int, int]) -> Callable[..., Tensor]:
+def compile_hcp(
+    setup: Setup, placement: str, window: tuple[int, int], recompute_exchange: bool,
+) -> Callable[..., Tensor]:
     args = setup.args
     backend = hcp_compile.backend(mesh=setup.hcp_mesh(), placement=placement, kernel=args.kernel,
-                                  inner=args.inner)
+                                  inner=args.inner, recompute_exchange=recompute_exchange)
     return torch.compile(PackedAttention(window), backend=backend, fullgraph=True)
 
 
@@ -488,7 +519,7 @@ def run_benchmark(setup: Setup, selected: list[Workload], on_row: Callable[[Row]
     is measured (on every rank)."""
     for heads in setup.args.heads:
         torch._dynamo.reset()  # drop the previous head configuration's graphs
-        compiled: dict[tuple[str, tuple[int, int]], Callable[..., Tensor]] = {}  # by (placement, window)
+        compiled: dict[tuple, Callable[..., Tensor]] = {}  # by (placement, window, recompute_exchange)
         for workload in selected:
             run_workload(setup, Batch.make(workload, heads, setup), compiled, on_row)
             if setup.device.type == "cuda":
@@ -496,7 +527,7 @@ def run_benchmark(setup: Setup, selected: list[Workload], on_row: Callable[[Row]
 
 
 def run_workload(
-    setup: Setup, batch: Batch, compiled: dict[tuple[str, tuple[int, int]], Callable[..., Tensor]],
+    setup: Setup, batch: Batch, compiled: dict[tuple, Callable[..., Tensor]],
     on_row: Callable[[Row], None],
 ) -> None:
     """The selected modes on one batch: the one-GPU modes on rank 0 alone, then the CP modes."""
@@ -506,9 +537,13 @@ def run_workload(
     flops = batch.flops()
 
     def measured(mode: str, placement: str, kernel: str, mesh: str, gpus: int,
-                 run: Callable[[], Measurement], *, together: bool) -> None:
-        row = record(Row(workload.name, heads, mode, placement, kernel, mesh, gpus), run, setup,
-                     together=together)
+                 run: Callable[[], Measurement], *, together: bool, recompute: bool = False) -> None:
+        shared = args.share_gpu and gpus > 1
+        row = Row(workload.name, heads, mode, placement, kernel, mesh + " shared" * shared, gpus,
+                  recompute_exchange=recompute)
+        row = record(row, run, setup, together=together)
+        if shared:  # the ranks took turns on one GPU: the time is no speed
+            row.ms = row.first_call_s = None
         if row.ms is not None:
             row.tflops_per_gpu = _significant(flops / gpus / row.ms / 1e9)
         on_row(row)
@@ -530,18 +565,19 @@ def run_workload(
                 measured(mode, "-", kernel, "1", 1, lambda run=run: run(batch, setup), together=False)
         dist.barrier()  # the other ranks wait here while rank 0 runs alone
     kernel = hcp_kernel(batch, args.kernel)
-    for placement in args.placements:
+    for placement, recompute in itertools.product(args.placements, args.recompute_exchange):
         for mode in ("hcp-eager", "hcp-compiled"):
             if mode not in args.modes:
                 continue
             function = None
             if mode == "hcp-compiled":
-                key = (placement, workload.window)
+                key = (placement, workload.window, recompute)
                 if key not in compiled:
                     compiled[key] = compile_hcp(setup, *key)
                 function = compiled[key]
             measured(mode, placement, kernel, f"{args.ulysses}x{args.ring}", setup.world,
-                     lambda: hcp_mode(batch, setup, placement, function), together=True)
+                     lambda: hcp_mode(batch, setup, placement, function, recompute), together=True,
+                     recompute=recompute)
     if "torch-native-cp" in args.modes and len(workload.lengths) == 1 and heads == "mha":
         measured("torch-native-cp", "head-tail", "sdpa", str(setup.world), setup.world,
                  lambda: torch_native_cp(batch, setup), together=True)
@@ -557,22 +593,25 @@ def relate(rows: list[Row]) -> None:
             best[key] = row
     for row in rows:
         base = best.get((row.workload, row.heads))
-        ok = base is not None and row.ms is not None
-        row.efficiency = round(base.ms / (row.gpus * row.ms), 3) if ok else None
+        row.efficiency = round(base.ms / (row.gpus * row.ms), 3) if base and row.ms is not None else None
         row.peak_vs_one_gpu = (round(row.peak_gib / base.peak_gib, 2)
-                               if ok and row.peak_gib is not None and base.peak_gib else None)
+                               if base and row.peak_gib is not None and base.peak_gib else None)
+        row.saved_vs_one_gpu = (round(row.saved_gib / base.saved_gib, 2)
+                                if base and row.saved_gib is not None and base.saved_gib else None)
 
 
 def ordered(rows: list[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: (r.workload, list(HEADS).index(r.heads), MODES.index(r.mode),
-                                       r.placement, r.mesh))
+                                       r.placement, r.mesh, r.recompute_exchange))
 
 
 def table(rows: list[Row]) -> str:
-    headers = ["workload", "heads", "mode", "placement", "kernel", "mesh", "ms", "TF/s/GPU", "eff",
-               "peak GiB", "peak/1GPU", "exposed ms", "exposed %", "error"]
-    body = [[r.workload, r.heads, r.mode, r.placement, r.kernel, r.mesh, r.ms, r.tflops_per_gpu,
-             r.efficiency, r.peak_gib, r.peak_vs_one_gpu, r.exposed_comm_ms, r.exposed_comm_pct,
+    headers = ["workload", "heads", "mode", "placement", "recompute", "kernel", "mesh", "ms", "TF/s/GPU",
+               "eff", "peak GiB", "peak/1GPU", "saved GiB", "saved/1GPU", "exposed ms", "exposed %", "error"]
+    body = [[r.workload, r.heads, r.mode, r.placement, "yes" if r.recompute_exchange else "",
+             r.kernel, r.mesh, r.ms, r.tflops_per_gpu,
+             r.efficiency, r.peak_gib, r.peak_vs_one_gpu, r.saved_gib, r.saved_vs_one_gpu,
+             r.exposed_comm_ms, r.exposed_comm_pct,
              (r.error or "")[:60]] for r in ordered(rows)]
     return tabulate(body, headers=headers, missingval="-")
 
@@ -631,7 +670,7 @@ def _label(row: Row) -> str:
     if row.mode in ONE_GPU_MODES:
         return row.mode
     placement = "" if row.mode == "torch-native-cp" else f" {row.placement}"
-    return f"{row.mode}{placement} {row.mesh}"
+    return f"{row.mode}{placement} {row.mesh}" + " recompute" * row.recompute_exchange
 
 
 def metadata(setup: Setup) -> dict:
@@ -668,11 +707,16 @@ def parse_args() -> argparse.Namespace:
                                          "apply; one GPU: the one-GPU modes)")
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
     parser.add_argument("--kernel", default="auto", choices=KERNEL_CHOICES, help="hcp's attention kernel")
+    parser.add_argument("--recompute-exchange", default="off", choices=("off", "on", "both"),
+                        help="the hcp modes' recompute_exchange option; both: a row with each")
     parser.add_argument("--inner", help="the hcp backend's inner compiler (default: inductor on CUDA, "
                                         "aot_eager on CPU)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (exposed comm)")
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="every rank on cuda:0, collectives over gloo: the CP modes' per-rank peak "
+                             "memory on a machine of one GPU, without their times (implies --no-profile)")
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="also trace the host in the profiled step, keep every rank's trace in DIR and "
                              "print where rank 0's step went")
@@ -694,6 +738,11 @@ def parse_args() -> argparse.Namespace:
     if args.modes is not None:
         args.modes = parse_list(args.modes, MODES, "--modes", parser)
     args.inner = args.inner or ("inductor" if args.device == "cuda" else "aot_eager")
+    args.recompute_exchange = {"off": [False], "on": [True], "both": [False, True]}[args.recompute_exchange]
+    if args.share_gpu:
+        if args.device != "cuda":
+            parser.error("--share-gpu shares a GPU: it needs --device cuda")
+        args.no_profile = True  # the exposed communication of ranks taking turns means nothing
     return args
 
 
@@ -713,12 +762,14 @@ def main() -> None:
         report(rows, runs, args)
         return
     cuda = args.device == "cuda"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    local_rank = 0 if args.share_gpu else int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     # plain NCCL: with a mixed cpu/cuda group Inductor cannot tell the collectives' device and
-    # estimates them as free, which leaves its overlap scheduling nothing to hide
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # estimates them as free, which leaves its overlap scheduling nothing to hide (NCCL refuses
+    # two ranks on one GPU: --share-gpu takes gloo)
+    dist.init_process_group("nccl" if cuda and not args.share_gpu else "gloo")
     world = dist.get_world_size()
     args.ulysses = args.ulysses or world // args.ring
     if args.ulysses * args.ring != world:
@@ -739,9 +790,9 @@ def main() -> None:
         write_json(args.out, runs, rows)  # after every row: a run cut short keeps its rows
         result = row.error[:200] if row.error else (
             f"{row.ms} ms, {row.tflops_per_gpu} TF/s per GPU, efficiency {row.efficiency}, "
-            f"peak {row.peak_gib} GiB, exposed comm {row.exposed_comm_ms} ms"
+            f"peak {row.peak_gib} GiB, saved {row.saved_gib} GiB, exposed comm {row.exposed_comm_ms} ms"
             + (f", first call {row.first_call_s} s" if row.first_call_s is not None else ""))
-        setup.say(f"  {row.mode} {row.placement} ({row.kernel}): {result}")
+        setup.say(f"  {row.mode} {row.placement}{' recompute' * row.recompute_exchange} ({row.kernel}): {result}")
 
     setup.say(f"{world} x {runs[0]['device']}, torch {torch.__version__}, mesh ulysses "
               f"{args.ulysses} x ring {args.ring}, modes {args.modes}")

@@ -67,8 +67,15 @@ def add_launch_args(
     parser.add_argument("--ulysses", type=int, default=ulysses, help="Ulysses group size A")
     parser.add_argument("--ring", type=int, default=ring, help="ring size R")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=device)
+    parser.add_argument("--share-gpu", action="store_true", help=SHARE_GPU_HELP)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=dtype)
     parser.add_argument("--seed", type=int, default=0)
+
+
+SHARE_GPU_HELP = (
+    "every rank on cuda:0, over gloo (which stages CUDA tensors through the host): several "
+    "ranks on a machine of one GPU, for correctness and per-rank memory, not for speed"
+)
 
 
 def under_torchrun() -> bool:
@@ -89,6 +96,8 @@ def launch(worker: WorkerFn, args: argparse.Namespace, data: int = 1) -> int:
     ``data``: data-parallel replicas of the context-parallel mesh.
     """
     world = data * args.ulysses * args.ring
+    if args.share_gpu and args.device != "cuda":
+        raise SystemExit("--share-gpu shares a GPU: it needs --device cuda")
     if under_torchrun():
         env_world = int(os.environ["WORLD_SIZE"])
         if env_world != world:
@@ -118,11 +127,11 @@ def _run(
     worker: WorkerFn, args: argparse.Namespace, rank: int, world: int, local_rank: int
 ) -> bool:
     if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", 0 if args.share_gpu else local_rank)
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    backend = "nccl" if args.device == "cuda" and not args.share_gpu else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         return worker(Worker(rank, world, device), args)
@@ -222,7 +231,7 @@ PAD_FILL = 7.0
 
 def context_parallel(
     batch: PackedBatch, mesh, plan: hcp_compile.ShardPlan, causal: bool, kernel: str = "auto",
-    window: tuple[int, int] = (-1, -1),
+    window: tuple[int, int] = (-1, -1), recompute_exchange: bool = False,
 ) -> Result:
     """Hierarchical CP attention on this rank's shards, backward, then unshard everything.
 
@@ -232,7 +241,8 @@ def context_parallel(
 
     Collective: every rank of ``mesh`` must call it."""
     q, k, v = (plan.shard(t, PAD_FILL).requires_grad_() for t in (batch.q, batch.k, batch.v))
-    with hcp_compile.context_parallel(mesh, kernel=kernel, placement=plan.placement):
+    with hcp_compile.context_parallel(mesh, kernel=kernel, placement=plan.placement,
+                                      recompute_exchange=recompute_exchange):
         out = hcp_compile.varlen_attention(
             q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
             causal=causal, window_size=window,

@@ -18,7 +18,7 @@ from .kernels import KERNEL_CHOICES
 from .kernels.cost import estimate_block_runtime_ms
 from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
 from .placements import DEFAULT_PLACEMENT, check_placement
-from .validation import InputError
+from .validation import InputError, check_flags
 
 if TYPE_CHECKING:
     from .passes.hierarchical_cp import GraphDump, HierarchicalCPPass
@@ -51,6 +51,8 @@ class BackendOptions:
         so every graph is traced and written).
     agree_across_ranks: the layout check of each batch is all-reduced over the mesh, so all
         ranks fail together on one rank's bad input (two tiny collectives per batch).
+    recompute_exchange: as in ``context_parallel``: the backward exchanges q, KV and the
+        output again instead of the forward's exchanged copies being saved.
     """
 
     mesh: MeshLike | None = None
@@ -59,6 +61,7 @@ class BackendOptions:
     placement: str = DEFAULT_PLACEMENT
     dump_dir: str | None = None
     agree_across_ranks: bool = True
+    recompute_exchange: bool = False
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
@@ -66,6 +69,7 @@ class BackendOptions:
             raise InputError(f"inner: expected one of {INNER_COMPILERS}, got {self.inner!r}")
         if self.kernel not in KERNEL_CHOICES:
             raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
+        check_flags(self, ("agree_across_ranks", "recompute_exchange"))
 
 
 def parse_options(options: dict[str, Any] | None) -> BackendOptions:
@@ -145,8 +149,7 @@ class HcpBackend:
         groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
         dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV))
         rewrite = HierarchicalCPPass(
-            RewriteConfig(groups, options.kernel, options.agree_across_ranks, options.placement),
-            dump,
+            RewriteConfig.of(groups, options), dump,
         )
         with _data_dependent_sizes(example_inputs):
             if options.inner == "inductor":

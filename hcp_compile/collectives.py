@@ -10,7 +10,7 @@ what runs between issue and wait (the head-group pipeline, docs/design.md §3.6)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,11 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 
+Result = TypeVar("Result")
+
+
 @dataclass(frozen=True)
-class Issued:
+class Issued(Generic[Result]):
     """An exchange issued and not yet waited for. ``wait()`` waits and returns the result: the
     code run between the issue and the wait is what the transfer overlaps, eagerly (the
     collective runs on the backend's stream or thread) and in a traced graph (the collective
@@ -27,24 +30,26 @@ class Issued:
     group of one) the result is ready at once."""
 
     pending: Tensor
-    finish: Callable[[Tensor], Tensor]
+    finish: Callable[[Tensor], Result]
     collective: bool = True
 
-    def wait(self) -> Tensor:
+    def wait(self) -> Result:
         return self.finish(_wait(self.pending) if self.collective else self.pending)
 
 
 def scatter_heads(
     tensors: list[Tensor], group: dist.ProcessGroup, size: int, counts: tuple[int, ...],
-    part: int = 0, parts: int = 1,
-) -> Issued:
+    part: int = 0, parts: int = 1, after: Tensor | None = None,
+) -> Issued[Tensor]:
     """Issue the Ulysses exchange of head group ``part`` of ``parts`` in one all-to-all:
     ``[T_i, H_i, D]`` with all heads, ``T_i`` this rank's entry of ``counts`` (the token count
     of every rank of the group) -> ``[sum(counts), sum(H_i) / (size * parts), D]``, this rank's
     heads of the group (of every tensor, in order) over the tokens of every rank of the group
     in rank order, one contiguous tensor. Rank ``j`` handles heads ``j * H_i / size`` onwards
     of each tensor, and group ``part`` the ``part``-th ``1/parts`` of those (docs/design.md
-    §3.6). The send buffer is packed with one strided copy per tensor."""
+    §3.6). The send buffer is packed with one strided copy per tensor; ``after`` (one element)
+    is written into it first, then overwritten: the copies then depend on it (which a
+    compiler's partitioner sees, docs/design.md §4.1)."""
     tokens, dim = tensors[0].shape[0], tensors[0].shape[2]
     widths = [t.shape[1] // (size * parts) for t in tensors]
     width = sum(widths)
@@ -54,7 +59,7 @@ def scatter_heads(
     send = _pack([
         t.reshape(tokens, size, parts, w, dim)[:, :, part].transpose(0, 1)
         for t, w in zip(tensors, widths)
-    ])
+    ], after)
     stream = (sum(counts), width, dim)
     if size == 1:
         return Issued(send.view(stream), _same, collective=False)
@@ -66,7 +71,7 @@ def scatter_heads(
 
 def gather_heads(
     x: Tensor, group: dist.ProcessGroup, size: int, counts: tuple[int, ...], rank: int,
-) -> Issued:
+) -> Issued[Tensor]:
     """Issue the inverse of :func:`scatter_heads` for ``x`` ``[sum(counts), w, D]``, a head
     group of this rank over the exchange stream: the result is ``[counts[rank], size, w, D]``,
     every Ulysses rank's slice of that group for this rank's tokens (a view of the received
@@ -103,11 +108,13 @@ def _same(x: Tensor) -> Tensor:
     return x
 
 
-def _pack(blocks: list[Tensor]) -> Tensor:
+def _pack(blocks: list[Tensor], after: Tensor | None = None) -> Tensor:
     """Concatenate ``[size, tokens, w_i, D]`` views along dim 2 into one new contiguous
     buffer, one strided copy each (faster than ``torch.cat`` of strided inputs on GPU)."""
     size, tokens, _, dim = blocks[0].shape
     buffer = blocks[0].new_empty((size, tokens, sum(b.shape[2] for b in blocks), dim))
+    if after is not None:  # one element; an empty buffer takes none of it (1 broadcasts to 0)
+        buffer.view(-1)[:1].copy_(after)
     offset = 0
     for block in blocks:
         buffer[:, :, offset : offset + block.shape[2]].copy_(block)
@@ -116,9 +123,12 @@ def _pack(blocks: list[Tensor]) -> Tensor:
 
 
 def gather_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """All-gather along dim 0 in group-rank order (waited)."""
-    gathered = _all_gather(x.contiguous(), 0, group)
-    return funcol.wait_tensor(gathered)
+    """All-gather along dim 0 in group-rank order (waited). Over gloo a CUDA tensor goes
+    through the host: gloo's all-gather of CUDA tensors crashed the process (SIGSEGV, torch
+    2.11, two ranks sharing one H200), while its all-to-all and all-reduce stage them fine."""
+    staged = x.device.type == "cuda" and dist.get_backend(group) == "gloo"
+    gathered = funcol.wait_tensor(_all_gather((x.cpu() if staged else x).contiguous(), 0, group))
+    return gathered.to(x.device) if staged else gathered
 
 
 # all_gather_tensor is deprecated from torch 2.12 on; 2.11 has only that name

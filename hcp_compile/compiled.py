@@ -172,7 +172,7 @@ def hierarchical_varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, max_seqlen: int | torch.SymInt,
     batch: CheckedBatch, *, causal: bool, scale: float,
     window: tuple[int, int], kernel: str, ulysses_group: str, ring_group: str,
-    return_lse: bool,
+    return_lse: bool, recompute_exchange: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """This rank's shard of varlen attention over a packed batch, q/k/v being the local shards
     laid out by ``shard_plan``; ``batch`` comes from :func:`checked_layout`. The groups are
@@ -196,7 +196,7 @@ def hierarchical_varlen_attention(
         groups.ring_size, causal=causal, scale=float(scale), window=window, kernel=kernel,
         first_cache_key=first_cache_key,
     )
-    return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse)
+    return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse, recompute_exchange)
 
 
 @torch.library.custom_op("hcp::schedule_tables", mutates_args=())

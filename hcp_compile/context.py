@@ -40,6 +40,11 @@ class CPOptions:
         ``init_process_group("cpu:gloo,cuda:nccl")``, it does not wait for the GPU). Off:
         checks stay local, which is cheaper, but one rank's bad input can leave the other
         ranks waiting in a collective.
+    recompute_exchange: keep for the backward only what one GPU keeps (the q, k and v shards,
+        the output and the logsumexps) and exchange the exchange regions' q, KV and output
+        again in the backward, in the all-to-all that sends the gradient: a layer's saved
+        tensors per rank fall by the exchanged copies (about the size of its q, k, v and
+        output shards), for about twice the backward's all-to-all bytes (docs/design.md §4.1).
     agreement_timeout_s: how long that agreement waits for the other ranks before it raises
         :class:`hcp_compile.AgreementTimeout` (a rank that skipped the call, e.g. because it
         caught an exception and went on, would leave the others waiting); None: the process
@@ -51,12 +56,14 @@ class CPOptions:
     skip_outside_window: bool = True
     agree_across_ranks: bool = True
     agreement_timeout_s: float | None = None
+    recompute_exchange: bool = False
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
         if self.kernel not in KERNEL_CHOICES:
             raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
         validation.check_timeout(self.agreement_timeout_s, "agreement_timeout_s")
+        validation.check_flags(self, ("skip_outside_window", "agree_across_ranks", "recompute_exchange"))
 
 
 def active_context() -> "ContextParallel | None":
@@ -116,7 +123,7 @@ class ContextParallel:
         # max_seqlen only bounds the kernels' segments: the larger one is right for both
         max_seqlen = max(max_seqlen_q, max_seqlen_k)
         sched = self._schedule(q, cu_seqlens_q, facts, max_seqlen, causal, scale, window, kernel)
-        return HierarchicalAttention.apply(q, k, v, sched, self.groups, False)
+        return HierarchicalAttention.apply(q, k, v, sched, self.groups, False, self.options.recompute_exchange)
 
     def _facts(self, cu_seqlens: Tensor) -> _BatchFacts:
         facts = self._facts_of.get(cu_seqlens)

@@ -50,7 +50,7 @@ def explain(model: nn.Module, *args, plan: ShardPlan | None = None, **options) -
 
     parsed = parse_options(options)
     groups: CPGroups = resolve_groups(parsed.mesh if parsed.mesh is not None else default_mesh())
-    config = RewriteConfig(groups, parsed.kernel, parsed.agree_across_ranks, parsed.placement)
+    config = RewriteConfig.of(groups, parsed)
     graphs, tables = [], []
 
     def record_rewrite(gm: fx.GraphModule, example_inputs):

@@ -117,6 +117,43 @@ def ring_backward(
     return dq.to(q.dtype), torch.cat([ring_dkv.to(kv.dtype), home.to(kv.dtype)])
 
 
+def _repeated_kv(k_x: Tensor, v_x: Tensor, groups: CPGroups) -> tuple[Tensor, Tensor]:
+    """The exchange regions of k and v with each head repeated where the Ulysses group has
+    more ranks than KV heads (every rank then gets one)."""
+    repeat = kv_head_repeat(k_x.shape[1], groups.ulysses_size)
+    if repeat == 1:
+        return k_x, v_x
+    return k_x.repeat_interleave(repeat, dim=1), v_x.repeat_interleave(repeat, dim=1)
+
+
+def _scatter_stream(
+    sent: list[Tensor], ulysses: tuple, part: int, parts: int, carried: Tensor,
+) -> Issued[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Issue the backward's exchange of head group ``part`` when the forward's exchanged
+    tensors were not kept: ``sent`` = the exchange regions of ``[dout, q, out, k, v]``, in one
+    all-to-all. The result is ``(dout_s, q_s, out_s, kv_s)``, views of the received buffer
+    (the kernels take strided rows; contiguous copies would double the group's memory while
+    they are made).
+
+    The gradient goes first: the send buffer's later copies are then written into a buffer
+    that holds it, so they depend on the backward's input. Otherwise a compiler's partitioner
+    computes the copies of q, out, k and v in the forward, which needs only forward values,
+    and saves them: what this mode exists to avoid (the dout element in §4's KV message does
+    the same for the ring, docs/design.md §4.1). Without an exchange only k and v are packed,
+    side by side for the ring as in the forward, after the gradient's element ``carried``."""
+    size = ulysses[1]
+    if size == 1:  # the regions are the stream
+        kv = scatter_heads(sent[3:], *ulysses, part, parts, after=carried)
+        return Issued(kv.pending, lambda kv_s: (*sent[:3], kv.finish(kv_s)), collective=False)
+    widths = [t.shape[1] // (size * parts) for t in sent]
+    issued = scatter_heads(sent, *ulysses, part, parts)
+
+    def unpack(received: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return issued.finish(received).split([*widths[:3], widths[3] + widths[4]], dim=1)
+
+    return Issued(issued.pending, unpack)
+
+
 def _split_regions(x: Tensor, sched: RingSchedule) -> tuple[Tensor, Tensor]:
     """A rank's ``[T, ...]`` tensor -> its local region and its exchange region."""
     sizes = sched.sizes
@@ -140,20 +177,22 @@ class HierarchicalAttention(torch.autograd.Function):
     (:func:`schedule.head_groups`, docs/design.md §3.6), each with its own all-to-alls and its
     own ring: group ``g + 1``'s exchange is issued before group ``g``'s ring computes, and
     group ``g``'s results are sent back as soon as they are computed, so the exchange overlaps
-    the attention; group 0's overlaps the local region's."""
+    the attention; group 0's overlaps the local region's.
+
+    For the backward it saves the shards, the output and the logsumexps; with
+    ``recompute_exchange`` False also every group's exchanged q, KV and output, which the
+    backward otherwise exchanges again, together with the gradient it sends anyway
+    (docs/design.md §4.1)."""
 
     @staticmethod
     def forward(
         ctx, q: Tensor, k: Tensor, v: Tensor, sched: RingSchedule, groups: CPGroups,
-        return_lse: bool,
+        return_lse: bool, recompute_exchange: bool = False,
     ):
         (q_l, q_x), (k_l, k_x), (v_l, v_x) = (_split_regions(t, sched) for t in (q, k, v))
-        ulysses_size = groups.ulysses_size
-        repeat = kv_head_repeat(k.shape[1], ulysses_size)
-        if repeat > 1:
-            k_x, v_x = k_x.repeat_interleave(repeat, dim=1), v_x.repeat_interleave(repeat, dim=1)
-        parts = head_groups(rank_kv_heads(k.shape[1], ulysses_size), ulysses_size)
-        ulysses = (groups.ulysses_group, ulysses_size, sched.sizes.exchange)
+        k_x, v_x = _repeated_kv(k_x, v_x, groups)
+        parts = head_groups(rank_kv_heads(k.shape[1], groups.ulysses_size), groups.ulysses_size)
+        ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
         back = (*ulysses, groups.ulysses_rank)
 
         def scatter(part: int) -> tuple[Issued, Issued]:
@@ -170,16 +209,16 @@ class HierarchicalAttention(torch.autograd.Function):
                 incoming = scatter(part + 1)
             q_s, kv_s = (issued.wait() for issued in arriving)
             out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
-            streams.append((q_s, kv_s, out_s, lse_s))
+            streams.append((lse_s,) if recompute_exchange else (q_s, kv_s, out_s, lse_s))
             # sent back at once
             lse_back = gather_heads(lse_s.t().unsqueeze(-1), *back) if return_lse else None
             outgoing.append((gather_heads(out_s, *back), lse_back))
-        ctx.save_for_backward(q_l, k_l, v_l, out_l, lse_l, *(t for group in streams for t in group))
-        ctx.sched, ctx.groups, ctx.repeat, ctx.parts = sched, groups, repeat, parts
-
         # waited only here, where the output is assembled
         out_x = join_heads([out_back.wait() for out_back, _ in outgoing])
         out = _join_regions(out_l, out_x, sched)
+        # the joined output rather than out_l: the caller's next layer usually keeps it anyway
+        ctx.save_for_backward(q, k, v, out, lse_l, *(t for group in streams for t in group))
+        ctx.sched, ctx.groups, ctx.parts, ctx.recompute = sched, groups, parts, recompute_exchange
         if not return_lse:
             return out
         # the lse travels token-major ([stream, H_s, 1]), as gather_heads exchanges
@@ -190,26 +229,43 @@ class HierarchicalAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, *_grad_lse):
-        q_l, k_l, v_l, out_l, lse_l, *saved = ctx.saved_tensors
-        sched, groups, repeat, parts = ctx.sched, ctx.groups, ctx.repeat, ctx.parts
-        streams = [saved[i : i + 4] for i in range(0, len(saved), 4)]
+        q, k, v, out, lse_l, *saved = ctx.saved_tensors
+        sched, groups, parts, recompute = ctx.sched, ctx.groups, ctx.parts, ctx.recompute
+        repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
         dout = dout.contiguous()
-        dout_l, dout_x = _split_regions(dout, sched)
+        (q_l, q_x), (k_l, k_x), (v_l, v_x), (out_l, out_x), (dout_l, dout_x) = (
+            _split_regions(t, sched) for t in (q, k, v, out, dout)
+        )
         ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
         back = (*ulysses, groups.ulysses_rank)
-        incoming = scatter_heads([dout_x], *ulysses, 0, parts)  # hidden by the local region
-        dq_l, dk_l, dv_l = run_backward(
-            sched.kernel, dout_l, q_l, k_l, v_l, out_l, lse_l, _local_spec(sched)
-        )
         # one value of the rank's whole incoming gradient (whose size is the batch's token
         # count, never data-dependent) for the ring messages to carry
         carried = dout.reshape(-1)[:1]
+        if recompute:
+            sent = [dout_x, q_x, out_x, *_repeated_kv(k_x, v_x, groups)]
+            streams = [(None, None, None, lse_s) for lse_s in saved]
+
+            def scatter(part: int) -> Issued:
+                return _scatter_stream(sent, ulysses, part, parts, carried)
+        else:
+            streams = [saved[i : i + 4] for i in range(0, len(saved), 4)]
+
+            def scatter(part: int) -> Issued:
+                return scatter_heads([dout_x], *ulysses, part, parts)
+
+        incoming = scatter(0)  # hidden by the local region
+        dq_l, dk_l, dv_l = run_backward(
+            sched.kernel, dout_l, q_l, k_l, v_l, out_l, lse_l, _local_spec(sched)
+        )
         outgoing = []
         for part, (q_s, kv_s, out_s, lse_s) in enumerate(streams):
             arriving = incoming
             if part + 1 < parts:  # the next group's exchange overlaps this group's ring
-                incoming = scatter_heads([dout_x], *ulysses, part + 1, parts)
-            dout_s = arriving.wait()
+                incoming = scatter(part + 1)
+            if recompute:
+                dout_s, q_s, out_s, kv_s = arriving.wait()
+            else:
+                dout_s = arriving.wait()
             dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried)
             outgoing.append((gather_heads(dq_s, *back), gather_heads(dkv_s, *back)))
         dq_x = join_heads([dq_back.wait() for dq_back, _ in outgoing])
@@ -217,4 +273,4 @@ class HierarchicalAttention(torch.autograd.Function):
         dk_x = join_heads([dk_s for dk_s, _ in dk_v], repeat)
         dv_x = join_heads([dv_s for _, dv_s in dk_v], repeat)
         grads = (_join_regions(l, x, sched) for l, x in ((dq_l, dq_x), (dk_l, dk_x), (dv_l, dv_x)))
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)

@@ -281,6 +281,15 @@ def check_document_counts(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> None:
         )
 
 
+def check_flags(options: object, names: tuple[str, ...]) -> None:
+    """The options ``names`` of ``options`` are bools (a string such as ``"false"`` would
+    silently count as true)."""
+    for name in names:
+        value = getattr(options, name)
+        if not isinstance(value, bool):
+            raise InputError(f"{name}: expected True or False, got {value!r}")
+
+
 def check_timeout(seconds: float | None, name: str) -> None:
     """An option holding a timeout: seconds > 0, or None for the process group's own."""
     if seconds is None:

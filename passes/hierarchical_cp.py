@@ -76,7 +76,8 @@ class HierarchicalCPPass(CustomGraphPass):
             groups.ring_size, groups.ulysses_rank, groups.ring_rank, groups.device_type,
         )
         config = self.config
-        facts = repr((mesh, config.kernel, config.agree_across_ranks, config.placement, marks_digest()))
+        facts = repr((mesh, config.kernel, config.agree_across_ranks, config.placement,
+                      config.recompute_exchange, marks_digest()))
         return hashlib.sha256((get_hash_for_files(tuple(sources)).hex() + facts).encode()).hexdigest()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import fx
@@ -27,6 +27,9 @@ from hcp_compile.validation import (
 
 from .match import AttentionMatch, UnsupportedAttention
 
+if TYPE_CHECKING:
+    from hcp_compile.backend import BackendOptions
+
 
 @dataclass(frozen=True)
 class RewriteConfig:
@@ -34,6 +37,12 @@ class RewriteConfig:
     kernel: str  # the backend's kernel; a mark's kernel overrides it
     agree_across_ranks: bool
     placement: str
+    recompute_exchange: bool = False
+
+    @classmethod
+    def of(cls, groups: CPGroups, options: BackendOptions) -> "RewriteConfig":
+        return cls(groups, options.kernel, options.agree_across_ranks, options.placement,
+                   options.recompute_exchange)
 
 
 @dataclass(frozen=True)
@@ -160,7 +169,7 @@ def _rewrite_one(
             hierarchical_varlen_attention,
             (call.q, call.k, call.v, max_seqlen, layouts[sizes_key]),
             {"causal": call.causal, "scale": scale, "window": call.window, "kernel": kernel,
-             **names, "return_lse": returns_lse},
+             **names, "return_lse": returns_lse, "recompute_exchange": config.recompute_exchange},
         )
         _copy_provenance(node, attention)
         new_outputs = {call.out_index: attention}

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 scripts/gpu_check.py --ulysses 2 --ring 1
     torchrun --nproc-per-node 2 scripts/gpu_check.py --ulysses 1 --ring 2
     torchrun --nproc-per-node 2 scripts/gpu_check.py --device cpu --dtype float32 --tokens 200
+    torchrun --nproc-per-node 2 scripts/gpu_check.py --share-gpu --ulysses 2 --ring 1   # one GPU
 
 A packed batch (default 65536 real tokens over 20 documents of mixed, partly odd lengths, one
 of them long) runs through ``varlen_attention`` inside ``context_parallel(mesh, kernel=...)``
@@ -19,6 +20,7 @@ and exits non-zero if any configuration fails.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ class Config:
     heads_q: int
     heads_kv: int
     causal: bool
+    recompute_exchange: bool = False
 
     @property
     def gqa(self) -> bool:
@@ -75,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
                         help="CP kernel (default: flash on cuda, torch on cpu); the single-device "
                              "reference runs kernel='auto'")
+    parser.add_argument("--recompute-exchange", action="store_true",
+                        help="also run every configuration with context_parallel(recompute_exchange=True)")
     parser.add_argument("--fp32-ref-max-tokens", type=int, default=QUICK_TOKENS,
                         help="also compare with a float32 reference up to this many tokens")
     args = parser.parse_args(argv)
@@ -98,17 +103,19 @@ def check(
     """One configuration: its result row and, if wanted, its float32 row on rank 0; None
     elsewhere."""
     window = tuple(args.window)
-    result = context_parallel(batch, mesh, plan, cfg.causal, kernel=args.kernel, window=window)
+    result = context_parallel(batch, mesh, plan, cfg.causal, kernel=args.kernel, window=window,
+                              recompute_exchange=cfg.recompute_exchange)
     if me.rank != 0:
         return None
     reference = single_device(batch, cfg.causal, window=window)
     cmp = compare(result, reference, tolerance(DTYPES[args.dtype], cfg.gqa))
-    row = [plan.placement, cfg.heads, cfg.causal, *cmp.errors.values(), cmp.tol, cmp.ratio,
+    row = [plan.placement, cfg.heads, cfg.causal, cfg.recompute_exchange, *cmp.errors.values(), cmp.tol, cmp.ratio,
            cmp.pad_max, "PASS" if cmp.ok else "FAIL"]
     fp32_row = None
     if wants_fp32_reference(args):
         exact = single_device(batch, cfg.causal, dtype=torch.float32, window=window)
-        fp32_row = [plan.placement, cfg.heads, cfg.causal, *_pair_errors(result, reference, exact)]
+        fp32_row = [plan.placement, cfg.heads, cfg.causal, cfg.recompute_exchange,
+                    *_pair_errors(result, reference, exact)]
     return row, fp32_row
 
 
@@ -132,9 +139,9 @@ def report(
         title,
         f"doc lengths: {lengths}",
         "max abs error of CP vs single-device attention (same dtype and kernel):",
-        tabulate(rows, headers=["placement", "heads q/kv", "causal", *GRADIENTS, "tol",
+        tabulate(rows, headers=["placement", "heads q/kv", "causal", "recompute", *GRADIENTS, "tol",
                                 "worst/bound", "pad |max|", "result"],
-                 floatfmt=("", "", "", ".2e", ".2e", ".2e", ".2e", "g", ".3f", "g", "")),
+                 floatfmt=("", "", "", "", ".2e", ".2e", ".2e", ".2e", "g", ".3f", "g", "")),
         "tol: atol = rtol (README, Tolerances); worst/bound: max |err| / (tol + tol |ref|) over "
         "all four tensors, <= 1 passes (torch.testing.assert_close's criterion); NaN/Inf fail; "
         "pad |max|: largest |value| of the local output and gradients on pad rows (inputs and "
@@ -143,7 +150,7 @@ def report(
     if fp32_rows:
         parts += [
             "max abs error vs a float32 reference (torch kernel), CP / single-device:",
-            tabulate(fp32_rows, headers=["placement", "heads q/kv", "causal", *GRADIENTS]),
+            tabulate(fp32_rows, headers=["placement", "heads q/kv", "causal", "recompute", *GRADIENTS]),
         ]
     return "\n\n".join(parts) + "\n"
 
@@ -166,8 +173,10 @@ def worker(me: Worker, args: argparse.Namespace) -> bool:
         )
         for placement in args.placement:
             plan = hcp_compile.shard_plan(batch.cu_seqlens, mesh, placement=placement)
-            for causal in (True, False):
-                checked = check(me, args, mesh, plan, batch, Config(args.heads_q, heads_kv, causal))
+            recomputes = (False, True) if args.recompute_exchange else (False,)
+            for causal, recompute in itertools.product((True, False), recomputes):
+                config = Config(args.heads_q, heads_kv, causal, recompute)
+                checked = check(me, args, mesh, plan, batch, config)
                 if checked is not None:
                     row, fp32_row = checked
                     rows.append(row)

@@ -28,10 +28,13 @@ from torch import Tensor, fx, nn
 from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
 import hcp_compile as hc
-from cp_cases import AttentionCase, World, cu_seqlens, seeded, shard_with_garbage_pads
+from cp_cases import (
+    AttentionCase, World, cu_seqlens, saved_besides, saved_for_backward, seeded, shard_with_garbage_pads,
+)
 from distributed import WORLD_DIR_ENV
 
 COMPILE_MESHES = ((2, 2), (1, 4), (4, 1))  # (ulysses, ring)
+RECOMPUTE_MESHES = ((2, 2), (1, 4))  # the meshes whose compiled attention cases include recompute_exchange
 ERROR_MESH = (2, 2)
 INDUCTOR_MESH = (2, 2)
 SUITE = "compile_cases"
@@ -219,16 +222,19 @@ class VarlenAttention(nn.Module):
 
 def run_attention(batch: AttentionCase, world: World, attend: Callable) -> dict:
     """Forward and backward of ``attend(q, k, v, cu, max_seqlen)`` on the batch's shards
-    (garbage in the pads, as in ``cp_cases``); local results and where the rows come from."""
+    (garbage in the pads, as in ``cp_cases``); local results, where the rows come from, and
+    the saved tensors with a head dimension that are not q, k, v or the output."""
     cu = cu_seqlens(batch.lengths)
     plan = hc.shard_plan(cu, world.mesh, placement=batch.placement)
     x = batch.inputs()
     q, k, v = (shard_with_garbage_pads(plan, x[n], f"{batch.id}/{n}", world.rank).requires_grad_()
                for n in ("q", "k", "v"))
-    out = attend(q, k, v, cu, max(batch.lengths))
+    with saved_for_backward() as saved:
+        out = attend(q, k, v, cu, max(batch.lengths))
     out.backward(shard_with_garbage_pads(plan, x["dout"], f"{batch.id}/dout", world.rank))
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "global_index": plan.global_index, "local_tokens": plan.local_tokens}
+            "global_index": plan.global_index, "local_tokens": plan.local_tokens,
+            "saved_besides_inputs": saved_besides(saved, (q, k, v, out))}
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,7 @@ class CompiledAttentionCase:
     dump: bool = False
     placement: str = "balanced"
     kernel: str = "auto"
+    recompute_exchange: bool = False
 
     @property
     def id(self) -> str:
@@ -270,7 +277,8 @@ class CompiledAttentionCase:
         dump = shared_dir(f"dump-{self.id}") if self.dump and world.rank == 0 else None
         counter = CompileCounter(hc.backend(mesh=world.mesh, inner=self.inner,
                                             dump_dir=str(dump) if dump else None,
-                                            placement=self.placement, kernel=self.kernel))
+                                            placement=self.placement, kernel=self.kernel,
+                                            recompute_exchange=self.recompute_exchange))
         module = VarlenAttention(self.causal, self.scale, self.window)
         compiled = torch.compile(module, backend=counter, dynamic=self.dynamic, fullgraph=True)
         result: dict = {"graphs_after": []}
@@ -278,7 +286,8 @@ class CompiledAttentionCase:
             got = run_attention(batch, world, compiled)
             result["graphs_after"].append(counter.graphs)
             if self.eager:
-                with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel):
+                with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel,
+                                         recompute_exchange=self.recompute_exchange):
                     eager = run_attention(batch, world, module)
                 got.update({f"eager_{n}": eager[n] for n in ("out", "dq", "dk", "dv")})
             result.update({f"{index}/{n}": value for n, value in got.items()})
@@ -307,7 +316,12 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     heads_kv, name = (1, "mqa") if full else (4, "mha")
     # the windowed case runs flex, the one kernel that caches per block (its masks): ring
     # steps under a window, batch after batch, with the cache keys read from each batch
+    # recompute_exchange on FULL_MESH, where GQA 8/4 makes two head groups, each exchanged
+    # again, and on 1 x 4, where there is no exchange and only the ring's KV is packed again
+    recompute = [CompiledAttentionCase("gqa-recompute-exchange", ("mixed",), 8, 4, True,
+                                       recompute_exchange=True)] if mesh in RECOMPUTE_MESHES else []
     return [
+        *recompute,
         CompiledAttentionCase("gqa-causal-batches", ("mixed", "mixed-permuted", "four", *single),
                               4, 2, True),
         CompiledAttentionCase(f"{name}-full-window-scale-zigzag-flex", automatic, 4, heads_kv, False,

@@ -8,10 +8,11 @@ regenerate the same seeded inputs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import zlib
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -117,17 +118,20 @@ class AttentionCase:
 
     def attend(self, world: World, cu: Tensor, max_seqlen: int) -> dict:
         """Forward and backward of this case's inputs, sharded with garbage in the pads, in the
-        active context; returns the local results and where the local rows come from."""
+        active context; returns the local results, where the local rows come from, and the
+        shapes of the tensors saved for the backward that are not q, k, v or the output."""
         plan = hc.shard_plan(cu, world.mesh, placement=self.placement)
         x = self.inputs()
         q, k, v = (shard_with_garbage_pads(plan, x[n], f"{self.id}/{n}", world.rank).requires_grad_()
                    for n in ("q", "k", "v"))
-        out = hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen + self.max_seqlen_k_slack,
-                                  causal=self.causal, softmax_scale=self.scale, window_size=self.window)
+        with saved_for_backward() as saved:
+            out = hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen + self.max_seqlen_k_slack,
+                                      causal=self.causal, softmax_scale=self.scale, window_size=self.window)
         out.backward(shard_with_garbage_pads(plan, x["dout"], f"{self.id}/dout", world.rank))
         return {
             "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
             "global_index": plan.global_index, "unsharded_out": plan.unshard(out.detach()),
+            "saved_besides_inputs": saved_besides(saved, (q, k, v, out)),
         }
 
 
@@ -170,6 +174,46 @@ class GroupPairCase(AttentionCase):
 
 
 @dataclass(frozen=True)
+class RecomputeExchangeCase(AttentionCase):
+    """The same attention with ``context_parallel(recompute_exchange=True)``: the backward
+    exchanges q, KV and the output again instead of the forward saving its exchanged copies."""
+
+    @property
+    def id(self) -> str:
+        return f"recompute-exchange-{super().id}"
+
+    @property
+    def default_case(self) -> AttentionCase:
+        return AttentionCase(**{f.name: getattr(self, f.name) for f in fields(AttentionCase)})
+
+    def run(self, world: World) -> dict:
+        with hc.context_parallel(world.mesh, placement=self.placement, recompute_exchange=True):
+            return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
+
+
+@contextlib.contextmanager
+def saved_for_backward() -> Iterator[list[Tensor]]:
+    """The tensors autograd saves for the backward inside the block, in a list."""
+    saved: list[Tensor] = []
+
+    def pack(t: Tensor) -> Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def saved_besides(saved: list[Tensor], owners: tuple[Tensor, ...]) -> list[tuple[int, ...]]:
+    """Shapes of the saved float tensors with a head dimension (3-D: exchanged q, KV or
+    outputs, not the 2-D logsumexps or 1-D tables) whose memory is not one of ``owners``'."""
+    owned = {t.untyped_storage().data_ptr() for t in owners}
+    return [tuple(t.shape) for t in saved
+            if t.is_floating_point() and t.dim() >= 3 and t.numel() > 0
+            and t.untyped_storage().data_ptr() not in owned]
+
+
+@dataclass(frozen=True)
 class SmallQueryBlockCase(AttentionCase):
     """The same attention with the plain kernel cutting every ring step's queries into blocks
     of 3 rows, so blocks start and end inside and between the step's segments."""
@@ -185,6 +229,16 @@ class SmallQueryBlockCase(AttentionCase):
             return super().run(world)
         finally:
             torch_kernel.QUERY_BLOCK = saved
+
+
+def recompute_exchange_cases() -> list[RecomputeExchangeCase]:
+    """Each the counterpart of a case of :func:`attention_cases` (its ``default_case``)."""
+    return [
+        RecomputeExchangeCase("many", 4, 2, True),
+        RecomputeExchangeCase("long", 4, 1, True),  # MQA: KV heads repeated on ulysses >= 2
+        RecomputeExchangeCase("long", 4, 2, True, placement="zigzag"),
+        RecomputeExchangeCase("mixed", 4, 2, False, (3, 5)),
+    ]
 
 
 def shard_with_garbage_pads(plan: hc.ShardPlan, x: Tensor, name: str, rank: int) -> Tensor:
@@ -211,6 +265,7 @@ def attention_cases() -> list[AttentionCase]:
         InPlaceUpdateCase("16.0", 4, 2, True),
         GroupPairCase("mixed", 4, 2, True),
         SmallQueryBlockCase("mixed", 4, 2, True, (4, 0)),
+        *recompute_exchange_cases(),
         SmallQueryBlockCase("long", 4, 1, False),
         *(AttentionCase("many", 4, 2, causal, window) for causal, window in MASKS.values()),
         AttentionCase("many", 4, 1, True, placement="zigzag"),

@@ -24,7 +24,7 @@ from checks import (
     EAGER_TOL, RESULTS, assert_compiled_rank_matches, assert_matches, expected_for, local_rows,
 )
 from compile_cases import (
-    COMPILE_MESHES, ERROR_MESH, FULL_MESH, INDUCTOR_CASE, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
+    COMPILE_MESHES, ERROR_MESH, FULL_MESH, INDUCTOR_CASE, RECOMPUTE_MESHES, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
     INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, HeadsNotDivisibleCase,
     ModelCase, attention_cases, error_cases, explain_cases, fresh_class,
     model_cases, table_counts, text_collectives, torch_varlen_cases,
@@ -111,6 +111,18 @@ def test_dynamic_shapes_reuse_one_graph_for_new_batches(cp_world, mesh):
         assert graphs[:3] == [1, 1, 1], f"rank {rank}: graphs compiled after each batch {graphs}"
         single = graphs[3:]  # after the single-document batches (FULL_MESH)
         assert single in ([], [1, 1], [2, 2]), f"rank {rank}: graphs compiled {graphs}"
+
+
+@pytest.mark.parametrize("mesh", RECOMPUTE_MESHES, ids=mesh_id)
+def test_compiled_recompute_exchange_saves_only_the_inputs_and_output(cp_world, mesh):
+    """As eagerly (test_cp_attention): the compiled forward keeps no exchanged q, KV or output
+    for the backward with recompute_exchange, and keeps them without it."""
+    cases = {c.name: c for c in attention_cases(mesh)}
+    world = compile_world(cp_world, mesh)
+    lean, full = (world.values(cases[name].id) for name in ("gqa-recompute-exchange", "gqa-causal-batches"))
+    for rank, lean_rank in enumerate(lean):
+        assert lean_rank["0/saved_besides_inputs"] == [], f"rank {rank}: {lean_rank['0/saved_besides_inputs']}"
+    assert any(full_rank["0/saved_besides_inputs"] for full_rank in full), "the default saved no exchanged copy"
 
 
 def test_automatic_dynamic_recompiles_once(cp_world):

@@ -4,7 +4,7 @@ output and q/k/v gradients of every rank's shard, pads exactly zero (docs/design
 import pytest
 
 from checks import assert_matches, expected_for, local_rows
-from cp_cases import MESHES, SHORT_DOCS, attention_cases, mesh_id, traffic_cases
+from cp_cases import MESHES, SHORT_DOCS, attention_cases, mesh_id, recompute_exchange_cases, traffic_cases
 
 CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
          for mesh in MESHES for case in attention_cases()]
@@ -20,6 +20,20 @@ def test_cp_attention_matches_single_device_reference(cp_world, mesh, case):
             assert_matches(got, local_rows(reference[name], index), f"rank {rank} {name}")
             assert (got[index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
         assert_matches(result["unsharded_out"], reference["out"], f"rank {rank} unshard(out)")
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=mesh_id)
+def test_recompute_exchange_saves_only_the_inputs_and_output(cp_world, mesh):
+    """With recompute_exchange, the forward saves no tensor with a head dimension other than
+    q, k, v and the output (the lse are 2-D); without it, a batch whose document crosses
+    ranks saves the exchanged copies, which the probe sees."""
+    world = cp_world(mesh)
+    for case in recompute_exchange_cases():
+        default = case.default_case
+        for rank, (lean, full) in enumerate(zip(world.values(case.id), world.values(default.id))):
+            assert lean["saved_besides_inputs"] == [], f"rank {rank} {case.id}: {lean['saved_besides_inputs']}"
+            if case.docs == "long":
+                assert full["saved_besides_inputs"], f"rank {rank} {default.id}: saved no exchanged copy"
 
 
 TRAFFIC = [pytest.param(mesh, id=mesh_id(mesh)) for mesh in MESHES]

@@ -3,6 +3,8 @@ single rank gets invalid input, the others raise a RuntimeError pointing at anot
 
 import pytest
 
+import hcp_compile as hc
+
 from checks import assert_raised
 from cp_cases import ERROR_MESH, MESHES, ONE_BAD_RANK, error_cases, mesh_id
 
@@ -19,3 +21,10 @@ def test_invalid_input_raises_on_every_rank(cp_world, mesh, case):
             assert_raised(record, case.error, case.match, f"rank {rank}")
         else:
             assert_raised(record, RuntimeError, "another rank", f"rank {rank}")
+
+
+@pytest.mark.parametrize("name", ["skip_outside_window", "agree_across_ranks", "recompute_exchange"])
+def test_flag_options_must_be_bools(name):
+    """A string such as "false" would silently count as true."""
+    with pytest.raises(hc.InputError, match=f"{name}: expected True or False, got 'false'"):
+        hc.CPOptions(**{name: "false"})

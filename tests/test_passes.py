@@ -561,6 +561,8 @@ def test_backend_entry_point_is_registered():
     ({"meshh": None}, "options: unknown ['meshh'] for the hcp backend; expected some of"),
     ({"inner": "tvm"}, "inner: expected one of ('inductor', 'aot_eager', 'eager'), got 'tvm'"),
     ({"kernel": "fast"}, "kernel: expected one of"),
+    ({"recompute_exchange": "false"}, "recompute_exchange: expected True or False, got 'false'"),
+    ({"agree_across_ranks": 0}, "agree_across_ranks: expected True or False, got 0"),
 ])
 def test_invalid_backend_options_raise(options, message):
     with pytest.raises(hc.InputError) as raised:

@@ -1,12 +1,15 @@
 """The trace arithmetic behind benchmarks.speed's exposed-communication column and its
-``--trace`` summary."""
+``--trace`` summary, and how its rows relate to the one-GPU row."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package
 
+from dataclasses import replace  # noqa: E402
+
 from benchmarks.common import exposed_length, kernel_intervals, kernel_summary, union_intervals  # noqa: E402
+from benchmarks.speed import Row, relate  # noqa: E402
 
 
 def test_union_merges_overlapping_and_touching_intervals():
@@ -52,3 +55,14 @@ def test_kernel_summary_counts_busy_time_and_ranks_kernels_by_time():
     assert lines[1].split() == ["2.000", "ms", "2x", "copy"]
     assert lines[2].split() == ["2.000", "ms", "1x", "attention"]
     assert len(lines) == 3
+
+
+def test_memory_ratios_need_no_time_and_the_recompute_option_keys_its_own_row():
+    """A --share-gpu row has no time (so no efficiency) but its memory ratios; rows with and
+    without recompute_exchange are distinct (merged files keep both)."""
+    one_gpu = Row("W1-128K", "gqa", "one-gpu-flex", "-", "flex", "1", 1, ms=100.0, peak_gib=4.0, saved_gib=1.0)
+    shared = Row("W1-128K", "gqa", "hcp-eager", "balanced", "dense", "2x1 shared", 2, peak_gib=5.0,
+                 saved_gib=0.5, recompute_exchange=True)
+    relate([one_gpu, shared])
+    assert (shared.efficiency, shared.peak_vs_one_gpu, shared.saved_vs_one_gpu) == (None, 1.25, 0.5)
+    assert replace(shared, recompute_exchange=False).key() != shared.key()
