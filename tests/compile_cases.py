@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import re
 from collections.abc import Iterator
@@ -32,6 +33,8 @@ from cp_cases import (
     AttentionCase, World, cu_seqlens, saved_besides, saved_for_backward, seeded, shard_with_garbage_pads,
 )
 from distributed import WORLD_DIR_ENV
+
+BACKEND_MODULE = importlib.import_module("hcp_compile.backend")  # hc.backend is the function
 
 COMPILE_MESHES = ((2, 2), (1, 4), (4, 1))  # (ulysses, ring)
 RECOMPUTE_MESHES = ((2, 2), (1, 4))  # the meshes whose compiled attention cases include recompute_exchange
@@ -260,6 +263,7 @@ class CompiledAttentionCase:
     placement: str = "balanced"
     kernel: str = "auto"
     recompute_exchange: bool = False
+    inductor_decompositions: bool = False  # see inductor_decompositions()
 
     @property
     def id(self) -> str:
@@ -271,6 +275,10 @@ class CompiledAttentionCase:
                 for docs in self.docs]
 
     def run(self, world: World) -> dict:
+        with inductor_decompositions() if self.inductor_decompositions else contextlib.nullcontext():
+            return self._run(world)
+
+    def _run(self, world: World) -> dict:
         fresh_dynamo()
         if self.inner == "inductor":
             torch._inductor.config.compile_threads = 1  # no compile pool per rank on 2 cores
@@ -298,6 +306,25 @@ class CompiledAttentionCase:
         return result
 
 
+@contextlib.contextmanager
+def inductor_decompositions() -> Iterator[None]:
+    """The backend's ``aot_eager`` inner compiler with Inductor's decompositions: the joint
+    graph that Inductor's partitioner cuts (where, e.g., each copy into a send buffer is a node
+    of its own, which the partitioner may move into the forward: docs/design.md §4.1), without
+    Inductor's code generation, which costs minutes per world on 2 cores."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    plain = BACKEND_MODULE._aot_eager
+
+    def decomposing(dump):
+        compiler = plain(dump)
+        compiler.kwargs["decompositions"] = select_decomp_table()
+        return compiler
+
+    with mock.patch.object(BACKEND_MODULE, "_aot_eager", decomposing):
+        yield
+
+
 def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     """Every mesh compiles both placements, causal and full masks, a window and a scale, GQA
     and MQA or MHA, paired up in two cases: the eager suite runs every combination on every
@@ -319,7 +346,8 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     # recompute_exchange on FULL_MESH, where GQA 8/4 makes two head groups, each exchanged
     # again, and on 1 x 4, where there is no exchange and only the ring's KV is packed again
     recompute = [CompiledAttentionCase("gqa-recompute-exchange", ("mixed",), 8, 4, True,
-                                       recompute_exchange=True)] if mesh in RECOMPUTE_MESHES else []
+                                       recompute_exchange=True, inductor_decompositions=True)
+                 ] if mesh in RECOMPUTE_MESHES else []
     return [
         *recompute,
         CompiledAttentionCase("gqa-causal-batches", ("mixed", "mixed-permuted", "four", *single),

@@ -206,10 +206,12 @@ def saved_for_backward() -> Iterator[list[Tensor]]:
 
 def saved_besides(saved: list[Tensor], owners: tuple[Tensor, ...]) -> list[tuple[int, ...]]:
     """Shapes of the saved float tensors with a head dimension (3-D: exchanged q, KV or
-    outputs, not the 2-D logsumexps or 1-D tables) whose memory is not one of ``owners``'."""
+    outputs, not the 2-D logsumexps or 1-D tables) whose memory is not one of ``owners``'.
+    All-zero tensors do not count: a partitioner computes constants such as the gradients'
+    zero pad rows in the forward and saves them, which holds no exchanged data."""
     owned = {t.untyped_storage().data_ptr() for t in owners}
     return [tuple(t.shape) for t in saved
-            if t.is_floating_point() and t.dim() >= 3 and t.numel() > 0
+            if t.is_floating_point() and t.dim() >= 3 and bool(t.any())
             and t.untyped_storage().data_ptr() not in owned]
 
 
