@@ -32,7 +32,7 @@ from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, sche
 def checked_layout(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tokens: tuple[int | torch.SymInt, ...],
     max_seqlens: tuple[int | torch.SymInt, ...], *, ulysses_group: str, ring_group: str,
-    placement: str, agree: bool,
+    placement: str, agree: bool, recompute_exchange: bool = False,
 ) -> "CheckedBatch":
     """Check the batch and return what every attention call of it in the graph reuses: this
     rank's sizes (the values of :func:`layout.rank_size_values`) and the first cache key of
@@ -44,12 +44,14 @@ def checked_layout(
     and checks :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a
     fingerprint of ``cu_seqlens`` are all-reduced over the mesh first (on the device, where
     the groups' collectives run), so every rank raises together (also when the ranks were
-    given different batches) instead of some ranks waiting in the next collective; reading
-    the agreed verdict is the second and last host read of the batch."""
+    given different batches, or differ in ``placement`` or ``recompute_exchange``: the
+    fingerprint's salt) instead of some ranks waiting in the next collective; reading the
+    agreed verdict is the second and last host read of the batch."""
     groups = groups_from_names(ulysses_group, ring_group)
+    salt = validation.fingerprint_salt(list(PLACEMENTS).index(placement), recompute_exchange)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
-        groups.ulysses_rank, list(tokens), list(max_seqlens),
+        groups.ulysses_rank, list(tokens), list(max_seqlens), salt,
     )
     verdict, sizes = on_host.split([_FLAGS, on_host.shape[0] - _FLAGS])
     agreeing = agreeing_groups(groups) if agree else []
@@ -78,7 +80,7 @@ _FLAGS = len(validation.BATCH_RULES) + 2
 @torch.library.custom_op("hcp::batch_layout", mutates_args=())
 def batch_layout_op(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, ulysses: int, ring: int, placement: str,
-    ring_rank: int, ulysses_rank: int, tokens: list[int], max_seqlens: list[int],
+    ring_rank: int, ulysses_rank: int, tokens: list[int], max_seqlens: list[int], salt: int,
 ) -> tuple[Tensor, Tensor]:
     """One batch on the host, once per call: ``(on_host, cu_on_host)``, int64 CPU tensors.
 
@@ -86,7 +88,7 @@ def batch_layout_op(
     (:func:`layout.rank_size_values` of :func:`layout.batch_layout`) and the first of the cache
     keys that name its segmentations of this batch. The verdict: a flag per rule of
     :data:`validation.BATCH_RULES` (``tokens``: q, k and v's token counts, ``max_seqlens``:
-    both ``max_seqlen``), a fingerprint of ``cu_seqlens_q`` and its negation. ``cu_on_host``:
+    both ``max_seqlen``), a fingerprint of ``cu_seqlens_q`` (with ``salt``) and its negation. ``cu_on_host``:
     a CPU copy of ``cu_seqlens_q``, from which ``hcp::schedule_tables`` derives the schedules.
 
     On a GPU the rule's hundreds of small sorts, scans and searches, and the checks, would cost
@@ -102,7 +104,7 @@ def batch_layout_op(
         both = torch.cat([cu_seqlens_q, cu_seqlens_k]).to("cpu", torch.int64)
         host_q, host_k = both.split([cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]])
     batch = (host_q.numpy().tobytes(), ulysses, ring, placement, ring_rank, ulysses_rank)
-    sizes, fingerprint = _host_sizes(*batch)
+    sizes, fingerprint = _host_sizes(*batch, salt)
     plan_differs = torch.tensor(_plan_disagrees(cu_seqlens_q, ulysses, ring, placement))
     failed = validation.batch_failures(host_q, host_k, sizes[0], tokens, max_seqlens, plan_differs)
     verdict = torch.cat([failed, torch.stack([fingerprint, -fingerprint])])
@@ -127,11 +129,11 @@ def _from_bytes(cu_bytes: bytes) -> Tensor:
 
 @functools.lru_cache(maxsize=8)
 def _host_sizes(
-    cu_bytes: bytes, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int,
+    cu_bytes: bytes, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int, salt: int,
 ) -> tuple[Tensor, Tensor]:
     """For a batch given by value, on the host: the rank's sizes and the batch's fingerprint."""
     batch = _host_batch(cu_bytes, ulysses, ring, placement)
-    fingerprint = validation.batch_fingerprint(_from_bytes(cu_bytes), list(PLACEMENTS).index(placement))
+    fingerprint = validation.batch_fingerprint(_from_bytes(cu_bytes), salt)
     return layout.rank_size_values(batch, ring_rank, ulysses_rank), fingerprint
 
 
@@ -146,7 +148,7 @@ def _plan_disagrees(cu_seqlens: Tensor, ulysses: int, ring: int, placement: str)
 
 
 @batch_layout_op.register_fake
-def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens):
+def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens, salt):
     sizes = 3 + ulysses + 1 + ring  # layout.rank_size_values
     on_host = torch.empty(_FLAGS + sizes + 1, dtype=torch.int64, device="cpu")
     return on_host, torch.empty(cu_seqlens_q.shape[0], dtype=torch.int64, device="cpu")

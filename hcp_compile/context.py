@@ -137,13 +137,13 @@ class ContextParallel:
                 layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank).tolist(),
                 groups.ulysses_rank, groups.ulysses_size,
             )
-            fingerprint = int(validation.batch_fingerprint(values, self._placement_index()))
+            salt = validation.fingerprint_salt(
+                list(PLACEMENTS).index(self.options.placement), self.options.recompute_exchange
+            )
+            fingerprint = int(validation.batch_fingerprint(values, salt))
             facts = _BatchFacts(cu_seqlens._version, values, batch, sizes, fingerprint)
             self._facts_of[cu_seqlens] = facts
         return facts
-
-    def _placement_index(self) -> int:
-        return list(PLACEMENTS).index(self.options.placement)
 
     def _schedule(
         self, q: Tensor, cu_seqlens: Tensor, facts: _BatchFacts, max_seqlen: int, causal: bool,

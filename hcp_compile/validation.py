@@ -73,7 +73,10 @@ SAME_BATCH = Rule(
     "context-parallel group read the same batch",
 )
 
-BATCHES_DIFFER = "another cu_seqlens on some rank (the ranks were given different batches)"
+BATCHES_DIFFER = (
+    "another cu_seqlens, placement or recompute_exchange on some rank (the ranks were given "
+    "different batches or options)"
+)
 
 # what the compiled path checks per batch when its graph runs, in the order of its flags
 # (batch_failures)
@@ -326,9 +329,16 @@ def max_length(cu_values: Tensor) -> int:
 _FINGERPRINT_MODULUS = 2**31 - 1
 
 
+def fingerprint_salt(placement_index: int, recompute_exchange: bool) -> int:
+    """The options every rank must share, as :func:`batch_fingerprint`'s ``salt``: ranks that
+    differ in them would exchange buffers of different layouts or sizes."""
+    return 2 * placement_index + int(recompute_exchange)
+
+
 def batch_fingerprint(cu_seqlens: Tensor, salt: int = 0) -> Tensor:
-    """A 0-d int64 hash of ``cu_seqlens`` (and ``salt``), the same on any device and traceable:
-    ranks compare it to find out whether they were given the same batch."""
+    """A 0-d int64 hash of ``cu_seqlens`` (and ``salt``, below 8), the same on any device and
+    traceable: ranks compare it to find out whether they were given the same batch (and
+    options, :func:`fingerprint_salt`)."""
     values = cu_seqlens.to(torch.int64) % _FINGERPRINT_MODULUS
     index = torch.arange(values.numel(), device=values.device)
     # small constants: a compiled graph may compute this in 32-bit kernel code

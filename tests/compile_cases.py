@@ -735,8 +735,35 @@ def explain_cases(mesh: tuple[int, int]) -> list[ExplainCase]:
     return [ExplainCase()] if mesh == FULL_MESH else []
 
 
+@dataclass(frozen=True)
+class OptionsDifferCase:
+    """The last rank compiles with ``recompute_exchange=True``, the others without: the
+    backward's exchanges would differ in layout and size, so the first call must raise on
+    every rank (the layout check's agreed fingerprint) before any exchange."""
+
+    batch: ClassVar[DocsCase] = DocsCase("four", 4, 2, True)
+
+    @property
+    def id(self) -> str:
+        return "error-recompute-exchange-differs"
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        cu = cu_seqlens(self.batch.lengths)
+        plan = hc.shard_plan(cu, world.mesh)
+        q, k, v = (plan.shard(x).requires_grad_() for name, x in self.batch.inputs().items() if name != "dout")
+        lean = world.rank == world.ulysses * world.ring - 1
+        backend = hc.backend(mesh=world.mesh, inner="aot_eager", recompute_exchange=lean)
+        compiled = torch.compile(VarlenAttention(True, None, (-1, -1)), backend=backend, fullgraph=True)
+        try:
+            compiled(q, k, v, cu, max(self.batch.lengths)).sum().backward()
+        except Exception as exc:  # noqa: BLE001 - the outcome is the result
+            return error_record(exc)
+        return {"types": [], "message": "returned normally"}
+
+
 def error_cases(mesh: tuple[int, int]) -> list:
-    return [HeadsNotDivisibleCase(), BadBatchCase()] if mesh == ERROR_MESH else []
+    return [HeadsNotDivisibleCase(), BadBatchCase(), OptionsDifferCase()] if mesh == ERROR_MESH else []
 
 
 def suite(mesh: tuple[int, int]) -> list:

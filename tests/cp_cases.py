@@ -508,6 +508,10 @@ def error_cases() -> list[ErrorCase]:
                   lambda s: s.attend(cu_seqlens_q=only_on(2, s.permuted, s.cu),
                                      cu_seqlens_k=only_on(2, s.permuted, s.cu)),
                   match="given different batches"),
+        # the backward's exchanges would differ in layout and size: refused before any
+        ErrorCase("one-rank-other-recompute-exchange",
+                  lambda s: s.attend(options={"recompute_exchange": s.world.rank == 2}),
+                  match="given different batches or options"),
         ErrorCase("kernel-flash-on-cpu", lambda s: s.attend(options={"kernel": "flash"}),
                   match="kernel='flash' needs CUDA"),
         ErrorCase("make-mesh-world-size", lambda s: hc.make_mesh(ulysses=1, ring=2, device_type="cpu"),

@@ -25,7 +25,7 @@ from checks import (
 )
 from compile_cases import (
     COMPILE_MESHES, ERROR_MESH, FULL_MESH, INDUCTOR_CASE, RECOMPUTE_MESHES, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
-    INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, HeadsNotDivisibleCase,
+    INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, HeadsNotDivisibleCase, OptionsDifferCase,
     ModelCase, attention_cases, error_cases, explain_cases, fresh_class,
     model_cases, table_counts, text_collectives, torch_varlen_cases,
 )
@@ -381,6 +381,13 @@ def test_batch_not_fitting_the_shards_raises_on_every_rank(cp_world, mesh, case,
         assert_matches(result["first"], local_rows(expected_out, result["global_index"]),
                        f"rank {rank} out of the valid batch")
         torch.testing.assert_close(result["after"], result["first"], rtol=0, atol=0)
+
+
+def test_ranks_compiled_with_different_recompute_exchange_raise_on_every_rank(cp_world):
+    (case,) = [c for c in error_cases(ERROR_MESH) if isinstance(c, OptionsDifferCase)]
+    for rank, outcome in enumerate(compile_world(cp_world, ERROR_MESH).values(case.id)):
+        assert "hcp_compile.validation.InputError" in outcome["types"], f"rank {rank}: {outcome}"
+        assert "different batches or options" in outcome["message"], f"rank {rank}: {outcome}"
 
 
 # --------------------------------------------------------------------------------------------
