@@ -48,8 +48,8 @@ def scatter_heads(
     in rank order, one contiguous tensor. Rank ``j`` handles heads ``j * H_i / size`` onwards
     of each tensor, and group ``part`` the ``part``-th ``1/parts`` of those (docs/design.md
     §3.6). The send buffer is packed with one strided copy per tensor; ``after`` (one element)
-    is written into it first, then overwritten: the copies then depend on it (which a
-    compiler's partitioner sees, docs/design.md §4.1)."""
+    is written into the buffer's storage first, just past the part that is sent: the copies
+    then depend on it (which a compiler's partitioner sees, docs/design.md §4.1)."""
     tokens, dim = tensors[0].shape[0], tensors[0].shape[2]
     widths = [t.shape[1] // (size * parts) for t in tensors]
     width = sum(widths)
@@ -112,9 +112,17 @@ def _pack(blocks: list[Tensor], after: Tensor | None = None) -> Tensor:
     """Concatenate ``[size, tokens, w_i, D]`` views along dim 2 into one new contiguous
     buffer, one strided copy each (faster than ``torch.cat`` of strided inputs on GPU)."""
     size, tokens, _, dim = blocks[0].shape
-    buffer = blocks[0].new_empty((size, tokens, sum(b.shape[2] for b in blocks), dim))
-    if after is not None:  # one element; an empty buffer takes none of it (1 broadcasts to 0)
-        buffer.view(-1)[:1].copy_(after)
+    shape = (size, tokens, sum(b.shape[2] for b in blocks), dim)
+    if after is None:
+        buffer = blocks[0].new_empty(shape)
+    else:
+        # ``after`` goes one element past the buffer's end, where its slice is 1 long whatever
+        # the sizes: a slice of the buffer itself is as long as a data-dependent size allows,
+        # and torch 2.11 cannot compile the copy into it (it guards on that size being 1)
+        numel = size * tokens * shape[2] * dim
+        flat = blocks[0].new_empty(numel + 1)
+        flat[numel:].copy_(after)
+        buffer = flat[:numel].view(shape)
     offset = 0
     for block in blocks:
         buffer[:, :, offset : offset + block.shape[2]].copy_(block)

@@ -40,13 +40,14 @@ def checked_layout(
     ``cu_seqlens``. ``tokens``: the token counts of q, k and v; ``max_seqlens``:
     ``max_seqlen_q`` and ``max_seqlen_k``.
 
-    One opaque op (``hcp::batch_layout``) reads ``cu_seqlens`` to the host, lays the batch out
+    One opaque op (``hcp::batch_layout``) reads ``cu_seqlens`` to the host (once per tensor and
+    version), lays the batch out
     and checks :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a
     fingerprint of ``cu_seqlens`` are all-reduced over the mesh first (on the device, where
     the groups' collectives run), so every rank raises together (also when the ranks were
     given different batches, or differ in ``placement`` or ``recompute_exchange``: the
     fingerprint's salt) instead of some ranks waiting in the next collective; reading the
-    agreed verdict is the second and last host read of the batch."""
+    agreed verdict is the one host read of the call that waits for the device."""
     groups = groups_from_names(ulysses_group, ring_group)
     salt = validation.fingerprint_salt(list(PLACEMENTS).index(placement), recompute_exchange)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
@@ -92,17 +93,15 @@ def batch_layout_op(
     a CPU copy of ``cu_seqlens_q``, from which ``hcp::schedule_tables`` derives the schedules.
 
     On a GPU the rule's hundreds of small sorts, scans and searches, and the checks, would cost
-    milliseconds of launches per call; the host copy of ``cu_seqlens`` costs microseconds
-    (docs/design.md §5.3). The layout and sizes are computed once per distinct batch. The
+    milliseconds of launches per call; the host copy of ``cu_seqlens``, made once per tensor and
+    version, costs microseconds (docs/design.md §5.3). The layout and sizes are computed once per distinct batch. The
     keys are given by the batch's values, so the layers and the backward of one batch share
     what kernels derive from a block (flex's masks), while Inductor reuses the graph's
     buffers (§8.1)."""
-    # both 1-D int32 (checked at compile time), read in one copy (one device sync)
-    if cu_seqlens_k is cu_seqlens_q:
-        host_q = host_k = cu_seqlens_q.to("cpu", torch.int64)
-    else:
-        both = torch.cat([cu_seqlens_q, cu_seqlens_k]).to("cpu", torch.int64)
-        host_q, host_k = both.split([cu_seqlens_q.shape[0], cu_seqlens_k.shape[0]])
+    # read from the device once per tensor version, as eagerly: every layer of a step passes
+    # the same tensors, and a read per call would wait for the GPU to drain (§5.3)
+    host_q = validation.host_copy(cu_seqlens_q)
+    host_k = host_q if cu_seqlens_k is cu_seqlens_q else validation.host_copy(cu_seqlens_k)
     batch = (host_q.numpy().tobytes(), ulysses, ring, placement, ring_rank, ulysses_rank)
     sizes, fingerprint = _host_sizes(*batch, salt)
     plan_differs = torch.tensor(_plan_disagrees(cu_seqlens_q, ulysses, ring, placement))
@@ -210,22 +209,26 @@ def schedule_tables_op(
     (:meth:`ScheduleTables.flat`: int32 segmentations, int64 positions), computed on the host
     once per batch and mask (one copy to ``device`` per call): on a GPU their sorts, scans and
     searches cost a dozen small kernels per attention call (docs/design.md §5.3). ``sizes``:
-    the rank's sizes as :func:`checked_layout` read them."""
+    the rank's sizes as :func:`checked_layout` read them. On CUDA the host tables are pinned
+    and copied without waiting: a copy from pageable memory waits for all the work queued
+    before it, so every compiled call started with the GPU idle."""
+    pin = device.type == "cuda"
     tables = _host_schedule_tables(
         cu_on_host.numpy().tobytes(), ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal,
-        windowed, tuple(sizes),
+        windowed, tuple(sizes), pin,
     )
-    return tuple(t.to(device, copy=True) for t in tables)
+    return tuple(t.to(device, copy=True, non_blocking=pin) for t in tables)
 
 
 @functools.lru_cache(maxsize=16)
 def _host_schedule_tables(
     cu_bytes: bytes, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int,
-    steps: int, causal: bool, windowed: bool, sizes: tuple[int, ...],
+    steps: int, causal: bool, windowed: bool, sizes: tuple[int, ...], pin: bool,
 ) -> tuple[Tensor, Tensor]:
     batch = _host_batch(cu_bytes, ulysses, ring, placement)
     rank_sizes = layout.rank_sizes(list(sizes), ulysses_rank, ulysses)
-    return schedule_tables(batch, rank_sizes, ring_rank, steps, causal=causal, windowed=windowed).flat()
+    tables = schedule_tables(batch, rank_sizes, ring_rank, steps, causal=causal, windowed=windowed).flat()
+    return tuple(t.pin_memory() for t in tables) if pin else tables
 
 
 @schedule_tables_op.register_fake

@@ -138,15 +138,21 @@ def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tu
         return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) if extra else x
 
     q_total, k_total = q_rows + q_pad, k_rows + k_pad
-    ends = lambda cu, *more: torch.cat([cu, cu.new_tensor(more)])  # noqa: E731
     padded = tuple(pad(x, k_pad if i in (1, 2) else q_pad) for i, x in enumerate(tensors))
     positions = {}
     if spec.q_positions is not None:
         positions = dict(q_positions=pad(spec.q_positions, q_pad), k_positions=pad(spec.k_positions, k_pad))
     return padded, dataclasses.replace(
-        spec, cu_q=ends(spec.cu_q, q_rows, q_total), cu_k=ends(spec.cu_k, k_total, k_total),
+        spec, cu_q=_extended(spec.cu_q, q_rows, q_total), cu_k=_extended(spec.cu_k, k_total, k_total),
         **positions,
     )
+
+
+def _extended(cu: Tensor, *ends: int) -> Tensor:
+    """``cu`` with ``ends`` appended, written on its device: a tensor made from the host's
+    values would be a copy from pageable memory, which waits for the GPU to finish everything
+    queued (once per block, the GPU then idled while the host caught up: docs/design.md §8.5)."""
+    return torch.cat([cu, *(cu.new_full((1,), end) for end in ends)])
 
 
 class _StaticRows:
