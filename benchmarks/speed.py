@@ -7,6 +7,8 @@ Launch from the repository root, one process per GPU (ulysses A x ring R = the w
     torchrun --nproc-per-node 1 -m benchmarks.speed --modes one-gpu-flex,one-gpu-flash
 Per-rank memory of 2 ranks on a machine of one GPU (both on cuda:0, over gloo; no speeds):
     torchrun --nproc-per-node 2 -m benchmarks.speed --share-gpu --ulysses 2 --ring 1
+One rank's work without its communication, on a machine of one GPU (rank 1 of ulysses 1 x ring 2):
+    python -m benchmarks.speed --fake-rank 1 --ulysses 1 --ring 2 --heads gqa
 Merge the JSON files of split runs into one table (efficiencies are recomputed over all rows):
     python -m benchmarks.speed --merge a.json b.json --out all.json --plot all.png
 CPU smoke test of the plumbing (gloo, 512-token batches, the torch kernel; under 2 minutes on
@@ -60,6 +62,15 @@ rank's trace in DIR and prints the step's span, busy time and top kernels. ``--s
 puts every rank on cuda:0 and runs the collectives over gloo (staged through the host): the
 CP rows then keep their peak memory, which is the same allocations as on one GPU per rank,
 and leave out their times (mesh ``AxR shared``); the one-GPU rows run alone and keep theirs.
+``--fake-rank R`` runs one process alone as rank R of the ulysses x ring world over torch's fake
+process group, whose collectives return at once and move no data: the CP rows (mesh ``AxR
+rank R alone``) then time exactly that rank's kernels, layout copies and merges with no
+communication and no waiting for the other ranks, so their efficiency is an upper bound on
+what a real run of that mesh reaches (their outputs are not the attention: what the
+collectives would have delivered is whatever memory the allocator hands out). Before each CP
+mode the GPU's free memory is filled with normal samples, so that those buffers hold values
+like real activations: zeros (fresh memory from the driver) would run the tensor cores
+faster than real data does. The one-GPU rows run as usual.
 """
 
 from __future__ import annotations
@@ -178,6 +189,7 @@ class Setup:
     dtype: torch.dtype
     rank: int
     world: int
+    fake: bool = False  # --fake-rank: this process is the only one; its peers' collectives are fake
     started: float = field(default_factory=time.perf_counter)
     _hcp_mesh: DeviceMesh | None = None
     _sequence_mesh: DeviceMesh | None = None
@@ -193,8 +205,13 @@ class Setup:
             self._sequence_mesh = init_device_mesh(self.device.type, (self.world,))
         return self._sequence_mesh
 
+    @property
+    def leads(self) -> bool:
+        """This process runs the one-GPU modes, collects the rows and reports them."""
+        return self.rank == 0 or self.fake
+
     def say(self, text: str) -> None:
-        if self.rank == 0:
+        if self.leads:
             print(f"[{time.perf_counter() - self.started:7.1f} s] {text}", flush=True)
 
 
@@ -296,14 +313,14 @@ def exposed_communication(
     with profile(activities=activities) as prof:
         fn(*inputs).sum().backward()
         torch.cuda.synchronize()
-    rank = dist.get_rank()
+    rank = setup.rank
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "trace.json"
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"{name}_rank{rank}.json.gz"
         prof.export_chrome_trace(str(path))  # once: a profile exports one trace
-        if rank != 0:
+        if not setup.leads:
             return None, None
         trace = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
     comm, compute = kernel_intervals(trace)
@@ -312,7 +329,7 @@ def exposed_communication(
         return None, None
     if folder:
         setup.say(f"  {name}: {kernel_summary(trace)}")
-    if alone:  # a one-GPU mode: no communication
+    if alone or setup.fake:  # a one-GPU mode, or peers that move no data: no communication
         return None, None
     span_us = max(stop for _, stop in kernels) - min(start for start, _ in kernels)
     exposed_us = exposed_length(comm, compute)
@@ -342,7 +359,7 @@ def record(row: Row, run: Callable[[], Measurement], setup: Setup, *, together: 
     if out_of_memory:  # here, once the exception and the tensors of its frames are gone
         gc.collect()
         torch.cuda.empty_cache()
-    if together and setup.world > 1:
+    if together and setup.world > 1 and not setup.fake:
         report = [None] * setup.world
         dist.all_gather_object(report, (error, (measured.peak_gib, measured.saved_gib) if measured else None))
         error = next((e for e, _ in report if e), None)
@@ -454,6 +471,8 @@ def hcp_mode(
     compiled :class:`PackedAttention` of the batch's window, with the same
     ``recompute_exchange``)."""
     mesh, args = setup.hcp_mesh(), setup.args
+    if setup.fake and setup.device.type == "cuda":
+        fill_free_memory(setup.device)
     plan = hcp_compile.shard_plan(batch.cu, mesh, placement=placement)
     local = [plan.shard(t).requires_grad_() for t in batch.qkv]
     profile = trace_name(batch, setup, "hcp-compiled" if compiled is not None else "hcp-eager", placement)
@@ -474,6 +493,16 @@ def hcp_mode(
             return compiled(q, k, v, batch.cu, batch.longest)
 
     return measure(step, local, setup, first_call=True, profile=profile)
+
+
+def fill_free_memory(device: torch.device) -> None:
+    """Most of the GPU's free memory, written with bf16 normal samples and left in the caching
+    allocator, which carves later buffers out of it: what a fake collective "receives"."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    filler = torch.empty(int(0.8 * free) // 2, dtype=torch.bfloat16, device=device)
+    filler.normal_()
+    del filler
 
 
 def compile_hcp(
@@ -538,18 +567,21 @@ def run_workload(
 
     def measured(mode: str, placement: str, kernel: str, mesh: str, gpus: int,
                  run: Callable[[], Measurement], *, together: bool, recompute: bool = False) -> None:
-        shared = args.share_gpu and gpus > 1
-        row = Row(workload.name, heads, mode, placement, kernel, mesh + " shared" * shared, gpus,
+        if gpus > 1 and args.share_gpu:
+            mesh += " shared"
+        if gpus > 1 and setup.fake:
+            mesh += f" rank {setup.rank} alone"
+        row = Row(workload.name, heads, mode, placement, kernel, mesh, gpus,
                   recompute_exchange=recompute)
         row = record(row, run, setup, together=together)
-        if shared:  # the ranks took turns on one GPU: the time is no speed
+        if gpus > 1 and args.share_gpu:  # the ranks took turns on one GPU: the time is no speed
             row.ms = row.first_call_s = None
         if row.ms is not None:
             row.tflops_per_gpu = _significant(flops / gpus / row.ms / 1e9)
         on_row(row)
 
     if any(m in args.modes for m in ONE_GPU_MODES):
-        if setup.rank == 0:
+        if setup.leads:
             for mode, run, kernel in (("one-gpu-flex", one_gpu_flex, "flex"),
                                       ("one-gpu-flash", one_gpu_flash, "flash"),
                                       ("one-gpu-sdpa", one_gpu_sdpa, "sdpa"),
@@ -680,6 +712,7 @@ def metadata(setup: Setup) -> dict:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "devices": setup.world,
+        "fake_rank": setup.rank if setup.fake else None,
         "options": {k: v for k, v in vars(setup.args).items() if k != "merge"},
     }
 
@@ -717,6 +750,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--share-gpu", action="store_true",
                         help="every rank on cuda:0, collectives over gloo: the CP modes' per-rank peak "
                              "memory on a machine of one GPU, without their times (implies --no-profile)")
+    parser.add_argument("--fake-rank", type=int, metavar="R",
+                        help="run alone as rank R of the --ulysses x --ring world over torch's fake process "
+                             "group (collectives move no data): the CP modes' work on that rank without "
+                             "communication, an upper bound on their efficiency (one process, no torchrun)")
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="also trace the host in the profiled step, keep every rank's trace in DIR and "
                              "print where rank 0's step went")
@@ -743,6 +780,17 @@ def parse_args() -> argparse.Namespace:
         if args.device != "cuda":
             parser.error("--share-gpu shares a GPU: it needs --device cuda")
         args.no_profile = True  # the exposed communication of ranks taking turns means nothing
+    if args.fake_rank is not None:
+        if args.share_gpu:
+            parser.error("--fake-rank runs one process: it takes no --share-gpu")
+        if args.ulysses is None:
+            parser.error("--fake-rank needs --ulysses (and --ring): there is no world to divide")
+        if not 0 <= args.fake_rank < args.ulysses * args.ring:
+            parser.error(f"--fake-rank {args.fake_rank}: expected a rank of the {args.ulysses} x {args.ring} "
+                         f"mesh, 0..{args.ulysses * args.ring - 1}")
+        if args.modes is not None and "torch-native-cp" in args.modes:
+            parser.error("--fake-rank: torch-native-cp cannot run over a fake process group; leave it out")
+        args.no_profile = args.no_profile or args.trace is None  # no communication to find exposed
     return args
 
 
@@ -766,24 +814,32 @@ def main() -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    # plain NCCL: with a mixed cpu/cuda group Inductor cannot tell the collectives' device and
-    # estimates them as free, which leaves its overlap scheduling nothing to hide (NCCL refuses
-    # two ranks on one GPU: --share-gpu takes gloo)
-    dist.init_process_group("nccl" if cuda and not args.share_gpu else "gloo")
+    fake = args.fake_rank is not None
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=args.fake_rank, world_size=args.ulysses * args.ring,
+                                store=FakeStore())
+    else:
+        # plain NCCL: with a mixed cpu/cuda group Inductor cannot tell the collectives' device and
+        # estimates them as free, which leaves its overlap scheduling nothing to hide (NCCL refuses
+        # two ranks on one GPU: --share-gpu takes gloo)
+        dist.init_process_group("nccl" if cuda and not args.share_gpu else "gloo")
     world = dist.get_world_size()
     args.ulysses = args.ulysses or world // args.ring
     if args.ulysses * args.ring != world:
         raise SystemExit(f"--ulysses {args.ulysses} x --ring {args.ring} must equal the world size {world}")
     if args.modes is None:
-        args.modes = list(ONE_GPU_MODES if world == 1 else MODES)
-    args.out = args.out or Path(f"benchmarks/results/speed_u{args.ulysses}r{args.ring}.json")
-    setup = Setup(args, device, getattr(torch, args.dtype), dist.get_rank(), world)
+        args.modes = [m for m in (ONE_GPU_MODES if world == 1 else MODES) if not (fake and m == "torch-native-cp")]
+    suffix = f"_rank{args.fake_rank}_alone" if fake else ""
+    args.out = args.out or Path(f"benchmarks/results/speed_u{args.ulysses}r{args.ring}{suffix}.json")
+    setup = Setup(args, device, getattr(torch, args.dtype), dist.get_rank(), world, fake)
     runs = [metadata(setup)]
     rows: list[Row] = []
     by_name = workloads(args.shrink)
 
     def on_row(row: Row) -> None:
-        if setup.rank != 0:
+        if not setup.leads:
             return
         rows.append(row)
         relate(rows)
@@ -794,10 +850,11 @@ def main() -> None:
             + (f", first call {row.first_call_s} s" if row.first_call_s is not None else ""))
         setup.say(f"  {row.mode} {row.placement}{' recompute' * row.recompute_exchange} ({row.kernel}): {result}")
 
-    setup.say(f"{world} x {runs[0]['device']}, torch {torch.__version__}, mesh ulysses "
+    alone = f"rank {setup.rank} of " if fake else ""
+    setup.say(f"{alone}{world} x {runs[0]['device']}, torch {torch.__version__}, mesh ulysses "
               f"{args.ulysses} x ring {args.ring}, modes {args.modes}")
     run_benchmark(setup, [by_name[n] for n in args.workloads], on_row)
-    if setup.rank == 0:
+    if setup.leads:
         report(rows, runs, args)
     dist.destroy_process_group()
 

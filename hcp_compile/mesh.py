@@ -226,6 +226,7 @@ def _device_type(group: dist.ProcessGroup) -> str:
 
 def _flag_device(groups: CPGroups) -> torch.device:
     backends = [str(dist.get_backend(g)) for g in (groups.ulysses_group, groups.ring_group)]
-    if all(b == "gloo" or "cpu:" in b for b in backends):
+    # "fake" (torch's FakeProcessGroup, no data moved: dry runs, speed.py --fake-rank) takes any device
+    if all(b in ("gloo", "fake") or "cpu:" in b for b in backends):
         return torch.device("cpu")
     return torch.device(groups.device_type, torch.cuda.current_device())

@@ -1,5 +1,5 @@
 """The trace arithmetic behind benchmarks.speed's exposed-communication column and its
-``--trace`` summary, and how its rows relate to the one-GPU row."""
+``--trace`` summary, how its rows relate to the one-GPU row, and its ``--fake-rank`` run on CPU."""
 
 import sys
 from pathlib import Path
@@ -66,3 +66,25 @@ def test_memory_ratios_need_no_time_and_the_recompute_option_keys_its_own_row():
     relate([one_gpu, shared])
     assert (shared.efficiency, shared.peak_vs_one_gpu, shared.saved_vs_one_gpu) == (None, 1.25, 0.5)
     assert replace(shared, recompute_exchange=False).key() != shared.key()
+
+
+def test_fake_rank_times_one_rank_alone_on_cpu(tmp_path):
+    """--fake-rank: one process, no torchrun, runs as rank 1 of ulysses 1 x ring 2 over torch's
+    fake process group (hcp's agreement then stays on the CPU); its CP rows are labelled as one
+    rank alone and related to the one-GPU row of the same run."""
+    import json
+    import subprocess
+
+    out = tmp_path / "fake.json"
+    command = [sys.executable, "-m", "benchmarks.speed", "--device", "cpu", "--fake-rank", "1", "--ulysses", "1",
+               "--ring", "2", "--shrink", "512", "--head-dim", "16", "--dtype", "float32", "--heads", "gqa",
+               "--workloads", "W2-128K", "--modes", "one-gpu-hcp,hcp-eager", "--placements", "balanced",
+               "--warmup", "0", "--iters", "1", "--out", str(out)]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"one-gpu-hcp", "hcp-eager"}
+    cp = rows["hcp-eager"]
+    assert cp["error"] is None and cp["mesh"] == "1x2 rank 1 alone" and cp["gpus"] == 2
+    assert cp["efficiency"] == round(rows["one-gpu-hcp"]["ms"] / (2 * cp["ms"]), 3)
