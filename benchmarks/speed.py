@@ -788,6 +788,9 @@ def parse_args() -> argparse.Namespace:
         if not 0 <= args.fake_rank < args.ulysses * args.ring:
             parser.error(f"--fake-rank {args.fake_rank}: expected a rank of the {args.ulysses} x {args.ring} "
                          f"mesh, 0..{args.ulysses * args.ring - 1}")
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            parser.error("--fake-rank runs one process alone: launch it with python (or torchrun "
+                         "--nproc-per-node 1), not several processes")
         if args.modes is not None and "torch-native-cp" in args.modes:
             parser.error("--fake-rank: torch-native-cp cannot run over a fake process group; leave it out")
         args.no_profile = args.no_profile or args.trace is None  # no communication to find exposed
