@@ -1,8 +1,9 @@
 """The dense kernel (docs/design.md §8.6): how it cuts a block into dense calls and varlen runs,
 checked against the contract's element mask, and its forward and backward against the float64
 reference on CPU (the CPU flash op as the dense call; cuDNN on CUDA is in test_gpu.py), with
-segments long enough to be dense made tiny by lowering ``MIN_DENSE_ROWS``. Under eager CP:
-test_kernels.py."""
+segments long enough to be dense made tiny by lowering ``MIN_DENSE_ROWS`` (and their dense
+calls' sizes coarse by lowering ``DENSE_SIZE_BITS``, so that rows are left over for the varlen
+kernel). Under eager CP: test_kernels.py."""
 
 from __future__ import annotations
 
@@ -36,32 +37,56 @@ def covered(pieces: dense.Cut, cu_q: list[int], cu_k: list[int], causal: bool) -
         rows, keys = piece.q.stop - piece.q.start, piece.k.stop - piece.k.start
         block = torch.ones(rows, keys, dtype=torch.int64)
         count[piece.q, piece.k] += block.tril() if piece.causal else block  # top-left causal
-    for run in pieces.varlen:
-        local_q = [c - run.q.start for c in cu_q[run.first : run.stop + 1]]
-        local_k = [c - run.k.start for c in cu_k[run.first : run.stop + 1]]
-        count[run.q, run.k] += contract_mask(local_q, local_k, causal).long()
+    for run in pieces.varlen:  # a stripe's copies of its keys folded back onto them
+        mask = contract_mask(list(run.cu_q), list(run.cu_k), run.causal).long()
+        count[run.q, run.k] += mask.unflatten(1, (run.repeat, -1)).sum(1)
     return count
 
 
+@pytest.mark.parametrize("bits", [2, 3, 5])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("seed", range(6))
-def test_pieces_cover_every_visible_pair_exactly_once(seed, causal):
+def test_pieces_cover_every_visible_pair_exactly_once(seed, causal, bits):
     """Random blocks of long, short and empty segments, as many keys as queries or fewer or
-    more (a ring step's shapes)."""
+    more (a ring step's shapes); dense calls of ``bits`` significant bits of rows and keys."""
     rng = random.Random(seed)
-    q_lengths = [rng.choice([0, 1, 3, 8, 9, 20]) for _ in range(rng.randint(1, 8))]
-    k_lengths = [max(0, n + rng.choice([0, 0, -2, 5])) for n in q_lengths]
+    q_lengths = [rng.choice([0, 1, 3, 8, 9, 20, 27, 45]) for _ in range(rng.randint(1, 8))]
+    k_lengths = [max(0, n + rng.choice([0, 0, -2, 5, 19])) for n in q_lengths]
     cu_q, cu_k = cu_seqlens(tuple(q_lengths)).tolist(), cu_seqlens(tuple(k_lengths)).tolist()
-    pieces = dense.cut(cu_q, cu_k, causal, min_rows=8)
+    pieces = dense.cut(cu_q, cu_k, causal, min_rows=8, bits=bits, stripe_rows=8)
     assert torch.equal(covered(pieces, cu_q, cu_k, causal), contract_mask(cu_q, cu_k, causal).long())
     long_segments = sum(min(q, k) >= 8 for q, k in zip(q_lengths, k_lengths))
-    assert len({(p.q.start, p.q.stop) for p in pieces.dense}) == long_segments
+    assert len({p.q.start for p in pieces.dense}) == long_segments
+    for piece in pieces.dense:  # the sizes cuDNN builds graphs for: a bounded set
+        for rows in (piece.rows, piece.keys):
+            assert rows == dense.dense_rows(rows, bits) and rows >= 8
+        assert piece.rows >= piece.q.stop - piece.q.start and piece.keys >= piece.k.stop - piece.k.start
+
+
+def test_dense_rows_keep_the_leading_bits():
+    sizes = (31, 32, 33, 4095, 4096, 4100, 4351, 4352, 131071)
+    assert [dense.dense_rows(n, 5) for n in sizes] == [31, 32, 32, 3968, 4096, 4096, 4096, 4352, 126976]
+    assert [dense.dense_rows(n, 5, up=True) for n in sizes] == [31, 32, 34, 4096, 4096, 4352, 4352, 4352, 131072]
 
 
 def test_short_segments_next_to_each_other_are_one_varlen_run():
     pieces = dense.cut([0, 2, 4, 20, 21, 23], [0, 2, 4, 20, 21, 23], True, min_rows=8)
-    assert [(r.first, r.stop) for r in pieces.varlen] == [(0, 2), (3, 5)]
-    assert [(p.q, p.k, p.causal) for p in pieces.dense] == [(slice(4, 20), slice(4, 20), True)]
+    assert [(r.q, r.k, r.cu_q, r.cu_k) for r in pieces.varlen] == [
+        (slice(0, 4), slice(0, 4), (0, 2, 4), (0, 2, 4)), (slice(20, 23), slice(20, 23), (0, 1, 3), (0, 1, 3))]
+    assert pieces.dense == (dense.Dense(slice(4, 20), slice(4, 20), True, 16),)
+
+
+def test_a_long_segment_is_one_dense_call_on_its_rows_rounded_up():
+    """20 rows with 2 bits: a causal call of 24 rows from the segment's first; a full segment
+    of 20 x 20: 24 rows, 16 keys, the last 4 keys varlen."""
+    pieces = dense.cut([0, 3, 23, 25], [0, 3, 23, 25], True, min_rows=8, bits=2)
+    assert pieces.dense == (dense.Dense(slice(3, 23), slice(3, 23), True, 24),)
+    assert [(r.q, r.k, r.cu_q, r.cu_k) for r in pieces.varlen] == [
+        (slice(0, 3), slice(0, 3), (0, 3), (0, 3)), (slice(23, 25), slice(23, 25), (0, 2), (0, 2))]
+    pieces = dense.cut([0, 20], [0, 20], False, min_rows=8, bits=2, stripe_rows=8)
+    assert pieces.dense == (dense.Dense(slice(0, 20), slice(0, 16), False, 24),)
+    # the 20 queries against the last 4 keys: three parts, each against its own copy of them
+    assert pieces.varlen == (dense.Varlen(slice(0, 20), slice(16, 20), (0, 7, 14, 20), (0, 4, 8, 12), False, 3),)
 
 
 LENGTHS = (9, 0, 3, 17, 1, 12)
@@ -69,16 +94,22 @@ LENGTHS = (9, 0, 3, 17, 1, 12)
 
 @pytest.fixture
 def tiny_dense_segments(monkeypatch):
+    """Segments of 8 rows and more dense, in dense calls of 2 significant bits (9 rows: a call
+    of 12 rows; 9 keys of a full segment: a call of 8, the last key in stripes of 4 rows)."""
     monkeypatch.setattr(dense, "MIN_DENSE_ROWS", 8)
+    monkeypatch.setattr(dense, "DENSE_SIZE_BITS", 2)
+    monkeypatch.setattr(dense, "STRIPE_ROWS", 4)
 
 
-# long and short segments; one long segment (the block is one dense call); only short ones
-# (the block goes to the varlen kernel as it is)
-BLOCKS = {"mixed": LENGTHS, "one": (20,), "short": (3, 0, 5)}
+# long and short segments; one long segment with rows left over; one whose rows are a dense
+# size (the block is one dense call); only short ones (the block goes to the varlen kernel as
+# it is)
+BLOCKS = {"mixed": LENGTHS, "one": (20,), "aligned": (24,), "short": (3, 0, 5)}
 
 
 @pytest.mark.parametrize("docs, dtype", [("mixed", torch.float64), ("mixed", torch.float32),
-                                         ("one", torch.float64), ("short", torch.float64)], ids=str)
+                                         ("one", torch.float64), ("aligned", torch.float64),
+                                         ("short", torch.float64)], ids=str)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
 def test_dense_kernel_matches_reference(tiny_dense_segments, heads_kv, causal, docs, dtype):

@@ -413,7 +413,7 @@ SUITE = "test_kernels:suite"
 @dataclasses.dataclass(frozen=True)
 class KernelCase(AttentionCase):
     """The attention under eager CP with every ring step on ``kernel`` (dense: segments of 4
-    rows and more as dense calls)."""
+    rows and more as dense calls of 2 significant bits, keys left over in stripes of 3 rows)."""
 
     kernel: str = "flex"
 
@@ -422,12 +422,13 @@ class KernelCase(AttentionCase):
         return f"{self.kernel}-{super().id}"
 
     def run(self, world: World) -> dict:
-        saved, dense.MIN_DENSE_ROWS = dense.MIN_DENSE_ROWS, 4
+        saved = dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS
+        dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS = 4, 2, 3
         try:
             with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel):
                 return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
         finally:
-            dense.MIN_DENSE_ROWS = saved
+            dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS = saved
 
 
 CP_CASES = [KernelCase("many", 4, 2, True), KernelCase("mixed", 4, 1, True, (4, 0)),

@@ -4,26 +4,38 @@
 On an H200 with torch 2.11, cuDNN's dense attention (``aten._scaled_dot_product_cudnn_attention``,
 what SDPA picks for ``[B, H, T, D]`` tensors) ran fwd+bwd of one causal 131K document at
 568 TFLOP/s, against 398 for flex and 330 for flash; but cuDNN's varlen form is slow and wrong
-for segments without keys (§8.2). So this kernel cuts a block into pieces:
+for segments without keys (§8.2), and cuDNN builds a graph for every new shape (100-160 ms
+for a forward and backward on an H200), which a batch with new document lengths every step
+would pay on every step. So this kernel cuts a block into pieces whose dense calls come in a
+bounded set of shapes:
 
-- a segment with at least ``MIN_DENSE_ROWS`` query and key rows becomes one or two dense calls:
-  under the causal mask (aligned bottom-right, the contract's convention) its keys before the
-  diagonal are a full rectangle and the rest a top-left causal square, merged by their lse;
-  queries before the first visible key see nothing;
-- each run of consecutive shorter segments goes, as it is, to the varlen ``SHORT_KERNELS``
-  kernel of the device (their rows are contiguous, so nothing is gathered).
+- a segment with at least ``MIN_DENSE_ROWS`` query and key rows gets dense calls whose sizes
+  have at most ``DENSE_SIZE_BITS`` significant bits (``dense_rows``). A causal segment (aligned
+  bottom-right) is a causal square, made on its rows rounded up: the rows after the segment
+  (the next segments', or zeros past the block) are computed and dropped, and the keys after
+  it are seen only by them, so the call is exact for the segment's own rows. Its backward
+  gives those rows a huge lse, so their softmax weights are 0 and they add nothing to dk and
+  dv. Where there are more keys than queries, the keys before the diagonal are a full
+  rectangle; a full rectangle is a call on its rows rounded up and its keys rounded down
+  (keys past it would be seen), the keys left over (fewer than one in 32) varlen;
+- the other segments go, as they are, to the varlen ``SHORT_KERNELS`` kernel of the device:
+  each run of varlen segments whose query and key rows follow each other is one varlen call
+  on those rows, with no rows gathered.
 
-The backward runs the same pieces with the merged out and lse (the dense backward ops take
-them, so each piece yields its exact share, as every kernel's backward does).
-The dense call is cuDNN's on CUDA and ``aten._scaled_dot_product_flash_attention_for_cpu``
-on CPU, so that the cutting is tested against the float64 reference on CPU. The segment
-boundaries are read on the host (one device sync per block, none for a block whose
-``cache_key`` was seen before or whose length bounds ``max_q``/``max_k`` rule out a dense
-segment).
+A row or key that several pieces cover gets their results merged by lse (the output) or
+summed (the gradients). The backward runs the same pieces with the merged out and lse (the
+dense backward ops take them, so each piece yields its exact share, as every kernel's
+backward does). The dense call is cuDNN's on CUDA and
+``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU, so that the cutting is tested
+against the float64 reference on CPU. The segment boundaries are read on the host (one device
+sync per block, none for a block whose ``cache_key`` was seen before or whose length bounds
+``max_q``/``max_k`` rule out a dense segment); the varlen runs' boundaries go back to the
+device from pinned memory, without a sync.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,33 +47,51 @@ from .precision import accumulate_dtype
 
 # a segment with fewer query or key rows runs in the varlen kernel: a dense call has a fixed
 # cost, and short segments are many (docs/design.md §8.6)
-MIN_DENSE_ROWS = 4096
+MIN_DENSE_ROWS = 2048
+# dense calls have row and key counts of at most this many significant bits (32 sizes per
+# octave), so cuDNN builds a bounded number of graphs however the batches' lengths vary, at
+# the price of computing up to 1/32 more rows (docs/design.md §8.6)
+DENSE_SIZE_BITS = 6
+# query rows per segment of a stripe (a full rectangle's keys left over: few keys, many queries)
+STRIPE_ROWS = 1024
 # the varlen kernel for the short segments, per device type
 SHORT_KERNELS = {"cuda": "flash", "cpu": "torch"}
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-# host copies of segment boundaries, kept per BlockSpec.cache_key (the eager schedule's steps)
-_boundaries = SpecCache(256)
+# the cut of each block, kept per BlockSpec.cache_key (the eager schedule's steps, a batch's layers)
+_plans = SpecCache(256)
 
 
 @dataclass(frozen=True)
 class Dense:
-    """One dense call: query rows ``q``, key rows ``k`` (block row ranges), top-left causal
-    or full."""
+    """One dense call for query rows ``q`` and key rows ``k`` (block row ranges), top-left
+    causal or full, made on ``rows`` query rows from ``q.start`` (the rows after ``q`` are
+    computed and dropped) and, causal, as many keys from ``k.start`` (the keys after ``k`` are
+    seen only by those rows)."""
 
     q: slice
     k: slice
     causal: bool
+    rows: int
+
+    @property
+    def keys(self) -> int:
+        """The call's key count."""
+        return self.rows if self.causal else self.k.stop - self.k.start
 
 
 @dataclass(frozen=True)
 class Varlen:
-    """A run of consecutive short segments ``first:stop``, rows ``q`` and ``k`` of the block."""
+    """One varlen call: query rows ``q`` and key rows ``k`` of the block, cut into segments by
+    ``cu_q``/``cu_k`` (relative to the rows' starts), causal (aligned bottom-right) or full."""
 
     q: slice
     k: slice
-    first: int
-    stop: int
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+    causal: bool
+    # > 1: a stripe, the keys ``k`` given ``repeat`` times over, one copy per segment
+    repeat: int = 1
 
 
 @dataclass(frozen=True)
@@ -70,37 +100,168 @@ class Cut:
     varlen: tuple[Varlen, ...]
 
 
-def cut(cu_q: list[int], cu_k: list[int], causal: bool, min_rows: int = MIN_DENSE_ROWS) -> Cut:
+def dense_rows(rows: int, bits: int = DENSE_SIZE_BITS, up: bool = False) -> int:
+    """``rows`` rounded down (``up``: up) to ``bits`` significant bits."""
+    step = 1 << max(rows.bit_length() - bits, 0)
+    return rows - rows % step + (step if up and rows % step else 0)
+
+
+def cut(cu_q: list[int], cu_k: list[int], causal: bool, min_rows: int = MIN_DENSE_ROWS,
+        bits: int = DENSE_SIZE_BITS, stripe_rows: int = STRIPE_ROWS) -> Cut:
     """The pieces of a block of segments ``cu_q``/``cu_k`` (pure; see the module docstring)."""
-    dense: list[Dense] = []
-    varlen: list[Varlen] = []
-    run_start = None
-    for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+    pieces = _Pieces(min_rows, bits, stripe_rows)
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
         if min(q1 - q0, k1 - k0) < min_rows:
-            run_start = i if run_start is None else run_start
-            continue
-        if run_start is not None:
-            varlen.append(_run(cu_q, cu_k, run_start, i))
-            run_start = None
-        dense += _dense_pieces(q0, q1, k0, k1, causal)
-    if run_start is not None:
-        varlen.append(_run(cu_q, cu_k, run_start, len(cu_q) - 1))
-    return Cut(tuple(dense), tuple(v for v in varlen if v.q.stop > v.q.start))
+            pieces.varlen(q0, q1, k0, k1, causal)
+        elif not causal:
+            pieces.rectangle(q0, q1, k0, k1)
+        else:
+            pieces.causal(q0, q1, k0, k1)
+    return pieces.cut()
 
 
-def _run(cu_q: list[int], cu_k: list[int], first: int, stop: int) -> Varlen:
-    return Varlen(slice(cu_q[first], cu_q[stop]), slice(cu_k[first], cu_k[stop]), first, stop)
+class _Pieces:
+    """The pieces of a block as :func:`cut` adds them, segment by segment."""
+
+    def __init__(self, min_rows: int, bits: int, stripe_rows: int) -> None:
+        self.min_rows, self.bits, self.stripe_rows = min_rows, bits, stripe_rows
+        self.dense: list[Dense] = []
+        self.runs: list[list[tuple[int, int, int, int]]] = []  # segments (q0, q1, k0, k1)
+        self.causal_runs: list[bool] = []
+        self.stripes: list[Varlen] = []
+
+    def varlen(self, q0: int, q1: int, k0: int, k1: int, causal: bool) -> None:
+        """A varlen segment: it extends the last run where its rows follow that run's."""
+        if self.runs and self.causal_runs[-1] == causal and self.runs[-1][-1][1::2] == (q0, k0):
+            self.runs[-1].append((q0, q1, k0, k1))
+        else:
+            self.runs.append([(q0, q1, k0, k1)])
+            self.causal_runs.append(causal)
+
+    def rectangle(self, q0: int, q1: int, k0: int, k1: int) -> None:
+        """Every query sees every key: one dense call on the queries and the first keys, the
+        later keys (fewer than one in 32) varlen."""
+        if min(q1 - q0, k1 - k0) < self.min_rows:
+            self.varlen(q0, q1, k0, k1, False)
+            return
+        keys = dense_rows(k1 - k0, self.bits)
+        self.dense.append(Dense(slice(q0, q1), slice(k0, k0 + keys), False, dense_rows(q1 - q0, self.bits, up=True)))
+        if k0 + keys < k1:
+            self.stripe(q0, q1, k0 + keys, k1)
+
+    def stripe(self, q0: int, q1: int, k0: int, k1: int) -> None:
+        """Many queries against a few keys, every pair visible: the queries cut into parts of
+        at most ``stripe_rows``, each a segment with its own copy of the keys. The varlen
+        kernels' backward runs one program per key block over all its queries: for a few
+        keys a long serial loop on a few multiprocessors, which the copies share out."""
+        parts = -(-(q1 - q0) // self.stripe_rows)
+        step = -(-(q1 - q0) // parts)
+        cu_q = tuple(min(i * step, q1 - q0) for i in range(parts + 1))
+        cu_k = tuple(i * (k1 - k0) for i in range(parts + 1))
+        self.stripes.append(Varlen(slice(q0, q1), slice(k0, k1), cu_q, cu_k, False, parts))
+
+    def causal(self, q0: int, q1: int, k0: int, k1: int) -> None:
+        """Aligned bottom-right: query ``j`` sees the keys up to ``k1 - q1 + j``. Fewer keys
+        than queries: the first queries see none. More: the keys before the diagonal are a
+        rectangle; the rest is a causal square, one dense call."""
+        if k1 - k0 < q1 - q0:
+            q0 = q1 - (k1 - k0)
+        diagonal = k1 - (q1 - q0)
+        if diagonal > k0:
+            self.rectangle(q0, q1, k0, diagonal)
+        self.dense.append(Dense(slice(q0, q1), slice(diagonal, k1), True, dense_rows(q1 - q0, self.bits, up=True)))
+
+    def cut(self) -> Cut:
+        varlen = []
+        for run, causal in zip(self.runs, self.causal_runs):
+            (q0, _, k0, _), (_, q1, _, k1) = run[0], run[-1]
+            cu_q = (0, *(stop - q0 for _, stop, _, _ in run))
+            cu_k = (0, *(stop - k0 for _, _, _, stop in run))
+            if q1 > q0:  # a run without queries computes nothing
+                varlen.append(Varlen(slice(q0, q1), slice(k0, k1), cu_q, cu_k, causal))
+        return Cut(tuple(self.dense), (*varlen, *self.stripes))
 
 
-def _dense_pieces(q0: int, q1: int, k0: int, k1: int, causal: bool) -> list[Dense]:
-    if not causal:
-        return [Dense(slice(q0, q1), slice(k0, k1), False)]
-    queries, keys = q1 - q0, k1 - k0
-    if keys <= queries:  # the first queries - keys rows see no key
-        return [Dense(slice(q1 - keys, q1), slice(k0, k1), True)]
-    diagonal = k1 - queries  # query row j sees keys up to diagonal + j
-    return [Dense(slice(q0, q1), slice(diagonal, k1), True), Dense(slice(q0, q1), slice(k0, diagonal), False)]
+@dataclass(frozen=True)
+class _Plan:
+    """A block's cut, the varlen runs' boundaries on the block's device, and which pieces
+    share rows or keys with a piece before them (in the order the pieces run: the varlen
+    runs, then the dense calls)."""
+
+    cut: Cut
+    run_cu: tuple[tuple[Tensor, Tensor], ...]
+    shared_rows: tuple[bool, ...]
+    shared_keys: tuple[bool, ...]
+    whole_varlen: bool
+    whole_dense: bool
+
+    def pieces(self) -> Iterator[tuple[Dense | Varlen, tuple[Tensor, Tensor] | None, bool, bool]]:
+        """``(piece, its boundaries on the device (None for a dense call), shares rows, shares
+        keys)`` in the order the pieces run."""
+        boundaries = (*self.run_cu, *(None for _ in self.cut.dense))
+        return zip((*self.cut.varlen, *self.cut.dense), boundaries, self.shared_rows, self.shared_keys)
+
+
+def _plan(spec: BlockSpec, q_rows: int, k_rows: int) -> _Plan:
+    cu_q, cu_k = _host_boundaries(spec)
+    pieces = cut(cu_q, cu_k, spec.causal, MIN_DENSE_ROWS, DENSE_SIZE_BITS, STRIPE_ROWS)
+    ordered = (*pieces.varlen, *pieces.dense)
+    only = ordered[0] if len(ordered) == 1 else None
+    everything = (0, q_rows, 0, k_rows)
+    return _Plan(
+        pieces, _on_device([(run.cu_q, run.cu_k) for run in pieces.varlen], spec.cu_q.device),
+        _shared([piece.q for piece in ordered]), _shared([piece.k for piece in ordered]),
+        whole_varlen=not pieces.dense and (not pieces.varlen or isinstance(only, Varlen)
+                                           and _span(only) == everything),
+        whole_dense=isinstance(only, Dense) and _span(only) == everything and only.rows == q_rows
+        and only.keys == k_rows,
+    )
+
+
+def _span(piece: Dense | Varlen) -> tuple[int, int, int, int]:
+    return piece.q.start, piece.q.stop, piece.k.start, piece.k.stop
+
+
+def _shared(ranges: list[slice]) -> tuple[bool, ...]:
+    """Per range, whether it meets one before it."""
+    return tuple(any(r.start < s.stop and s.start < r.stop for s in ranges[:i]) for i, r in enumerate(ranges))
+
+
+def _on_device(boundaries: list[tuple[tuple[int, ...], tuple[int, ...]]],
+               device: torch.device) -> tuple[tuple[Tensor, Tensor], ...]:
+    """The runs' ``cu_q``/``cu_k`` as int32 tensors on ``device``, in one copy from pinned
+    memory, queued without waiting for the device (from pageable memory the copy would wait
+    for everything queued before it)."""
+    flat = [value for pair in boundaries for cu in pair for value in cu]
+    if not flat:
+        return ()
+    host = torch.tensor(flat, dtype=torch.int32)
+    values = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    sizes = [len(cu) for pair in boundaries for cu in pair]
+    parts = values.split(sizes)
+    return tuple(zip(parts[::2], parts[1::2]))
+
+
+def _repeated(run: Varlen, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The run's keys and values, given ``run.repeat`` times over (copies only then)."""
+    keys = run.k
+    if run.repeat == 1:
+        return k[keys], v[keys]
+    return k[keys].repeat(run.repeat, 1, 1), v[keys].repeat(run.repeat, 1, 1)
+
+
+def _summed_copies(grad: Tensor, repeat: int) -> Tensor:
+    """The gradient of keys given ``repeat`` times over, summed per key."""
+    if repeat == 1:
+        return grad
+    return grad.unflatten(0, (repeat, -1)).sum(0, dtype=accumulate_dtype(grad.dtype)).to(grad.dtype)
+
+
+def _run_spec(spec: BlockSpec, run: Varlen, cu: tuple[Tensor, Tensor]) -> BlockSpec:
+    def longest(bounds: tuple[int, ...]) -> int:
+        return max(1, *(b - a for a, b in zip(bounds, bounds[1:])))
+
+    return BlockSpec(cu[0], cu[1], longest(run.cu_q), longest(run.cu_k), run.causal, spec.scale)
 
 
 class DenseKernel:
@@ -124,27 +285,25 @@ class DenseKernel:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
         if _all_short(spec):
             return _short_kernel(q).forward(q, k, v, spec)
-        pieces = _cut(spec)
-        if _whole_varlen(pieces, spec):
+        plan = _cached_plan(spec, q, k)
+        if plan.whole_varlen:
             return _short_kernel(q).forward(q, k, v, spec)
-        if _whole_dense(pieces, q, k):
-            out, lse = _dense_forward(q, k, v, pieces.dense[0].causal, spec.scale)
+        if plan.whole_dense:
+            out, lse = _dense_forward(q, k, v, plan.cut.dense[0].causal, spec.scale)
             return out.contiguous(), lse
         out = torch.zeros_like(q)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype),
                          device=q.device)
-        for run in pieces.varlen:
-            run_out, run_lse = _short_kernel(q).forward(q[run.q], k[run.k], v[run.k], _run_spec(spec, run))
-            out[run.q], lse[:, run.q] = run_out, run_lse
-        merged: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        for piece in pieces.dense:  # a segment's pieces share its query rows: merged first
-            rows = (piece.q.start, piece.q.stop)
-            piece_out, piece_lse = _dense_forward(q[piece.q], k[piece.k], v[piece.k], piece.causal, spec.scale)
-            if rows in merged:
-                piece_out, piece_lse = merge_partials_torch(*merged[rows], piece_out, piece_lse, q.dtype)
-            merged[rows] = piece_out, piece_lse
-        for (start, stop), (piece_out, piece_lse) in merged.items():
-            out[start:stop], lse[:, start:stop] = piece_out, piece_lse
+        for piece, cu, shared, _ in plan.pieces():  # one piece's result alive at a time
+            rows = piece.q
+            if cu is None:
+                piece_out, piece_lse = _dense_piece_forward(q, k, v, piece, spec.scale)
+            else:
+                piece_out, piece_lse = _short_kernel(q).forward(
+                    q[rows], *_repeated(piece, k, v), _run_spec(spec, piece, cu))
+            if shared:  # rows another piece saw too: merged by their lse
+                piece_out, piece_lse = merge_partials_torch(out[rows], lse[:, rows], piece_out, piece_lse, q.dtype)
+            out[rows], lse[:, rows] = piece_out, piece_lse
         return out, lse
 
     def backward(
@@ -153,32 +312,27 @@ class DenseKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         if _all_short(spec):
             return _short_kernel(q).backward(dout, q, k, v, out, lse, spec)
-        pieces = _cut(spec)
-        if _whole_varlen(pieces, spec):
+        plan = _cached_plan(spec, q, k)
+        if plan.whole_varlen:
             return _short_kernel(q).backward(dout, q, k, v, out, lse, spec)
-        if _whole_dense(pieces, q, k):
-            grads = _dense_backward(dout, q, k, v, out, lse, pieces.dense[0].causal, spec.scale)
+        if plan.whole_dense:
+            grads = _dense_backward(dout, q, k, v, out, lse, plan.cut.dense[0].causal, spec.scale)
             return tuple(g.contiguous() for g in grads)
-        # pieces cover disjoint keys, and rows only within one segment's two pieces: written in
-        # the inputs' dtypes, only a shared row's two dq summed in the accumulation dtype
+        # written in the inputs' dtypes; rows and keys that several pieces cover summed in the
+        # accumulation dtype (a whole-block fp32 accumulator cost 6 % more time and up to 1.7x
+        # the memory on log-uniform documents)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for run in pieces.varlen:
-            grads = _short_kernel(q).backward(dout[run.q], q[run.q], k[run.k], v[run.k], out[run.q],
-                                              lse[:, run.q], _run_spec(spec, run))
-            dq[run.q], dk[run.k], dv[run.k] = grads
-        row_grads: dict[tuple[int, int], Tensor] = {}
-        for piece in pieces.dense:
+        for piece, cu, shared_rows, shared_keys in plan.pieces():
             rows, keys = piece.q, piece.k
-            grads = _dense_backward(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows],
-                                    piece.causal, spec.scale)
-            dk[keys], dv[keys] = grads[1], grads[2]
-            shared = (rows.start, rows.stop)
-            if shared in row_grads:
-                dq[rows] = row_grads.pop(shared).to(accumulate_dtype(q.dtype)) + grads[0]
+            if cu is None:
+                grads = _dense_piece_backward(dout, q, k, v, out, lse, piece, spec.scale)
             else:
-                row_grads[shared] = grads[0]
-        for (start, stop), grad in row_grads.items():
-            dq[start:stop] = grad
+                dq_run, *dkv = _short_kernel(q).backward(dout[rows], q[rows], *_repeated(piece, k, v), out[rows],
+                                                         lse[:, rows], _run_spec(spec, piece, cu))
+                grads = (dq_run, *(_summed_copies(g, piece.repeat) for g in dkv))
+            for total, part, where, shared in ((dq, grads[0], rows, shared_rows), (dk, grads[1], keys, shared_keys),
+                                               (dv, grads[2], keys, shared_keys)):
+                total[where] = (total[where].to(accumulate_dtype(q.dtype)) + part) if shared else part
         return dq, dk, dv
 
 
@@ -188,30 +342,17 @@ def _all_short(spec: BlockSpec) -> bool:
     return min(spec.max_q, spec.max_k) < MIN_DENSE_ROWS
 
 
-def _whole_varlen(pieces: Cut, spec: BlockSpec) -> bool:
-    """Every segment is short: the block goes to the varlen kernel as it is (no copies)."""
-    return not pieces.dense and (
-        not pieces.varlen or pieces.varlen[0].first == 0 and pieces.varlen[0].stop == spec.cu_q.shape[0] - 1)
-
-
-def _whole_dense(pieces: Cut, q: Tensor, k: Tensor) -> bool:
-    """The block is one dense call over all its rows and keys (one document)."""
-    if pieces.varlen or len(pieces.dense) != 1:
-        return False
-    piece = pieces.dense[0]
-    return (piece.q.start, piece.q.stop, piece.k.start, piece.k.stop) == (0, q.shape[0], 0, k.shape[0])
-
-
 def _short_kernel(q: Tensor):
     from . import KERNELS  # the registry imports this module
 
     return KERNELS[SHORT_KERNELS[q.device.type]]
 
 
-def _cut(spec: BlockSpec) -> Cut:
+def _cached_plan(spec: BlockSpec, q: Tensor, k: Tensor) -> _Plan:
     if spec.windowed:
         raise ValueError("the dense kernel was given a windowed block; kernel resolution refuses that")
-    return cut(*_boundaries.get(spec, (), lambda: _host_boundaries(spec)), spec.causal, MIN_DENSE_ROWS)
+    rows = (q.shape[0], k.shape[0])
+    return _plans.get(spec, (*rows, MIN_DENSE_ROWS, DENSE_SIZE_BITS, STRIPE_ROWS), lambda: _plan(spec, *rows))
 
 
 def _host_boundaries(spec: BlockSpec) -> tuple[list[int], list[int]]:
@@ -220,11 +361,42 @@ def _host_boundaries(spec: BlockSpec) -> tuple[list[int], list[int]]:
     return both[: spec.cu_q.shape[0]], both[spec.cu_q.shape[0] :]
 
 
-def _run_spec(spec: BlockSpec, run: Varlen) -> BlockSpec:
-    """The spec of a run of short segments, its boundaries relative to the run's first rows."""
-    cu_q = spec.cu_q[run.first : run.stop + 1] - run.q.start
-    cu_k = spec.cu_k[run.first : run.stop + 1] - run.k.start
-    return BlockSpec(cu_q, cu_k, spec.max_q, spec.max_k, spec.causal, spec.scale)
+def _call_rows(x: Tensor, start: int, count: int) -> Tensor:
+    """``count`` rows of ``x`` from ``start``, zeros past its end (a copy only then)."""
+    rows = x[start : start + count]
+    missing = count - rows.shape[0]
+    return torch.cat([rows, rows.new_zeros((missing, *rows.shape[1:]))]) if missing else rows
+
+
+def _dense_piece_forward(q: Tensor, k: Tensor, v: Tensor, piece: Dense, scale: float) -> tuple[Tensor, Tensor]:
+    """A piece's dense call, the results of its own rows."""
+    rows, keys = piece.q, piece.k
+    out, lse = _dense_forward(_call_rows(q, rows.start, piece.rows), _call_rows(k, keys.start, piece.keys),
+                              _call_rows(v, keys.start, piece.keys), piece.causal, scale)
+    count = rows.stop - rows.start
+    return out[:count], lse[:, :count]
+
+
+# the lse given to the dense backward for the rows a call computes beyond its piece's: their
+# softmax weights exp(s - lse) are then 0, so they add nothing to dk and dv
+_DROPPED_ROW_LSE = 1e30
+
+
+def _dense_piece_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, piece: Dense, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A piece's dense call backward: dq of its rows, dk and dv of its keys."""
+    rows, keys = piece.q, piece.k
+    count = rows.stop - rows.start
+    call_lse = lse[:, rows]
+    if piece.rows > count:
+        call_lse = torch.cat([call_lse, call_lse.new_full((lse.shape[0], piece.rows - count), _DROPPED_ROW_LSE)], 1)
+    dq, dk, dv = _dense_backward(
+        *(_call_rows(x, rows.start, piece.rows) for x in (dout, q)),
+        *(_call_rows(x, keys.start, piece.keys) for x in (k, v)),
+        _call_rows(out, rows.start, piece.rows), call_lse, piece.causal, scale)
+    key_count = keys.stop - keys.start
+    return dq[:count], dk[:key_count], dv[:key_count]
 
 
 def _heads_first(x: Tensor) -> Tensor:
