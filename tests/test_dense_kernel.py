@@ -126,6 +126,37 @@ def test_dense_kernel_matches_reference(tiny_dense_segments, heads_kv, causal, d
         assert_matches(got, expected[name], name)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_every_dense_call_has_a_size_of_the_bounded_set(tiny_dense_segments, monkeypatch, causal):
+    """Batches of ever-new lengths: the dense op is called, forward and backward, only with
+    row and key counts of 2 significant bits (what keeps cuDNN's graphs few), and the results
+    stay the reference's."""
+    calls = []
+    for name in ("_dense_forward", "_dense_backward"):
+        original = getattr(dense, name)
+
+        def recording(*args, original=original, **kwargs):
+            q, k = args[:2] if original is dense._dense_forward else args[1:3]
+            calls.append((q.shape[0], k.shape[0]))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(dense, name, recording)
+    rng = random.Random(7)
+    for batch in range(4):
+        lengths = tuple(rng.randint(1, 40) for _ in range(rng.randint(2, 5)))
+        tokens, cu = sum(lengths), cu_seqlens(lengths)
+        q, dout = (seeded(f"dense-sizes/{batch}/{n}", tokens, 4, HEAD_DIM).double() for n in ("q", "dout"))
+        k, v = (seeded(f"dense-sizes/{batch}/{n}", tokens, 2, HEAD_DIM).double() for n in ("k", "v"))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = torch.ops.hcp.varlen_attention(*leaves, cu, cu, max(lengths), max(lengths), causal,
+                                                HEAD_DIM ** -0.5, -1, -1, "dense")
+        out.backward(dout)
+        expected = reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=causal)
+        for name, got in (("out", out), *((f"d{n}", t.grad) for n, t in zip("qkv", leaves))):
+            assert_matches(got, expected[name], f"batch {batch} {name}")
+    assert calls and all(n == dense.dense_rows(n, 2) for call in calls for n in call), calls
+
+
 def test_blocks_whose_bounds_rule_out_a_dense_segment_skip_the_host_read(tiny_dense_segments, monkeypatch):
     """max_q/max_k below MIN_DENSE_ROWS: the varlen kernel runs the block without the
     boundaries being read on the host (a sync); a bound that allows a dense segment reads them."""
