@@ -157,6 +157,32 @@ def test_every_dense_call_has_a_size_of_the_bounded_set(tiny_dense_segments, mon
     assert calls and all(n == dense.dense_rows(n, 2) for call in calls for n in call), calls
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("tensor", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_a_call_rounded_up_past_its_segment_keeps_the_next_segments_values_out(
+        tiny_dense_segments, causal, tensor, value):
+    """A 9-row document is a dense call of 12 rows (2 bits), which covers the next document's
+    first 3 rows: a non-finite value there must reach neither the first document's results
+    nor the third's."""
+    lengths, poisoned_row = (9, 5, 6), 10
+    tokens, cu = sum(lengths), cu_seqlens(lengths)
+    clean = {n: seeded(f"dense-isolation/{n}", tokens, h, HEAD_DIM).double()
+             for n, h in (("q", 4), ("k", 2), ("v", 2), ("dout", 4))}
+    x = dict(clean)
+    x[tensor] = clean[tensor].clone()
+    x[tensor][poisoned_row, 0, 0] = value
+    leaves = [x[n].clone().requires_grad_() for n in "qkv"]
+    out, _ = torch.ops.hcp.varlen_attention(*leaves, cu, cu, max(lengths), max(lengths), causal,
+                                            HEAD_DIM ** -0.5, -1, -1, "dense")
+    out.backward(x["dout"])
+    expected = reference_with_grads(clean["q"], clean["k"], clean["v"], clean["dout"], cu.tolist(), cu.tolist(),
+                                    causal=causal)
+    others = torch.cat([torch.arange(0, 9), torch.arange(14, tokens)])
+    for name, got in (("out", out), *((f"d{n}", t.grad) for n, t in zip("qkv", leaves))):
+        assert_matches(got[others], expected[name][others], name)
+
+
 def test_blocks_whose_bounds_rule_out_a_dense_segment_skip_the_host_read(tiny_dense_segments, monkeypatch):
     """max_q/max_k below MIN_DENSE_ROWS: the varlen kernel runs the block without the
     boundaries being read on the host (a sync); a bound that allows a dense segment reads them."""

@@ -176,6 +176,18 @@ def test_masks_are_reused_for_a_cache_key_and_rebuilt_without_one():
     assert flex_mask.document_mask(unkeyed, 14, 14) is not flex_mask.document_mask(unkeyed, 14, 14)
 
 
+def test_spec_cache_keeps_a_device_s_entries_apart():
+    """One cache key on two devices (a single-device key comes from cu_seqlens' values, which
+    batches on two GPUs can share): each device gets what was built for it (its tensors)."""
+    cache = hc.kernels.contract.SpecCache(capacity=8)
+    key = hc.kernels.new_cache_key()
+    specs = {device: BlockSpec(cu_seqlens((4,)).to(device), cu_seqlens((4,)).to(device), 4, 4, True, 1.0,
+                               cache_key=key) for device in ("cpu", "meta")}
+    built = {device: cache.get(spec, (), lambda spec=spec: spec.cu_q + 0) for device, spec in specs.items()}
+    assert {t.device.type for t in built.values()} == {"cpu", "meta"}
+    assert cache.get(specs["meta"], (), lambda: None) is built["meta"]
+
+
 def test_spec_cache_drops_the_least_recently_used_beyond_its_bytes_but_keeps_the_newest():
     cache = hc.kernels.contract.SpecCache(capacity=3, max_bytes=100, size_of=len)
     cu = cu_seqlens((4,))

@@ -103,11 +103,13 @@ class SpecCache:
         self._bytes = 0
 
     def get(self, spec: BlockSpec, extra: tuple, build: Callable[[], T]) -> T:
-        """``build()``, or its earlier result for the same ``cache_key``, mask constants and
-        ``extra``."""
+        """``build()``, or its earlier result for the same ``cache_key``, device, mask constants
+        and ``extra``."""
         if spec.cache_key < 0:
             return build()
-        key = (spec.cache_key, spec.causal, spec.window_left, spec.window_right, *extra)
+        # the device too: what is kept holds tensors on the spec's device, and a single-device
+        # call's key comes from cu_seqlens' values, which other devices' batches can share
+        key = (spec.cache_key, spec.cu_q.device, spec.causal, spec.window_left, spec.window_right, *extra)
         if key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key][0]

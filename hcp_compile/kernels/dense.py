@@ -52,8 +52,10 @@ MIN_DENSE_ROWS = 2048
 # octave), so cuDNN builds a bounded number of graphs however the batches' lengths vary, at
 # the price of computing up to 1/32 more rows (docs/design.md §8.6)
 DENSE_SIZE_BITS = 6
-# query rows per segment of a stripe (a full rectangle's keys left over: few keys, many queries)
+# a stripe (a full rectangle's keys left over: few keys, many queries) is cut into segments of
+# this many query rows, at most STRIPE_PARTS of them (each copies the keys)
 STRIPE_ROWS = 1024
+STRIPE_PARTS = 16
 # the varlen kernel for the short segments, per device type
 SHORT_KERNELS = {"cuda": "flash", "cpu": "torch"}
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
@@ -90,7 +92,7 @@ class Varlen:
     cu_q: tuple[int, ...]
     cu_k: tuple[int, ...]
     causal: bool
-    # > 1: a stripe, the keys ``k`` given ``repeat`` times over, one copy per segment
+    # a stripe: the keys ``k`` given this many times over, one copy per segment
     repeat: int = 1
 
 
@@ -140,7 +142,7 @@ class _Pieces:
 
     def rectangle(self, q0: int, q1: int, k0: int, k1: int) -> None:
         """Every query sees every key: one dense call on the queries and the first keys, the
-        later keys (fewer than one in 32) varlen."""
+        later keys (fewer than one in 32) a stripe; too short a rectangle all varlen."""
         if min(q1 - q0, k1 - k0) < self.min_rows:
             self.varlen(q0, q1, k0, k1, False)
             return
@@ -154,7 +156,7 @@ class _Pieces:
         at most ``stripe_rows``, each a segment with its own copy of the keys. The varlen
         kernels' backward runs one program per key block over all its queries: for a few
         keys a long serial loop on a few multiprocessors, which the copies share out."""
-        parts = -(-(q1 - q0) // self.stripe_rows)
+        parts = min(-(-(q1 - q0) // self.stripe_rows), STRIPE_PARTS)
         step = -(-(q1 - q0) // parts)
         cu_q = tuple(min(i * step, q1 - q0) for i in range(parts + 1))
         cu_k = tuple(i * (k1 - k0) for i in range(parts + 1))
@@ -191,15 +193,14 @@ class _Plan:
     cut: Cut
     run_cu: tuple[tuple[Tensor, Tensor], ...]
     shared_rows: tuple[bool, ...]
-    shared_keys: tuple[bool, ...]
     whole_varlen: bool
     whole_dense: bool
 
-    def pieces(self) -> Iterator[tuple[Dense | Varlen, tuple[Tensor, Tensor] | None, bool, bool]]:
-        """``(piece, its boundaries on the device (None for a dense call), shares rows, shares
-        keys)`` in the order the pieces run."""
+    def pieces(self) -> Iterator[tuple[Dense | Varlen, tuple[Tensor, Tensor] | None, bool]]:
+        """``(piece, its boundaries on the device (None for a dense call), shares rows)`` in the
+        order the pieces run. Keys are never shared: a segment's pieces split its keys."""
         boundaries = (*self.run_cu, *(None for _ in self.cut.dense))
-        return zip((*self.cut.varlen, *self.cut.dense), boundaries, self.shared_rows, self.shared_keys)
+        return zip((*self.cut.varlen, *self.cut.dense), boundaries, self.shared_rows)
 
 
 def _plan(spec: BlockSpec, q_rows: int, k_rows: int) -> _Plan:
@@ -210,7 +211,7 @@ def _plan(spec: BlockSpec, q_rows: int, k_rows: int) -> _Plan:
     everything = (0, q_rows, 0, k_rows)
     return _Plan(
         pieces, _on_device([(run.cu_q, run.cu_k) for run in pieces.varlen], spec.cu_q.device),
-        _shared([piece.q for piece in ordered]), _shared([piece.k for piece in ordered]),
+        _shared([piece.q for piece in ordered]),
         whole_varlen=not pieces.dense and (not pieces.varlen or isinstance(only, Varlen)
                                            and _span(only) == everything),
         whole_dense=isinstance(only, Dense) and _span(only) == everything and only.rows == q_rows
@@ -290,11 +291,11 @@ class DenseKernel:
             return _short_kernel(q).forward(q, k, v, spec)
         if plan.whole_dense:
             out, lse = _dense_forward(q, k, v, plan.cut.dense[0].causal, spec.scale)
-            return out.contiguous(), lse
-        out = torch.zeros_like(q)
+            return out.contiguous(), lse.contiguous()
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype),
                          device=q.device)
-        for piece, cu, shared, _ in plan.pieces():  # one piece's result alive at a time
+        for piece, cu, shared in plan.pieces():  # one piece's result alive at a time
             rows = piece.q
             if cu is None:
                 piece_out, piece_lse = _dense_piece_forward(q, k, v, piece, spec.scale)
@@ -318,11 +319,11 @@ class DenseKernel:
         if plan.whole_dense:
             grads = _dense_backward(dout, q, k, v, out, lse, plan.cut.dense[0].causal, spec.scale)
             return tuple(g.contiguous() for g in grads)
-        # written in the inputs' dtypes; rows and keys that several pieces cover summed in the
-        # accumulation dtype (a whole-block fp32 accumulator cost 6 % more time and up to 1.7x
-        # the memory on log-uniform documents)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for piece, cu, shared_rows, shared_keys in plan.pieces():
+        # written in the inputs' dtypes; a row that several pieces cover has each piece's dq
+        # added in the accumulation dtype (a whole-block fp32 accumulator cost 6 % more time
+        # and up to 1.7x the memory on log-uniform documents)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        for piece, cu, shared in plan.pieces():
             rows, keys = piece.q, piece.k
             if cu is None:
                 grads = _dense_piece_backward(dout, q, k, v, out, lse, piece, spec.scale)
@@ -330,9 +331,8 @@ class DenseKernel:
                 dq_run, *dkv = _short_kernel(q).backward(dout[rows], q[rows], *_repeated(piece, k, v), out[rows],
                                                          lse[:, rows], _run_spec(spec, piece, cu))
                 grads = (dq_run, *(_summed_copies(g, piece.repeat) for g in dkv))
-            for total, part, where, shared in ((dq, grads[0], rows, shared_rows), (dk, grads[1], keys, shared_keys),
-                                               (dv, grads[2], keys, shared_keys)):
-                total[where] = (total[where].to(accumulate_dtype(q.dtype)) + part) if shared else part
+            dq[rows] = (dq[rows].to(accumulate_dtype(q.dtype)) + grads[0]) if shared else grads[0]
+            dk[keys], dv[keys] = grads[1], grads[2]
         return dq, dk, dv
 
 
@@ -361,40 +361,46 @@ def _host_boundaries(spec: BlockSpec) -> tuple[list[int], list[int]]:
     return both[: spec.cu_q.shape[0]], both[spec.cu_q.shape[0] :]
 
 
-def _call_rows(x: Tensor, start: int, count: int) -> Tensor:
-    """``count`` rows of ``x`` from ``start``, zeros past its end (a copy only then)."""
-    rows = x[start : start + count]
-    missing = count - rows.shape[0]
-    return torch.cat([rows, rows.new_zeros((missing, *rows.shape[1:]))]) if missing else rows
+def _call_rows(x: Tensor, rows: slice, count: int, zeros_after: bool = True) -> Tensor:
+    """``count`` rows of ``x`` from ``rows.start``: the piece's ``rows``, then zeros (a copy),
+    or with ``zeros_after`` False the block's next rows as they are (zeros past its end; a
+    copy only then)."""
+    real = (rows.stop if zeros_after else rows.start + count) - rows.start
+    taken = x[rows.start : rows.start + real]
+    missing = count - taken.shape[0]
+    return torch.cat([taken, taken.new_zeros((missing, *taken.shape[1:]))]) if missing else taken
 
 
 def _dense_piece_forward(q: Tensor, k: Tensor, v: Tensor, piece: Dense, scale: float) -> tuple[Tensor, Tensor]:
-    """A piece's dense call, the results of its own rows."""
+    """A piece's dense call, the results of its own rows. Its keys past the piece are zeros:
+    no row of the piece sees them, but a product of a masked weight, 0, with a non-finite
+    value of another segment would still be NaN (its rows past the piece may read the block's
+    next rows: their results are dropped)."""
     rows, keys = piece.q, piece.k
-    out, lse = _dense_forward(_call_rows(q, rows.start, piece.rows), _call_rows(k, keys.start, piece.keys),
-                              _call_rows(v, keys.start, piece.keys), piece.causal, scale)
+    out, lse = _dense_forward(_call_rows(q, rows, piece.rows, zeros_after=False), _call_rows(k, keys, piece.keys),
+                              _call_rows(v, keys, piece.keys), piece.causal, scale)
     count = rows.stop - rows.start
     return out[:count], lse[:, :count]
 
 
-# the lse given to the dense backward for the rows a call computes beyond its piece's: their
-# softmax weights exp(s - lse) are then 0, so they add nothing to dk and dv
+# the lse given to the dense backward for the rows a call computes beyond its piece's (zeros):
+# their softmax weights exp(s - lse) are then 0, so they add nothing to dk and dv
 _DROPPED_ROW_LSE = 1e30
 
 
 def _dense_piece_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, piece: Dense, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """A piece's dense call backward: dq of its rows, dk and dv of its keys."""
+    """A piece's dense call backward: dq of its rows, dk and dv of its keys, every row and key
+    past the piece zeros (no other segment's value reaches them)."""
     rows, keys = piece.q, piece.k
     count = rows.stop - rows.start
     call_lse = lse[:, rows]
     if piece.rows > count:
         call_lse = torch.cat([call_lse, call_lse.new_full((lse.shape[0], piece.rows - count), _DROPPED_ROW_LSE)], 1)
     dq, dk, dv = _dense_backward(
-        *(_call_rows(x, rows.start, piece.rows) for x in (dout, q)),
-        *(_call_rows(x, keys.start, piece.keys) for x in (k, v)),
-        _call_rows(out, rows.start, piece.rows), call_lse, piece.causal, scale)
+        *(_call_rows(x, rows, piece.rows) for x in (dout, q)), *(_call_rows(x, keys, piece.keys) for x in (k, v)),
+        _call_rows(out, rows, piece.rows), call_lse, piece.causal, scale)
     key_count = keys.stop - keys.start
     return dq[:count], dk[:key_count], dv[:key_count]
 
