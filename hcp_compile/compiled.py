@@ -23,7 +23,7 @@ from . import layout, validation
 from .hierarchical import HierarchicalAttention
 from .layout import BatchLayout
 from .mesh import CPGroups, agreeing_groups, resolve_groups
-from .placements import PLACEMENTS, placement_rule
+from .placements import placement_rule
 from .plan import check_plan_agrees
 from .kernels import KeysByValue
 from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps, schedule_tables
@@ -49,7 +49,7 @@ def checked_layout(
     fingerprint's salt) instead of some ranks waiting in the next collective; reading the
     agreed verdict is the one host read of the call that waits for the device."""
     groups = groups_from_names(ulysses_group, ring_group)
-    salt = validation.fingerprint_salt(list(PLACEMENTS).index(placement), recompute_exchange)
+    salt = validation.fingerprint_salt(placement, recompute_exchange)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
         groups.ulysses_rank, list(tokens), list(max_seqlens), salt,

@@ -13,7 +13,7 @@ from .hierarchical import HierarchicalAttention
 from .kernels import KERNEL_CHOICES, BlockRequest, new_cache_key, resolve_kernel
 from .layout import BatchLayout, RankSizes
 from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
-from .placements import DEFAULT_PLACEMENT, PLACEMENTS, check_placement, placement_rule
+from .placements import DEFAULT_PLACEMENT, check_placement, placement_rule
 from .plan import check_plan_agrees
 from .schedule import RingSchedule, build_schedule, cache_keys_needed
 from .validation import InputError
@@ -137,9 +137,7 @@ class ContextParallel:
                 layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank).tolist(),
                 groups.ulysses_rank, groups.ulysses_size,
             )
-            salt = validation.fingerprint_salt(
-                list(PLACEMENTS).index(self.options.placement), self.options.recompute_exchange
-            )
+            salt = validation.fingerprint_salt(self.options.placement, self.options.recompute_exchange)
             fingerprint = int(validation.batch_fingerprint(values, salt))
             facts = _BatchFacts(cu_seqlens._version, values, batch, sizes, fingerprint)
             self._facts_of[cu_seqlens] = facts

@@ -329,10 +329,12 @@ def max_length(cu_values: Tensor) -> int:
 _FINGERPRINT_MODULUS = 2**31 - 1
 
 
-def fingerprint_salt(placement_index: int, recompute_exchange: bool) -> int:
+def fingerprint_salt(placement: str, recompute_exchange: bool) -> int:
     """The options every rank must share, as :func:`batch_fingerprint`'s ``salt``: ranks that
     differ in them would exchange buffers of different layouts or sizes."""
-    return 2 * placement_index + int(recompute_exchange)
+    from .placements import PLACEMENTS  # the placements import this module
+
+    return 2 * list(PLACEMENTS).index(placement) + int(recompute_exchange)
 
 
 def batch_fingerprint(cu_seqlens: Tensor, salt: int = 0) -> Tensor:

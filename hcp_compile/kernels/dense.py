@@ -22,8 +22,8 @@ bounded set of shapes:
   each run of varlen segments whose query and key rows follow each other is one varlen call
   on those rows, with no rows gathered.
 
-A row or key that several pieces cover gets their results merged by lse (the output) or
-summed (the gradients). The backward runs the same pieces with the merged out and lse (the
+A row that several pieces cover gets their outputs merged by lse and their dq summed (a
+segment's pieces split its keys). The backward runs the same pieces with the merged out and lse (the
 dense backward ops take them, so each piece yields its exact share, as every kernel's
 backward does). The dense call is cuDNN's on CUDA and
 ``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU, so that the cutting is tested
@@ -128,17 +128,15 @@ class _Pieces:
     def __init__(self, min_rows: int, bits: int, stripe_rows: int) -> None:
         self.min_rows, self.bits, self.stripe_rows = min_rows, bits, stripe_rows
         self.dense: list[Dense] = []
-        self.runs: list[list[tuple[int, int, int, int]]] = []  # segments (q0, q1, k0, k1)
-        self.causal_runs: list[bool] = []
+        self.runs: list[tuple[bool, list[tuple[int, int, int, int]]]] = []  # causal, segments (q0, q1, k0, k1)
         self.stripes: list[Varlen] = []
 
     def varlen(self, q0: int, q1: int, k0: int, k1: int, causal: bool) -> None:
         """A varlen segment: it extends the last run where its rows follow that run's."""
-        if self.runs and self.causal_runs[-1] == causal and self.runs[-1][-1][1::2] == (q0, k0):
-            self.runs[-1].append((q0, q1, k0, k1))
+        if self.runs and self.runs[-1][0] == causal and self.runs[-1][1][-1][1::2] == (q0, k0):
+            self.runs[-1][1].append((q0, q1, k0, k1))
         else:
-            self.runs.append([(q0, q1, k0, k1)])
-            self.causal_runs.append(causal)
+            self.runs.append((causal, [(q0, q1, k0, k1)]))
 
     def rectangle(self, q0: int, q1: int, k0: int, k1: int) -> None:
         """Every query sees every key: one dense call on the queries and the first keys, the
@@ -175,7 +173,7 @@ class _Pieces:
 
     def cut(self) -> Cut:
         varlen = []
-        for run, causal in zip(self.runs, self.causal_runs):
+        for causal, run in self.runs:
             (q0, _, k0, _), (_, q1, _, k1) = run[0], run[-1]
             cu_q = (0, *(stop - q0 for _, stop, _, _ in run))
             cu_k = (0, *(stop - k0 for _, _, _, stop in run))
