@@ -18,6 +18,11 @@ the first ``--iters`` batches of the process and for ``--iters`` more after
 ``threshold``: the dense kernel on the log-uniform and short-document batches of
 scripts/measure_kernels.py with ``MIN_DENSE_ROWS`` in ``--thresholds`` and ``DENSE_SIZE_BITS``
 in ``--bits``.
+
+``isolation``: what keeping other segments' values out of a rounded-up dense call costs: the
+dense kernel as it is (the call's rows and keys past its segment are zeros, copies) against
+the same calls reading the block's next rows in place (not isolated: a non-finite value there
+would reach the segment), alternated, on log-uniform 256..32K batches.
 docs/design.md §8.6 records what it found.
 """
 
@@ -129,6 +134,28 @@ def threshold(args: argparse.Namespace, heads: tuple[int, int]) -> None:
         print(f"[threshold {heads[0]}/{heads[1]}] {name}: " + " | ".join(cells), flush=True)
 
 
+def isolation(args: argparse.Namespace, heads: tuple[int, int]) -> None:
+    isolated = dense._call_rows
+
+    def in_place(x, rows, count, zeros_after=True):
+        return isolated(x, rows, count, zeros_after=False)
+
+    for seed in range(3):
+        batch = Batch(log_uniform_lengths(args.tokens, 256, 32768, seed=seed), heads)
+        times: dict[str, list[float]] = {"zeros": [], "in place": []}
+        for _ in range(args.iters):  # alternated, so clock drift falls on both alike
+            for name, call_rows in (("zeros", isolated), ("in place", in_place)):
+                dense._call_rows = call_rows
+                try:
+                    times[name].append(cuda_median_ms(lambda: batch.step("dense"), args.warmup, 3))
+                finally:
+                    dense._call_rows = isolated
+        medians = {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
+        cells = [f"{name} {ms:7.2f} ms {batch.tflops(ms):6.1f} TF/s" for name, ms in medians.items()]
+        print(f"[isolation {heads[0]}/{heads[1]}] log-uniform seed {seed}: " + " | ".join(cells)
+              + f" | zeros / in place {medians['zeros'] / medians['in place']:.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="segments,fresh,threshold")
@@ -142,7 +169,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=[dense.DENSE_SIZE_BITS],
                         help="DENSE_SIZE_BITS values for the threshold part")
     args = parser.parse_args()
-    parts = {"segments": segments, "fresh": fresh, "threshold": threshold}
+    parts = {"segments": segments, "fresh": fresh, "threshold": threshold, "isolation": isolation}
     for heads in args.heads.split(","):
         pair = tuple(int(h) for h in heads.split("/"))
         for part in args.parts.split(","):

@@ -24,6 +24,12 @@ def expected_for(case: AttentionCase, input_dtype: torch.dtype = torch.float32) 
     return reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu, cu, **case.mask_args)
 
 
+def nan_filled_results_like(x: Tensor, filled: bool) -> Tensor:
+    """Stands in for the dense kernel's ``_results_like``: results it leaves uninitialized
+    come as NaN, so a row or key that no piece writes shows in the results."""
+    return x.new_full(x.shape, float("nan")) if filled else x.new_zeros(x.shape)
+
+
 def assert_matches(got: Tensor, expected: Tensor, what: str, **tol) -> None:
     """No NaN/Inf, and close to the float64 expectation (fp32 tolerances by default)."""
     assert torch.isfinite(got).all(), f"{what}: NaN or Inf in the result"

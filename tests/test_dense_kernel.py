@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attention_reference import reference_with_grads
-from checks import assert_matches
+from checks import assert_matches, nan_filled_results_like
 from cp_cases import HEAD_DIM, cu_seqlens, seeded
 from hcp_compile.kernels import BlockSpec, dense, run_backward, run_forward
 from hcp_compile.merge import merge_partials
@@ -69,6 +69,18 @@ def test_dense_rows_keep_the_leading_bits():
     assert [dense.dense_rows(n, 5, up=True) for n in sizes] == [31, 32, 34, 4096, 4096, 4352, 4352, 4352, 131072]
 
 
+@pytest.mark.parametrize("ranges, total, fills", [
+    ([(0, 4), (4, 8)], 8, True),
+    ([(0, 4)], 8, False),  # rows 4..8 unwritten: they need zeros first
+    ([(0, 8), (2, 6)], 8, True),  # a merge with rows written before
+    ([(0, 4), (2, 6), (6, 8)], 8, False),  # rows 4..6 merged before any piece wrote them
+    ([(0, 4), (4, 8), (2, 6)], 8, True),
+    ([(3, 3)], 0, True),
+])
+def test_results_need_no_zeros_only_when_every_row_is_written_before_a_merge(ranges, total, fills):
+    assert dense._fills([slice(a, b) for a, b in ranges], total) is fills
+
+
 def test_short_segments_next_to_each_other_are_one_varlen_run():
     pieces = dense.cut([0, 2, 4, 20, 21, 23], [0, 2, 4, 20, 21, 23], True, min_rows=8)
     assert [(r.q, r.k, r.cu_q, r.cu_k) for r in pieces.varlen] == [
@@ -95,10 +107,12 @@ LENGTHS = (9, 0, 3, 17, 1, 12)
 @pytest.fixture
 def tiny_dense_segments(monkeypatch):
     """Segments of 8 rows and more dense, in dense calls of 2 significant bits (9 rows: a call
-    of 12 rows; 9 keys of a full segment: a call of 8, the last key in stripes of 4 rows)."""
+    of 12 rows; 9 keys of a full segment: a call of 8, the last key in stripes of 4 rows);
+    results the kernel leaves uninitialized NaN."""
     monkeypatch.setattr(dense, "MIN_DENSE_ROWS", 8)
     monkeypatch.setattr(dense, "DENSE_SIZE_BITS", 2)
     monkeypatch.setattr(dense, "STRIPE_ROWS", 4)
+    monkeypatch.setattr(dense, "_results_like", nan_filled_results_like)
 
 
 # long and short segments; one long segment with rows left over; one whose rows are a dense

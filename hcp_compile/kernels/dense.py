@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..merge import merge_partials_torch
+from ..merge import accumulate, merge_partials
 from .contract import BlockRequest, BlockSpec, SpecCache
 from .precision import accumulate_dtype
 
@@ -184,15 +184,18 @@ class _Pieces:
 
 @dataclass(frozen=True)
 class _Plan:
-    """A block's cut, the varlen runs' boundaries on the block's device, and which pieces
-    share rows or keys with a piece before them (in the order the pieces run: the varlen
-    runs, then the dense calls)."""
+    """A block's cut, the varlen runs' boundaries on the block's device, which pieces share
+    rows with a piece before them (in the order the pieces run: the varlen runs, then the
+    dense calls), and whether the pieces write every row and every key (then the results need
+    no zeros first)."""
 
     cut: Cut
     run_cu: tuple[tuple[Tensor, Tensor], ...]
     shared_rows: tuple[bool, ...]
     whole_varlen: bool
     whole_dense: bool
+    fills_rows: bool
+    fills_keys: bool
 
     def pieces(self) -> Iterator[tuple[Dense | Varlen, tuple[Tensor, Tensor] | None, bool]]:
         """``(piece, its boundaries on the device (None for a dense call), shares rows)`` in the
@@ -210,6 +213,8 @@ def _plan(spec: BlockSpec, q_rows: int, k_rows: int) -> _Plan:
     return _Plan(
         pieces, _on_device([(run.cu_q, run.cu_k) for run in pieces.varlen], spec.cu_q.device),
         _shared([piece.q for piece in ordered]),
+        fills_rows=_fills([piece.q for piece in ordered], q_rows),
+        fills_keys=_fills([piece.k for piece in ordered], k_rows),
         whole_varlen=not pieces.dense and (not pieces.varlen or isinstance(only, Varlen)
                                            and _span(only) == everything),
         whole_dense=isinstance(only, Dense) and _span(only) == everything and only.rows == q_rows
@@ -224,6 +229,23 @@ def _span(piece: Dense | Varlen) -> tuple[int, int, int, int]:
 def _shared(ranges: list[slice]) -> tuple[bool, ...]:
     """Per range, whether it meets one before it."""
     return tuple(any(r.start < s.stop and s.start < r.stop for s in ranges[:i]) for i, r in enumerate(ranges))
+
+
+def _fills(ranges: list[slice], total: int) -> bool:
+    """Whether pieces writing ``ranges`` in this order write all of ``[0, total)`` before any
+    piece merges with what is there: every range that meets an earlier one lies inside their
+    union (a merge with rows no piece wrote would read uninitialized memory)."""
+    union: list[tuple[int, int]] = []  # disjoint and not touching, so a range inside it is inside one
+    for r in ranges:
+        if r.start == r.stop:
+            continue
+        meets = any(r.start < b and a < r.stop for a, b in union)
+        if meets and not any(a <= r.start and r.stop <= b for a, b in union):
+            return False
+        touching = [(a, b) for a, b in union if r.start <= b and a <= r.stop]
+        low, high = min([r.start, *(a for a, _ in touching)]), max([r.stop, *(b for _, b in touching)])
+        union = sorted([*(iv for iv in union if iv not in touching), (low, high)])
+    return total == 0 or union == [(0, total)]
 
 
 def _on_device(boundaries: list[tuple[tuple[int, ...], tuple[int, ...]]],
@@ -290,9 +312,10 @@ class DenseKernel:
         if plan.whole_dense:
             out, lse = _dense_forward(q, k, v, plan.cut.dense[0].causal, spec.scale)
             return out.contiguous(), lse.contiguous()
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype),
-                         device=q.device)
+        out = _results_like(q, plan.fills_rows)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accumulate_dtype(q.dtype))
+        if not plan.fills_rows:
+            lse.fill_(float("-inf"))
         for piece, cu, shared in plan.pieces():  # one piece's result alive at a time
             rows = piece.q
             if cu is None:
@@ -300,9 +323,9 @@ class DenseKernel:
             else:
                 piece_out, piece_lse = _short_kernel(q).forward(
                     q[rows], *_repeated(piece, k, v), _run_spec(spec, piece, cu))
-            if shared:  # rows another piece saw too: merged by their lse
-                piece_out, piece_lse = merge_partials_torch(out[rows], lse[:, rows], piece_out, piece_lse, q.dtype)
-            out[rows], lse[:, rows] = piece_out, piece_lse
+            if shared:  # rows another piece saw too: merged by their lse (on CUDA into out's rows)
+                piece_out, piece_lse = merge_partials(out[rows], lse[:, rows], piece_out, piece_lse, q.dtype)
+            out[rows], lse[:, rows] = piece_out, piece_lse  # copy_ skips a result already in place
         return out, lse
 
     def backward(
@@ -320,7 +343,8 @@ class DenseKernel:
         # written in the inputs' dtypes; a row that several pieces cover has each piece's dq
         # added in the accumulation dtype (a whole-block fp32 accumulator cost 6 % more time
         # and up to 1.7x the memory on log-uniform documents)
-        dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        dq = _results_like(q, plan.fills_rows)
+        dk, dv = _results_like(k, plan.fills_keys), _results_like(v, plan.fills_keys)
         for piece, cu, shared in plan.pieces():
             rows, keys = piece.q, piece.k
             if cu is None:
@@ -329,9 +353,15 @@ class DenseKernel:
                 dq_run, *dkv = _short_kernel(q).backward(dout[rows], q[rows], *_repeated(piece, k, v), out[rows],
                                                          lse[:, rows], _run_spec(spec, piece, cu))
                 grads = (dq_run, *(_summed_copies(g, piece.repeat) for g in dkv))
-            dq[rows] = (dq[rows].to(accumulate_dtype(q.dtype)) + grads[0]) if shared else grads[0]
+            dq[rows] = accumulate(dq[rows], grads[0], q.dtype) if shared else grads[0]
             dk[keys], dv[keys] = grads[1], grads[2]
         return dq, dk, dv
+
+
+def _results_like(x: Tensor, filled: bool) -> Tensor:
+    """A contiguous tensor of ``x``'s shape for results the pieces write: zeros where some rows
+    get none (rows that see no key, keys no row sees), uninitialized where every row gets one."""
+    return x.new_empty(x.shape) if filled else x.new_zeros(x.shape)
 
 
 def _all_short(spec: BlockSpec) -> bool:
@@ -365,8 +395,12 @@ def _call_rows(x: Tensor, rows: slice, count: int, zeros_after: bool = True) -> 
     copy only then)."""
     real = (rows.stop if zeros_after else rows.start + count) - rows.start
     taken = x[rows.start : rows.start + real]
-    missing = count - taken.shape[0]
-    return torch.cat([taken, taken.new_zeros((missing, *taken.shape[1:]))]) if missing else taken
+    if taken.shape[0] == count:
+        return taken
+    call = x.new_empty((count, *x.shape[1:]))  # one copy and one fill, no zeros read back
+    call[: taken.shape[0]].copy_(taken)
+    call[taken.shape[0] :].zero_()
+    return call
 
 
 def _dense_piece_forward(q: Tensor, k: Tensor, v: Tensor, piece: Dense, scale: float) -> tuple[Tensor, Tensor]:
