@@ -43,16 +43,24 @@ def covered(pieces: dense.Cut, cu_q: list[int], cu_k: list[int], causal: bool) -
     return count
 
 
+def random_block(seed: int) -> tuple[list[int], list[int]]:
+    """``cu_q``, ``cu_k`` of a random block of long, short and empty segments, as many keys as
+    queries or fewer or more (a ring step's shapes)."""
+    rng = random.Random(seed)
+    q_lengths = [rng.choice([0, 1, 3, 8, 9, 20, 27, 45]) for _ in range(rng.randint(1, 8))]
+    k_lengths = [max(0, n + rng.choice([0, 0, -2, 5, 19])) for n in q_lengths]
+    return cu_seqlens(tuple(q_lengths)).tolist(), cu_seqlens(tuple(k_lengths)).tolist()
+
+
 @pytest.mark.parametrize("bits", [2, 3, 5])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("seed", range(6))
 def test_pieces_cover_every_visible_pair_exactly_once(seed, causal, bits):
-    """Random blocks of long, short and empty segments, as many keys as queries or fewer or
-    more (a ring step's shapes); dense calls of ``bits`` significant bits of rows and keys."""
-    rng = random.Random(seed)
-    q_lengths = [rng.choice([0, 1, 3, 8, 9, 20, 27, 45]) for _ in range(rng.randint(1, 8))]
-    k_lengths = [max(0, n + rng.choice([0, 0, -2, 5, 19])) for n in q_lengths]
-    cu_q, cu_k = cu_seqlens(tuple(q_lengths)).tolist(), cu_seqlens(tuple(k_lengths)).tolist()
+    """Random blocks (:func:`random_block`); dense calls of ``bits`` significant bits of rows
+    and keys."""
+    cu_q, cu_k = random_block(seed)
+    q_lengths = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    k_lengths = [b - a for a, b in zip(cu_k, cu_k[1:])]
     pieces = dense.cut(cu_q, cu_k, causal, min_rows=8, bits=bits, stripe_rows=8)
     assert torch.equal(covered(pieces, cu_q, cu_k, causal), contract_mask(cu_q, cu_k, causal).long())
     long_segments = sum(min(q, k) >= 8 for q, k in zip(q_lengths, k_lengths))
@@ -113,6 +121,42 @@ def tiny_dense_segments(monkeypatch):
     monkeypatch.setattr(dense, "DENSE_SIZE_BITS", 2)
     monkeypatch.setattr(dense, "STRIPE_ROWS", 4)
     monkeypatch.setattr(dense, "_results_like", nan_filled_results_like)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a whole block under the ``[Tq, Tk]`` element mask, plainly (KV heads
+    repeated for GQA; a row with no visible key gives out 0 and lse -inf)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k).mul(scale).masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(torch.where(mask.any(1)[:, None], scores, 0.0), dim=-1) * mask
+    return torch.einsum("hqk,khd->qhd", probs, v), lse
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("seed", range(8))
+def test_random_blocks_match_the_contract_s_attention(tiny_dense_segments, seed, causal):
+    """The kernel's forward and backward on random ring-step-shaped blocks
+    (:func:`random_block`: rectangles, stripes, rounded-up squares, rows and keys no piece
+    covers) against float64 attention under the contract's element mask."""
+    cu_q, cu_k = random_block(seed)
+    tokens_q, tokens_k, scale = cu_q[-1], cu_k[-1], HEAD_DIM ** -0.5
+    q, dout = (seeded(f"dense-random/{seed}/{n}", tokens_q, 4, HEAD_DIM).double() for n in ("q", "dout"))
+    k, v = (seeded(f"dense-random/{seed}/{n}", tokens_k, 2, HEAD_DIM).double() for n in ("k", "v"))
+    longest = max(1, *(b - a for cu in (cu_q, cu_k) for a, b in zip(cu, cu[1:])))
+    spec = BlockSpec(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                     longest, longest, causal, scale)
+    out, lse = run_forward("dense", q, k, v, spec)
+    dq, dk, dv = run_backward("dense", dout, q, k, v, out, lse, spec)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected_out, expected_lse = masked_attention(*leaves, contract_mask(cu_q, cu_k, causal), scale)
+    expected = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(expected_out, leaves, dout)))
+    assert_matches(out, expected_out.detach(), "out")
+    torch.testing.assert_close(lse, expected_lse.detach())
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_matches(got, expected[name], name)
 
 
 # long and short segments; one long segment with rows left over; one whose rows are a dense
