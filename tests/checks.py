@@ -24,10 +24,12 @@ def expected_for(case: AttentionCase, input_dtype: torch.dtype = torch.float32) 
     return reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu, cu, **case.mask_args)
 
 
-def nan_filled_results_like(x: Tensor, filled: bool) -> Tensor:
-    """Stands in for the dense kernel's ``_results_like``: results it leaves uninitialized
-    come as NaN, so a row or key that no piece writes shows in the results."""
-    return x.new_full(x.shape, float("nan")) if filled else x.new_zeros(x.shape)
+def nan_filled_results(like: Tensor, filled: bool, shape: tuple[int, ...] | None = None,
+                       dtype: torch.dtype | None = None, unwritten: float = 0.0) -> Tensor:
+    """Stands in for the dense kernel's ``_results``: results it leaves uninitialized come as
+    NaN, so a row or key that no piece writes shows in the results."""
+    return like.new_full(like.shape if shape is None else shape, float("nan") if filled else unwritten,
+                         dtype=dtype)
 
 
 def assert_matches(got: Tensor, expected: Tensor, what: str, **tol) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attention_reference import reference_with_grads
-from checks import assert_matches, nan_filled_results_like
+from checks import assert_matches, nan_filled_results
 from cp_cases import HEAD_DIM, cu_seqlens, seeded
 from hcp_compile.kernels import BlockSpec, dense, run_backward, run_forward
 from hcp_compile.merge import merge_partials
@@ -120,7 +120,7 @@ def tiny_dense_segments(monkeypatch):
     monkeypatch.setattr(dense, "MIN_DENSE_ROWS", 8)
     monkeypatch.setattr(dense, "DENSE_SIZE_BITS", 2)
     monkeypatch.setattr(dense, "STRIPE_ROWS", 4)
-    monkeypatch.setattr(dense, "_results_like", nan_filled_results_like)
+    monkeypatch.setattr(dense, "_results", nan_filled_results)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

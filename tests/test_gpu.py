@@ -8,7 +8,7 @@ import torch
 
 import hcp_compile as hc
 from attention_reference import reference_with_grads
-from checks import assert_matches, expected_for, nan_filled_results_like
+from checks import assert_matches, expected_for, nan_filled_results
 from cp_cases import AttentionCase, cu_seqlens, seeded
 from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import BlockRequest, measured, BlockSpec, new_cache_key, resolve_kernel, run_backward, run_forward
@@ -134,7 +134,7 @@ def dense_from_128_rows(monkeypatch):
     """Segments of LONG_DOCS with 128 rows or more run as cuDNN calls, the others in flash;
     results the kernel leaves uninitialized NaN."""
     monkeypatch.setattr(dense, "MIN_DENSE_ROWS", 128)
-    monkeypatch.setattr(dense, "_results_like", nan_filled_results_like)
+    monkeypatch.setattr(dense, "_results", nan_filled_results)
 
 
 @pytest.mark.parametrize("heads_kv", [8, 2], ids=["mha", "gqa"])

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import hcp_compile as hc
 from attention_reference import document_mask, reference_with_grads
-from checks import assert_matches, expected_for, nan_filled_results_like
+from checks import assert_matches, expected_for, nan_filled_results
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded, World
 from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import (
@@ -435,14 +435,14 @@ class KernelCase(AttentionCase):
         return f"{self.kernel}-{super().id}"
 
     def run(self, world: World) -> dict:
-        saved = dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS, dense._results_like
+        saved = dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS, dense._results
         dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS = 4, 2, 3
-        dense._results_like = nan_filled_results_like
+        dense._results = nan_filled_results
         try:
             with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel):
                 return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
         finally:
-            dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS, dense._results_like = saved
+            dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS, dense._results = saved
 
 
 CP_CASES = [KernelCase("many", 4, 2, True), KernelCase("mixed", 4, 1, True, (4, 0)),

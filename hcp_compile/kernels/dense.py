@@ -312,10 +312,8 @@ class DenseKernel:
         if plan.whole_dense:
             out, lse = _dense_forward(q, k, v, plan.cut.dense[0].causal, spec.scale)
             return out.contiguous(), lse.contiguous()
-        out = _results_like(q, plan.fills_rows)
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=accumulate_dtype(q.dtype))
-        if not plan.fills_rows:
-            lse.fill_(float("-inf"))
+        out = _results(q, plan.fills_rows)
+        lse = _results(q, plan.fills_rows, (q.shape[1], q.shape[0]), accumulate_dtype(q.dtype), float("-inf"))
         for piece, cu, shared in plan.pieces():  # one piece's result alive at a time
             rows = piece.q
             if cu is None:
@@ -343,8 +341,8 @@ class DenseKernel:
         # written in the inputs' dtypes; a row that several pieces cover has each piece's dq
         # added in the accumulation dtype (a whole-block fp32 accumulator cost 6 % more time
         # and up to 1.7x the memory on log-uniform documents)
-        dq = _results_like(q, plan.fills_rows)
-        dk, dv = _results_like(k, plan.fills_keys), _results_like(v, plan.fills_keys)
+        dq = _results(q, plan.fills_rows)
+        dk, dv = _results(k, plan.fills_keys), _results(v, plan.fills_keys)
         for piece, cu, shared in plan.pieces():
             rows, keys = piece.q, piece.k
             if cu is None:
@@ -358,10 +356,13 @@ class DenseKernel:
         return dq, dk, dv
 
 
-def _results_like(x: Tensor, filled: bool) -> Tensor:
-    """A contiguous tensor of ``x``'s shape for results the pieces write: zeros where some rows
-    get none (rows that see no key, keys no row sees), uninitialized where every row gets one."""
-    return x.new_empty(x.shape) if filled else x.new_zeros(x.shape)
+def _results(like: Tensor, filled: bool, shape: tuple[int, ...] | None = None,
+             dtype: torch.dtype | None = None, unwritten: float = 0.0) -> Tensor:
+    """A contiguous tensor (``like``'s shape and dtype unless given) for results the pieces
+    write: uninitialized when they write all of it (``filled``), else ``unwritten`` throughout
+    (what the rows or keys no piece writes must hold)."""
+    result = like.new_empty(like.shape if shape is None else shape, dtype=dtype)
+    return result if filled else result.fill_(unwritten)
 
 
 def _all_short(spec: BlockSpec) -> bool:
