@@ -3,6 +3,10 @@
 Adapts flash's conventions to the shared kernel contract: flash marks rows with no visible key
 with lse = +inf, the contract with -inf (so that the ring merge is a plain logaddexp).
 
+The query bound handed to aten is at least 2 whatever the block's segments are, which keeps
+flash's GQA decoding shortcut out of reach (Note [flash's special paths] below, docs/design.md
+§8.4).
+
 Those aten ops are what torch's FA3/FA4 integrations replace: after
 ``torch.nn.attention.activate_flash_attention_impl("FA3")`` (or ``"FA4"``, with the package
 installed) this kernel runs that implementation.
@@ -17,6 +21,26 @@ from ..validation import InputError
 from .contract import BlockRequest, BlockSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+# Note [flash's special paths]
+# FlashAttention-2's varlen forward (what aten._flash_attention_forward runs) takes a decoding
+# shortcut when max_seqlen_q == 1 and Hq > Hkv (GQA, no window): it reshapes q as if every
+# segment held exactly one query, ``[segments, Hkv, Hq/Hkv, D]``, which raises as soon as one
+# segment is empty (a 1-token document beside an empty one, or a ring step's query chunk of
+# 0 or 1 rows):
+#
+#     cu_q = [0, 1, 1, 2]   3 segments, 2 rows  ->  reshape [3, Hkv, g, D] of 2 rows: error
+#
+# max_seqlen_q only sizes the grid (in 128-row tiles), so a bound of 2 costs nothing and keeps
+# the shortcut out of reach. The other shape-dependent paths (no rows, no keys, a bound of 0)
+# are handled before aten or cannot occur under the contract (docs/design.md §8.4).
+MIN_MAX_SEQLEN_Q = 2
+
+
+def flash_bounds(spec: BlockSpec) -> tuple[int, int]:
+    """``(max_seqlen_q, max_seqlen_k)`` handed to aten: the spec's bounds (they cover the
+    segments), the query bound raised to ``MIN_MAX_SEQLEN_Q``."""
+    return max(int(spec.max_q), MIN_MAX_SEQLEN_Q), int(spec.max_k)
 
 # flash applies a window by offsets inside its segments, which under context parallelism are
 # not positions inside the document
@@ -46,7 +70,7 @@ class FlashKernel:
             lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
             return torch.zeros_like(q), lse
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, 0.0, spec.causal, False,
+            q, k, v, spec.cu_q, spec.cu_k, *flash_bounds(spec), 0.0, spec.causal, False,
             scale=spec.scale, window_size_left=left, window_size_right=right,
         )
         return out, lse.masked_fill(lse == float("inf"), float("-inf"))
@@ -63,7 +87,7 @@ class FlashKernel:
         return torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q, k, v, out.contiguous(),
             lse.masked_fill(lse == float("-inf"), float("inf")).contiguous(),
-            spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, 0.0, spec.causal, rng_state, unused,
+            spec.cu_q, spec.cu_k, *flash_bounds(spec), 0.0, spec.causal, rng_state, unused,
             scale=spec.scale, window_size_left=left, window_size_right=right,
         )
 
