@@ -114,3 +114,14 @@ def cuda_median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def stream_seed(seed: int, step: int) -> int:
+    """The seed of step ``step`` of a stream of batches seeded ``seed``: ``seed`` itself at
+    step 0, so that a stream starts with the batch that ``seed`` alone draws, and a new seed at
+    every step. 32 bits, as torch's CPU generator keeps no more: ``seed + step * K`` modulo
+    2**32 with ``K`` odd (2**32 / the golden ratio), distinct over the steps of one seed and,
+    for small seeds, across seeds until some stream runs about 2**31 steps."""
+    if not 0 <= seed < 2**32 or step < 0:
+        raise ValueError(f"stream_seed: expected 0 <= seed < 2**32 and step >= 0, got {seed}, {step}")
+    return (seed + step * 0x9E3779B9) % 2**32

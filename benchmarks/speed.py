@@ -11,6 +11,15 @@ One rank's work without its communication, on a machine of one GPU (rank 1 of ul
     python -m benchmarks.speed --fake-rank 1 --ulysses 1 --ring 2 --heads gqa
 Merge the JSON files of split runs into one table (efficiencies are recomputed over all rows):
     python -m benchmarks.speed --merge a.json b.json --out all.json --plot all.png
+A stream (below): 60 steps of new W2 batches, 4 attention calls each, on one GPU; one rank of
+ulysses 1 x ring 2 alone; the per-rank memory of ulysses 2 x ring 1 on one GPU:
+    python -m benchmarks.speed --stream 60 --layers 4 --workloads W2-128K \
+        --modes one-gpu-hcp,one-gpu-flash,one-gpu-flex --plot stream.png
+    python -m benchmarks.speed --stream 60 --layers 4 --workloads W2-128K --heads gqa \
+        --fake-rank 1 --ulysses 1 --ring 2 --modes one-gpu-hcp,hcp-eager,hcp-compiled
+    torchrun --nproc-per-node 2 -m benchmarks.speed --stream 60 --layers 4 --workloads W2-128K \
+        --share-gpu --ulysses 2 --ring 1 --modes hcp-eager,hcp-compiled
+(one process needs no torchrun: plain python runs a world of one.)
 CPU smoke test of the plumbing (gloo, 512-token batches, the torch kernel; under 2 minutes on
 2 cores). Of the one-GPU modes only hcp's and dense SDPA run there (flash needs CUDA; torch's
 flex has no CPU backward, its row records that error), so the efficiencies are against those:
@@ -71,11 +80,43 @@ collectives would have delivered is whatever memory the allocator hands out). Be
 mode the GPU's free memory is filled with normal samples, so that those buffers hold values
 like real activations: zeros (fresh memory from the driver) would run the tensor cores
 faster than real data does. The one-GPU rows run as usual.
+
+Stream mode (``--stream N --layers L``; issue 24): training is no batch repeated but a stream,
+every step a batch of new document lengths through every layer. Step s draws its lengths from
+the workload's distribution (W2, W4: log-uniform 256..32K; W3: 128..2K; as many tokens as the
+workload) seeded (workload seed, s), the same on every rank and in every run (step 0 is the
+batch above; W1's one document is the same batch every step). A step: ``cu_seqlens`` to the
+device, then what a trainer builds per batch (hcp's CP modes: ``shard_plan``; one-gpu-flex: its
+block mask, ``create_block_mask`` compiled), then L attention calls on it (the layers, each on
+its own q, k and v), forward, then backward, then a synchronize; its time is the host clock
+over all of it (the ranks of a CP mode start each step together; a step's time is its slowest
+rank's). The layers' inputs are random buffers made before the stream and sliced per step (a
+CP rank's are born sharded: it pays the plan, not a shard of every layer). Every mode's stream
+starts from a clean slate: Dynamo's graphs and hcp's caches of earlier batches dropped (the
+one-gpu-flex and hcp-compiled streams compile in their first steps, one module for the stream,
+dynamic shapes; Inductor's caches on disk stay). Modes: the one-GPU ones (flex, flash, hcp, sdpa
+on W1), hcp-eager and hcp-compiled, with ``--fake-rank`` (one rank's time) and ``--share-gpu``
+(its memory, no times) as above; no torch-native-cp, no profile. The stream rows' columns (a
+table of their own; fields of the JSON rows): total s = the stream's time; TF/s/GPU = all its
+visible-pair FLOPs over that (``tflops_per_gpu``); steady TF/s/GPU = the same over the last half
+of the steps, from step N // 2 on (``steady_tflops_per_gpu``); eff, steady eff = against the
+best one-GPU stream (``efficiency``: by time, ``steady_efficiency``: by steady TF/s); one-time %
+= the share of the time beyond what all steps would take at the steady rate, 1 - overall /
+steady (``one_time_pct``): the compiles, graph builds and other first-time work, which have no
+clock of their own, as the excess over steady (negative where noise makes the first half
+faster); first step s (``first_step_s``: the compiles show here); prepare ms = the median per
+step of ``cu_seqlens`` to the device plus the plan or mask, part of the step times
+(``prepare_ms``); graphs = Dynamo graphs compiled during the stream, recompiles included
+(``graphs``); peak GiB as above, over the stream beyond the layers' inputs; cumulative s by
+tenth of the steps = the time at the end of step ceil(N i / 10), i = 1..10 (``cumulative_s``,
+the last the total). The JSON keeps every step's ms (``step_ms``) and ``stream_steps``,
+``stream_layers``; the plot draws each stream's cumulative time against the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import gzip
@@ -83,10 +124,12 @@ import itertools
 import json
 import os
 import platform
+import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -94,13 +137,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
 from torch import Tensor, nn
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import hcp_compile
-from benchmarks.common import exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths
+from benchmarks.common import (
+    exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths, stream_seed,
+)
 from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
-from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, resolve_kernel
+from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, KeysByValue, resolve_kernel
 
 HEADS = {"gqa": (32, 8), "mha": (32, 32)}
 ONE_GPU_MODES = ("one-gpu-flex", "one-gpu-flash", "one-gpu-sdpa", "one-gpu-hcp")
@@ -115,10 +161,21 @@ class Workload:
     name: str
     lengths: tuple[int, ...]
     window_left: int = -1  # -1: no window
+    spread: tuple[int, int, int] | None = None  # the lengths' (low, high, seed), log-uniform; None: one document
 
     @property
     def window(self) -> tuple[int, int]:
         return (self.window_left, 0) if self.window_left >= 0 else NO_WINDOW
+
+    def step(self, step: int) -> "Workload":
+        """Step ``step`` of a stream of this workload (``--stream``): as many tokens in new
+        lengths from the same distribution, seeded (seed, step), the same on every rank and in
+        every run; step 0 is this batch. One document is the same batch at every step."""
+        if self.spread is None:
+            return self
+        low, high, seed = self.spread
+        lengths = log_uniform_lengths(sum(self.lengths), low, high, seed=stream_seed(seed, step))
+        return replace(self, lengths=tuple(lengths))
 
 
 def workloads(shrink: int = 1) -> dict[str, Workload]:
@@ -131,20 +188,25 @@ def workloads(shrink: int = 1) -> dict[str, Workload]:
     def size(n: int) -> int:
         return max(1, n // shrink)
 
-    log_uniform = {k: tuple(log_uniform_lengths(tokens(k), size(256), size(32768), seed=0))
-                   for k in (128, 256)}
-    short = tuple(log_uniform_lengths(tokens(128), size(128), size(2048), seed=1))
+    long, short = (size(256), size(32768), 0), (size(128), size(2048), 1)  # (low, high, seed)
+
+    def drawn(k: int, spread: tuple[int, int, int]) -> tuple[int, ...]:
+        low, high, seed = spread
+        return tuple(log_uniform_lengths(tokens(k), low, high, seed=seed))
+
     result = [Workload(f"W1-{k}K", (tokens(k),)) for k in (128, 256)]
-    result += [Workload(f"W2-{k}K", log_uniform[k]) for k in (128, 256)]
-    result.append(Workload("W3-128K", short))
-    result += [Workload(f"W4-{k}K", log_uniform[k], size(WINDOW_LEFT)) for k in (128, 256)]
+    result += [Workload(f"W2-{k}K", drawn(k, long), spread=long) for k in (128, 256)]
+    result.append(Workload("W3-128K", drawn(128, short), spread=short))
+    result += [Workload(f"W4-{k}K", drawn(k, long), size(WINDOW_LEFT), spread=long) for k in (128, 256)]
     return {w.name: w for w in result}
 
 
 @dataclass
 class Row:
-    """One (workload, heads, mode, placement, mesh) measurement; efficiency and
-    peak_vs_one_gpu are filled by :func:`relate` from the rows at hand."""
+    """One (workload, heads, mode, placement, mesh) measurement, of one batch repeated or of a
+    stream (``--stream``: the stream_* fields set, ms None, tflops_per_gpu and efficiency over
+    the whole stream); efficiency, steady_efficiency and the memory ratios are filled by
+    :func:`relate` from the rows at hand."""
 
     workload: str
     heads: str
@@ -165,19 +227,35 @@ class Row:
     first_call_s: float | None = None
     error: str | None = None
     recompute_exchange: bool = False  # hcp's option of that name
+    # a stream (--stream): its steps and attention calls per step; None: one batch repeated
+    stream_steps: int | None = None
+    stream_layers: int | None = None
+    stream_s: float | None = None  # the stream's time, all steps
+    steady_tflops_per_gpu: float | None = None  # over the last half of the steps
+    steady_efficiency: float | None = None
+    one_time_pct: float | None = None  # % of stream_s beyond all steps at the steady rate
+    first_step_s: float | None = None
+    prepare_ms: float | None = None  # median per step: cu_seqlens to the device, the plan or the mask
+    graphs: int | None = None  # Dynamo graphs compiled during the stream (recompiles included)
+    cumulative_s: list[float] | None = None  # time at the end of each tenth of the steps
+    step_ms: list[float] | None = None
 
-    def key(self) -> tuple[str | bool, ...]:
-        return self.workload, self.heads, self.mode, self.placement, self.mesh, self.recompute_exchange
+    def key(self) -> tuple[str | bool | int | None, ...]:
+        return (self.workload, self.heads, self.mode, self.placement, self.mesh, self.recompute_exchange,
+                self.stream_steps, self.stream_layers)
 
 
 @dataclass
 class Measurement:
-    ms: float
+    ms: float | None  # None: a stream, timed by step_ms
     peak_gib: float | None = None
     saved_gib: float | None = None
     exposed_comm_ms: float | None = None
     exposed_comm_pct: float | None = None
     first_call_s: float | None = None
+    step_ms: list[float] | None = None  # a stream's steps
+    prepare_ms: float | None = None
+    graphs: int | None = None
 
 
 @dataclass
@@ -229,9 +307,8 @@ class Batch:
 
     @classmethod
     def make(cls, workload: Workload, heads: str, setup: Setup) -> "Batch":
-        lengths = torch.tensor(workload.lengths)
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(setup.device, torch.int32)
-        tokens, head_dim = int(lengths.sum()), setup.args.head_dim
+        cu = cu_seqlens(workload.lengths, setup.device)
+        tokens, head_dim = sum(workload.lengths), setup.args.head_dim
         gen = torch.Generator(setup.device).manual_seed(0)  # the same tensors on every rank
         q, k, v = (torch.randn(tokens, h, head_dim, generator=gen, device=setup.device, dtype=setup.dtype)
                    for h in (HEADS[heads][0], HEADS[heads][1], HEADS[heads][1]))
@@ -244,6 +321,11 @@ class Batch:
     def flops(self) -> float:
         return causal_flops(list(self.workload.lengths), self.q.shape[1], self.q.shape[2],
                             self.workload.window_left)
+
+
+def cu_seqlens(lengths: Sequence[int], device: torch.device) -> Tensor:
+    lengths = torch.tensor(lengths)
+    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device, torch.int32)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -361,19 +443,32 @@ def record(row: Row, run: Callable[[], Measurement], setup: Setup, *, together: 
         torch.cuda.empty_cache()
     if together and setup.world > 1 and not setup.fake:
         report = [None] * setup.world
-        dist.all_gather_object(report, (error, (measured.peak_gib, measured.saved_gib) if measured else None))
+        dist.all_gather_object(report, (error, measured))
         error = next((e for e, _ in report if e), None)
-        if measured is not None and measured.peak_gib is not None:
-            measured.peak_gib, measured.saved_gib = (max(m[i] for _, m in report if m) for i in (0, 1))
+        if measured is not None and error is None:
+            everyone = [m for _, m in report]
+            measured.peak_gib, measured.saved_gib = (_largest([getattr(m, name) for m in everyone])
+                                                     for name in ("peak_gib", "saved_gib"))
+            if measured.step_ms is not None:  # a step ends when its slowest rank is done
+                measured.step_ms = [max(times) for times in zip(*(m.step_ms for m in everyone))]
+                measured.prepare_ms = max(m.prepare_ms for m in everyone)
     if error is not None:
         row.error = error
     elif measured is not None:
-        row.ms = _significant(measured.ms)
-        row.peak_gib = None if measured.peak_gib is None else _significant(measured.peak_gib)
-        row.saved_gib = None if measured.saved_gib is None else _significant(measured.saved_gib)
+        significant = {name: None if value is None else _significant(value)
+                       for name, value in (("ms", measured.ms), ("peak_gib", measured.peak_gib),
+                                           ("saved_gib", measured.saved_gib), ("prepare_ms", measured.prepare_ms))}
+        row.ms, row.peak_gib, row.saved_gib, row.prepare_ms = significant.values()
         row.exposed_comm_ms, row.exposed_comm_pct = measured.exposed_comm_ms, measured.exposed_comm_pct
         row.first_call_s = measured.first_call_s
+        if measured.step_ms is not None:
+            row.step_ms = [_significant(t) for t in measured.step_ms]
+            row.graphs = measured.graphs
     return row
+
+
+def _largest(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else max(values)
 
 
 def _significant(value: float) -> float:
@@ -418,9 +513,11 @@ def one_gpu_sdpa(batch: Batch, setup: Setup) -> Measurement:
     picks (cuDNN on an H200 with torch 2.11): exact only for a one-document batch without a
     window, the only workloads it runs on."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for t in batch.qkv)
-    gqa = q.shape[1] != k.shape[1]
-    return measure(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
-                   [q, k, v], setup, alone=True, profile=one_gpu_trace(batch, setup, "one-gpu-sdpa"))
+    return measure(dense_causal, [q, k, v], setup, alone=True, profile=one_gpu_trace(batch, setup, "one-gpu-sdpa"))
+
+
+def dense_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def one_gpu_hcp(batch: Batch, setup: Setup) -> Measurement:
@@ -436,16 +533,19 @@ def one_gpu_flash(batch: Batch, setup: Setup) -> Measurement:
     """``aten._flash_attention_forward`` (differentiable) on the whole batch, as hcp's flash
     kernel calls it: KV heads as they are, the window as flash's left/right sizes."""
     q, k, v = (t.clone().requires_grad_() for t in batch.qkv)
-    left, _ = batch.workload.window
-    window = {"window_size_left": left, "window_size_right": 0} if left >= 0 else {}
-    cu, longest = batch.cu, batch.longest
+    return measure(flash_call(batch.cu, batch.longest, batch.workload.window_left), [q, k, v], setup,
+                   alone=True, profile=one_gpu_trace(batch, setup, "one-gpu-flash"))
+
+
+def flash_call(cu: Tensor, longest: int, window_left: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    window = {"window_size_left": window_left, "window_size_right": 0} if window_left >= 0 else {}
 
     def attend(q, k, v):
         return torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, longest, longest, 0.0, True, False, **window
         )[0]
 
-    return measure(attend, [q, k, v], setup, alone=True, profile=one_gpu_trace(batch, setup, "one-gpu-flash"))
+    return attend
 
 
 class PackedAttention(nn.Module):
@@ -514,11 +614,13 @@ def compile_hcp(
     return torch.compile(PackedAttention(window), backend=backend, fullgraph=True)
 
 
-def hcp_kernel(batch: Batch, kernel: str, cp: bool = True) -> str:
-    """The kernel hcp runs this batch with (the choice context_parallel and the backend make,
-    or the single-device op's with ``cp=False``); the option itself when none can (the mode
-    then fails and its row says why)."""
-    request = BlockRequest.of(batch.q, batch.k, batch.workload.window, context_parallel=cp)
+def hcp_kernel(workload: Workload, heads: str, setup: Setup, cp: bool = True) -> str:
+    """The kernel hcp runs this workload with (the choice context_parallel and the backend
+    make, or the single-device op's with ``cp=False``) for ``--kernel``; the option itself when
+    none can (the mode then fails and its row says why)."""
+    kernel = setup.args.kernel
+    q, k = (torch.empty(0, h, setup.args.head_dim, device=setup.device, dtype=setup.dtype) for h in HEADS[heads])
+    request = BlockRequest.of(q, k, workload.window, context_parallel=cp)
     try:
         return resolve_kernel(kernel, request)
     except hcp_compile.InputError:
@@ -539,18 +641,208 @@ def torch_native_cp(batch: Batch, setup: Setup) -> Measurement:
                        setup, profile=trace_name(batch, setup, "torch-native-cp", "head-tail"))
 
 
+# --------------------------------------------------------------------------- streams
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class Step:
+    """One step's batch of a stream, as a trainer has it before its layers run."""
+
+    workload: Workload  # the step's lengths
+    cu: Tensor
+    longest: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.workload.lengths)
+
+
+# a step's batch -> the tokens of every layer's q, k and v on this rank, and the attention call
+Prepare = Callable[[Step], tuple[int, Attend]]
+
+
+class LayerInputs:
+    """Every layer's q, k and v and one output gradient, random, made once per stream with
+    room for ``rows`` tokens (made again, larger, should a step need more): each step takes
+    the first rows of each as new leaves, so that it starts without gradients and draws no
+    random numbers. ``bhtd``: flex's and SDPA's layout ``[1, H, T, D]``, else ``[T, H, D]``."""
+
+    def __init__(self, setup: Setup, heads: str, rows: int, *, bhtd: bool):
+        self.setup, self.heads, self.bhtd = setup, heads, bhtd
+        self.rows, self.layers, self.dout = 0, [], None
+        self._make(rows)
+
+    def _make(self, rows: int) -> None:
+        setup, head_dim = self.setup, self.setup.args.head_dim
+        self.layers, self.dout = [], None  # the old ones go first
+        gen = torch.Generator(setup.device).manual_seed(0)
+
+        def random(heads: int) -> Tensor:
+            shape = (1, heads, rows, head_dim) if self.bhtd else (rows, heads, head_dim)
+            return torch.randn(shape, generator=gen, device=setup.device, dtype=setup.dtype)
+
+        q_heads, kv_heads = HEADS[self.heads]
+        self.layers = [[random(h) for h in (q_heads, kv_heads, kv_heads)] for _ in range(setup.args.layers)]
+        self.dout, self.rows = random(q_heads), rows
+
+    def take(self, rows: int) -> tuple[list[list[Tensor]], Tensor]:
+        """Every layer's ``[q, k, v]`` of ``rows`` tokens, and the output gradient."""
+        if rows > self.rows:
+            self._make(rows + rows // 4)
+        dim = 2 if self.bhtd else 0
+        return ([[t.narrow(dim, 0, rows).requires_grad_() for t in layer] for layer in self.layers],
+                self.dout.narrow(dim, 0, rows))
+
+
+def stream(
+    setup: Setup, steps: list[Workload], heads: str, prepare: Prepare, *, together: bool, bhtd: bool = False,
+    context: contextlib.AbstractContextManager | None = None,
+) -> Measurement:
+    """A stream: every step's batch through ``--layers`` attention calls (one per layer, each
+    on its own q, k and v, all on the step's ``cu_seqlens``), forward, then backward. A step is
+    timed on the host clock from its lengths on the host to the end of its backward on the
+    device (synchronized), ``cu_seqlens`` to the device and ``prepare`` (the plan or the mask;
+    its time is kept apart too) included. ``together``: every rank runs it, each step starting
+    together. Peak memory: the largest allocated beyond the layers' inputs."""
+    device, cuda = setup.device, setup.device.type == "cuda"
+    tokens = sum(steps[0].lengths)
+    rows = -(-tokens * 5 // (4 * setup.world)) if together else tokens  # a rank's share, room for pads
+    inputs = LayerInputs(setup, heads, rows, bhtd=bhtd)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+    graphs = counters["stats"]["unique_graphs"]
+    step_ms, prepare_ms = [], []
+    with context if context is not None else contextlib.nullcontext():
+        for workload in steps:
+            if together:
+                dist.barrier()
+            _synchronize(device)
+            started = time.perf_counter()
+            step = Step(workload, cu_seqlens(workload.lengths, device), max(workload.lengths))
+            rows, attend = prepare(step)
+            _synchronize(device)
+            prepared = time.perf_counter()
+            layers, dout = inputs.take(rows)
+            outs = [attend(*qkv) for qkv in layers]
+            torch.autograd.backward(outs, [dout] * len(outs))
+            _synchronize(device)
+            stopped = time.perf_counter()
+            step_ms.append((stopped - started) * 1e3)
+            prepare_ms.append((prepared - started) * 1e3)
+            del outs, layers
+    peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else None
+    return Measurement(None, peak, step_ms=step_ms, prepare_ms=statistics.median(prepare_ms),
+                       graphs=counters["stats"]["unique_graphs"] - graphs)
+
+
+def flex_stream(setup: Setup) -> Prepare:
+    """torch's flex: every step the batch's block mask, as a trainer must build it (compiled
+    on CUDA, as :func:`one_gpu_flex`), then the layers' calls through one compiled flex."""
+    attend = torch.compile(flex_attention, dynamic=False) if setup.device.type == "cuda" else flex_attention
+
+    def prepare(step: Step) -> tuple[int, Attend]:
+        mask = document_block_mask(step.workload, setup.device)
+        return step.tokens, lambda q, k, v: attend(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return prepare
+
+
+def flash_stream(workload: Workload) -> Prepare:
+    """``aten._flash_attention_forward`` on each step's batch, as :func:`one_gpu_flash`."""
+    return lambda step: (step.tokens, flash_call(step.cu, step.longest, workload.window_left))
+
+
+def sdpa_stream() -> Prepare:
+    """Dense causal SDPA, as :func:`one_gpu_sdpa` (one document: the same batch every step)."""
+    return lambda step: (step.tokens, dense_causal)
+
+
+def hcp_stream(workload: Workload) -> Prepare:
+    """hcp's single-device ``varlen_attention``, one module for the stream."""
+    attend = PackedAttention(workload.window)
+    return lambda step: (step.tokens, lambda q, k, v: attend(q, k, v, step.cu, step.longest))
+
+
+def hcp_cp_stream(setup: Setup, workload: Workload, placement: str,
+                  compiled: Callable[..., Tensor] | None) -> Prepare:
+    """hcp on this rank's shards: every step the batch's ``shard_plan`` (host work a trainer
+    pays: it shards its tokens by it; the layers' q, k and v are born sharded), then the
+    layers' calls, eagerly (inside the ``context_parallel`` the caller enters) or through
+    ``compiled``, one module for the stream, with dynamic shapes as in :func:`hcp_mode`."""
+    mesh, eager = setup.hcp_mesh(), PackedAttention(workload.window)
+
+    def prepare(step: Step) -> tuple[int, Attend]:
+        plan = hcp_compile.shard_plan(step.cu, mesh, placement=placement)
+        if compiled is None:
+            return plan.local_tokens, lambda q, k, v: eager(q, k, v, step.cu, step.longest)
+        torch._dynamo.maybe_mark_dynamic(step.cu, 0)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            for t in (q, k, v):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            with torch.compiler.config.patch(dynamic_sources="L['max_seqlen']"):
+                return compiled(q, k, v, step.cu, step.longest)
+
+        return plan.local_tokens, attend
+
+    return prepare
+
+
+def forget_batches() -> None:
+    """Empty what hcp keeps of the batches it has seen by their values (the cache keys that
+    its :class:`KeysByValue` hand out, and its bounded lru caches of layouts and schedules):
+    every mode's stream draws the same batches, which must be new to each mode as a
+    trainer's are. Its unbounded caches, of configurations (compiled kernels), stay."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "hcp_compile" or name.startswith("hcp_compile.")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, KeysByValue):
+                value._keys.clear()
+            elif callable(getattr(value, "cache_parameters", None)) and value.cache_parameters()["maxsize"] is not None:
+                value.cache_clear()
+
+
+def summarize_stream(row: Row, flops: list[float]) -> None:
+    """A stream row's figures from its step times and the steps' FLOPs (visible pairs, all
+    layers): overall TF/s per GPU (all FLOPs over all the time), steady TF/s per GPU (over the
+    last half of the steps, ``steps // 2`` on), the one-time share (the % of the time beyond
+    what every step would take at the steady rate: 1 - overall / steady), the first step's
+    seconds and the cumulative seconds at the end of each tenth of the steps."""
+    if row.step_ms is None:
+        return
+    seconds = [ms / 1e3 for ms in row.step_ms]
+    total, half = sum(seconds), len(seconds) // 2
+    overall = sum(flops) / row.gpus / total / 1e12
+    steady = sum(flops[half:]) / row.gpus / sum(seconds[half:]) / 1e12
+    cumulative = list(itertools.accumulate(seconds))
+    n = len(seconds)
+    row.stream_s = _significant(total)
+    row.tflops_per_gpu, row.steady_tflops_per_gpu = _significant(overall), _significant(steady)
+    row.one_time_pct = round(100 * (1 - overall / steady), 1)
+    row.first_step_s = _significant(seconds[0])
+    row.cumulative_s = [_significant(cumulative[-(-n * tenth // 10) - 1]) for tenth in range(1, 11)]
+
+
 # --------------------------------------------------------------------------- the run
 
 
 def run_benchmark(setup: Setup, selected: list[Workload], on_row: Callable[[Row], None]) -> None:
     """Every selected (heads, workload, mode, placement), heads outermost: the compiled hcp
-    modules of one head configuration serve all its workloads. ``on_row`` gets each row as it
-    is measured (on every rank)."""
+    modules of one head configuration serve all its workloads (a stream compiles its own).
+    ``on_row`` gets each row as it is measured (on every rank)."""
     for heads in setup.args.heads:
         torch._dynamo.reset()  # drop the previous head configuration's graphs
         compiled: dict[tuple, Callable[..., Tensor]] = {}  # by (placement, window, recompute_exchange)
         for workload in selected:
-            run_workload(setup, Batch.make(workload, heads, setup), compiled, on_row)
+            if setup.args.stream:
+                run_stream(setup, workload, heads, on_row)
+            else:
+                run_workload(setup, Batch.make(workload, heads, setup), compiled, on_row)
             if setup.device.type == "cuda":
                 torch.cuda.empty_cache()  # the next workload's sizes differ
 
@@ -567,11 +859,7 @@ def run_workload(
 
     def measured(mode: str, placement: str, kernel: str, mesh: str, gpus: int,
                  run: Callable[[], Measurement], *, together: bool, recompute: bool = False) -> None:
-        if gpus > 1 and args.share_gpu:
-            mesh += " shared"
-        if gpus > 1 and setup.fake:
-            mesh += f" rank {setup.rank} alone"
-        row = Row(workload.name, heads, mode, placement, kernel, mesh, gpus,
+        row = Row(workload.name, heads, mode, placement, kernel, mesh_label(setup, mesh, gpus), gpus,
                   recompute_exchange=recompute)
         row = record(row, run, setup, together=together)
         if gpus > 1 and args.share_gpu:  # the ranks took turns on one GPU: the time is no speed
@@ -585,18 +873,11 @@ def run_workload(
             for mode, run, kernel in (("one-gpu-flex", one_gpu_flex, "flex"),
                                       ("one-gpu-flash", one_gpu_flash, "flash"),
                                       ("one-gpu-sdpa", one_gpu_sdpa, "sdpa"),
-                                      ("one-gpu-hcp", one_gpu_hcp, hcp_kernel(batch, args.kernel, cp=False))):
-                if mode not in args.modes:
-                    continue
-                if mode == "one-gpu-sdpa" and (len(workload.lengths) > 1 or workload.window_left >= 0):
-                    setup.say(f"  {mode}: skipped, a dense call is exact only for one document without a window")
-                    continue
-                if mode == "one-gpu-flash" and setup.device.type != "cuda":
-                    setup.say(f"  {mode}: skipped, flash needs CUDA")
-                    continue
-                measured(mode, "-", kernel, "1", 1, lambda run=run: run(batch, setup), together=False)
+                                      ("one-gpu-hcp", one_gpu_hcp, hcp_kernel(workload, heads, setup, cp=False))):
+                if mode in args.modes and not skipped(mode, workload, setup):
+                    measured(mode, "-", kernel, "1", 1, lambda run=run: run(batch, setup), together=False)
         dist.barrier()  # the other ranks wait here while rank 0 runs alone
-    kernel = hcp_kernel(batch, args.kernel)
+    kernel = hcp_kernel(workload, heads, setup)
     for placement, recompute in itertools.product(args.placements, args.recompute_exchange):
         for mode in ("hcp-eager", "hcp-compiled"):
             if mode not in args.modes:
@@ -615,37 +896,153 @@ def run_workload(
                  lambda: torch_native_cp(batch, setup), together=True)
 
 
+def mesh_label(setup: Setup, mesh: str, gpus: int) -> str:
+    if gpus > 1 and setup.args.share_gpu:
+        mesh += " shared"
+    if gpus > 1 and setup.fake:
+        mesh += f" rank {setup.rank} alone"
+    return mesh
+
+
+def skipped(mode: str, workload: Workload, setup: Setup) -> bool:
+    """Whether a one-GPU mode cannot run ``workload`` here (it says why)."""
+    reason = None
+    if mode == "one-gpu-sdpa" and (len(workload.lengths) > 1 or workload.window_left >= 0):
+        reason = "a dense call is exact only for one document without a window"
+    if mode == "one-gpu-flash" and setup.device.type != "cuda":
+        reason = "flash needs CUDA"
+    if reason is not None:
+        setup.say(f"  {mode}: skipped, {reason}")
+    return reason is not None
+
+
+def run_stream(setup: Setup, workload: Workload, heads: str, on_row: Callable[[Row], None]) -> None:
+    """A stream of ``--stream`` steps of ``workload`` through each selected mode (the one-GPU
+    modes on rank 0 alone, then the CP modes), each from a clean slate: Dynamo's graphs and
+    hcp's batch caches are dropped before it, so that its compiles, graph builds and masks are
+    its own (Inductor's and Triton's caches on disk stay: a second run compiles faster)."""
+    args = setup.args
+    steps = [workload.step(s) for s in range(args.stream)]  # the data loader's work, untimed
+    q_heads = HEADS[heads][0]
+    flops = [args.layers * causal_flops(list(w.lengths), q_heads, args.head_dim, w.window_left) for w in steps]
+    documents = [len(w.lengths) for w in steps]
+    setup.say(f"{workload.name} {heads}: a stream of {args.stream} batches of {sum(workload.lengths)} tokens "
+              f"({min(documents)}..{max(documents)} documents, longest {max(max(w.lengths) for w in steps)}), "
+              f"{args.layers} attention calls each, window {workload.window}")
+
+    def measured(mode: str, placement: str, kernel: str, mesh: str, gpus: int, make: Callable[[], Prepare], *,
+                 together: bool, bhtd: bool = False, recompute: bool = False,
+                 context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+        row = Row(workload.name, heads, mode, placement, kernel, mesh_label(setup, mesh, gpus), gpus,
+                  recompute_exchange=recompute, stream_steps=args.stream, stream_layers=args.layers)
+
+        def run() -> Measurement:
+            torch._dynamo.reset()
+            forget_batches()
+            if together and setup.fake and setup.device.type == "cuda":
+                fill_free_memory(setup.device)
+            return stream(setup, steps, heads, make(), together=together, bhtd=bhtd,
+                          context=context() if context is not None else None)
+
+        row = record(row, run, setup, together=together)
+        if gpus > 1 and args.share_gpu:  # the ranks took turns on one GPU: the times are no speed
+            row.step_ms = row.prepare_ms = None
+        summarize_stream(row, flops)
+        on_row(row)
+
+    if any(m in args.modes for m in ONE_GPU_MODES):
+        if setup.leads:
+            one_gpu = (("one-gpu-flex", "flex", lambda: flex_stream(setup), True),
+                       ("one-gpu-flash", "flash", lambda: flash_stream(workload), False),
+                       ("one-gpu-sdpa", "sdpa", sdpa_stream, True),
+                       ("one-gpu-hcp", hcp_kernel(workload, heads, setup, cp=False), lambda: hcp_stream(workload),
+                        False))
+            for mode, kernel, make, bhtd in one_gpu:
+                if mode in args.modes and not skipped(mode, workload, setup):
+                    measured(mode, "-", kernel, "1", 1, make, together=False, bhtd=bhtd)
+        dist.barrier()  # the other ranks wait here while rank 0 runs alone
+    kernel, mesh = hcp_kernel(workload, heads, setup), f"{args.ulysses}x{args.ring}"
+    for placement, recompute in itertools.product(args.placements, args.recompute_exchange):
+        if "hcp-eager" in args.modes:
+            measured("hcp-eager", placement, kernel, mesh, setup.world,
+                     lambda: hcp_cp_stream(setup, workload, placement, None), together=True, recompute=recompute,
+                     context=lambda: hcp_compile.context_parallel(setup.hcp_mesh(), kernel=args.kernel,
+                                                                  placement=placement, recompute_exchange=recompute))
+        if "hcp-compiled" in args.modes:
+            measured("hcp-compiled", placement, kernel, mesh, setup.world,
+                     lambda: hcp_cp_stream(setup, workload, placement,
+                                           compile_hcp(setup, placement, workload.window, recompute)),
+                     together=True, recompute=recompute)
+
+
 def relate(rows: list[Row]) -> None:
-    """Fill each row's efficiency (best one-GPU ms / (GPUs x ms)) and memory ratio against the
-    fastest one-GPU row of its workload and heads, where the rows hold one."""
-    best: dict[tuple[str, str], Row] = {}
+    """Fill each row's efficiency (best one-GPU ms / (GPUs x ms); of a stream, its time
+    instead of ms) and memory ratios against the fastest one-GPU row of its workload and heads
+    (and stream), where the rows hold one; a stream's steady efficiency is its steady TF/s per
+    GPU over the best one-GPU steady TF/s."""
+    best: dict[tuple, Row] = {}
+    steadiest: dict[tuple, Row] = {}
     for row in rows:
-        key = (row.workload, row.heads)
-        if row.mode in ONE_GPU_MODES and row.ms is not None and (key not in best or row.ms < best[key].ms):
+        if row.mode not in ONE_GPU_MODES:
+            continue
+        key, time = _group(row), _time(row)
+        if time is not None and (key not in best or time < _time(best[key])):
             best[key] = row
+        if row.steady_tflops_per_gpu is not None and (
+                key not in steadiest or row.steady_tflops_per_gpu > steadiest[key].steady_tflops_per_gpu):
+            steadiest[key] = row
     for row in rows:
-        base = best.get((row.workload, row.heads))
-        row.efficiency = round(base.ms / (row.gpus * row.ms), 3) if base and row.ms is not None else None
+        base, fastest, time = best.get(_group(row)), steadiest.get(_group(row)), _time(row)
+        row.efficiency = round(_time(base) / (row.gpus * time), 3) if base and time is not None else None
+        row.steady_efficiency = (round(row.steady_tflops_per_gpu / fastest.steady_tflops_per_gpu, 3)
+                                 if fastest and row.steady_tflops_per_gpu is not None else None)
         row.peak_vs_one_gpu = (round(row.peak_gib / base.peak_gib, 2)
                                if base and row.peak_gib is not None and base.peak_gib else None)
         row.saved_vs_one_gpu = (round(row.saved_gib / base.saved_gib, 2)
                                 if base and row.saved_gib is not None and base.saved_gib else None)
 
 
+def _group(row: Row) -> tuple:
+    """The rows measured on the same work, which efficiencies relate."""
+    return row.workload, row.heads, row.stream_steps, row.stream_layers
+
+
+def _time(row: Row) -> float | None:
+    return row.stream_s if row.stream_steps else row.ms
+
+
 def ordered(rows: list[Row]) -> list[Row]:
-    return sorted(rows, key=lambda r: (r.workload, list(HEADS).index(r.heads), MODES.index(r.mode),
-                                       r.placement, r.mesh, r.recompute_exchange))
+    return sorted(rows, key=lambda r: (r.workload, list(HEADS).index(r.heads), r.stream_steps or 0,
+                                       r.stream_layers or 0, MODES.index(r.mode), r.placement, r.mesh,
+                                       r.recompute_exchange))
 
 
 def table(rows: list[Row]) -> str:
-    headers = ["workload", "heads", "mode", "placement", "recompute", "kernel", "mesh", "ms", "TF/s/GPU",
-               "eff", "peak GiB", "peak/1GPU", "saved GiB", "saved/1GPU", "exposed ms", "exposed %", "error"]
-    body = [[r.workload, r.heads, r.mode, r.placement, "yes" if r.recompute_exchange else "",
-             r.kernel, r.mesh, r.ms, r.tflops_per_gpu,
-             r.efficiency, r.peak_gib, r.peak_vs_one_gpu, r.saved_gib, r.saved_vs_one_gpu,
-             r.exposed_comm_ms, r.exposed_comm_pct,
-             (r.error or "")[:60]] for r in ordered(rows)]
-    return tabulate(body, headers=headers, missingval="-")
+    """The rows of one batch repeated, then the streams' rows (a table each, where there are)."""
+    rows = ordered(rows)
+    repeated, streams = [r for r in rows if not r.stream_steps], [r for r in rows if r.stream_steps]
+    tables = []
+    if repeated or not streams:
+        headers = ["workload", "heads", "mode", "placement", "recompute", "kernel", "mesh", "ms", "TF/s/GPU",
+                   "eff", "peak GiB", "peak/1GPU", "saved GiB", "saved/1GPU", "exposed ms", "exposed %", "error"]
+        body = [[r.workload, r.heads, r.mode, r.placement, "yes" if r.recompute_exchange else "",
+                 r.kernel, r.mesh, r.ms, r.tflops_per_gpu,
+                 r.efficiency, r.peak_gib, r.peak_vs_one_gpu, r.saved_gib, r.saved_vs_one_gpu,
+                 r.exposed_comm_ms, r.exposed_comm_pct,
+                 (r.error or "")[:60]] for r in repeated]
+        tables.append(tabulate(body, headers=headers, missingval="-"))
+    if streams:
+        headers = ["workload", "heads", "steps x layers", "mode", "placement", "recompute", "kernel", "mesh",
+                   "total s", "TF/s/GPU", "steady TF/s/GPU", "eff", "steady eff", "one-time %", "first step s",
+                   "prepare ms", "graphs", "peak GiB", "peak/1GPU", "cumulative s by tenth of the steps", "error"]
+        body = [[r.workload, r.heads, f"{r.stream_steps}x{r.stream_layers}", r.mode, r.placement,
+                 "yes" if r.recompute_exchange else "", r.kernel, r.mesh, r.stream_s, r.tflops_per_gpu,
+                 r.steady_tflops_per_gpu, r.efficiency, r.steady_efficiency, r.one_time_pct, r.first_step_s,
+                 r.prepare_ms, r.graphs, r.peak_gib, r.peak_vs_one_gpu,
+                 " ".join(f"{c:.3g}" for c in r.cumulative_s) if r.cumulative_s else None,
+                 (r.error or "")[:60]] for r in streams]
+        tables.append(tabulate(body, headers=headers, missingval="-"))
+    return "\n\n".join(tables)
 
 
 def write_json(path: Path, runs: list[dict], rows: list[Row]) -> None:
@@ -674,19 +1071,46 @@ def merge(paths: list[Path]) -> tuple[list[dict], list[Row]]:
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    """Efficiency against the best one GPU, one group of bars per (workload, heads), one bar
-    per mode (with placement and mesh)."""
+    """The rows of one batch repeated: efficiency against the best one GPU, one group of bars
+    per (workload, heads), one bar per mode (with placement and mesh). Below, for every stream
+    (workload, heads, steps x layers): each mode's cumulative time against the step, labelled
+    with its steady TF/s per GPU and one-time share."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = ordered(rows)
-    groups = list(dict.fromkeys((r.workload, r.heads) for r in rows))
-    series = list(dict.fromkeys(_label(r) for r in rows))
+    repeated = [r for r in rows if not r.stream_steps]
+    streams = list(dict.fromkeys(_group(r) for r in rows if r.stream_steps))
+    groups = list(dict.fromkeys((r.workload, r.heads) for r in repeated))
+    series = list(dict.fromkeys(_label(r) for r in repeated))
+    wide = max(8.0, 0.25 * len(groups) * len(series))
+    fig, axes = plt.subplots(bool(repeated) + len(streams), 1, squeeze=False,
+                             figsize=(wide, 4.5 * bool(repeated) + 4.0 * len(streams)))
+    fig.subplots_adjust(hspace=0.45)
+    axes = list(axes[:, 0])
+    if repeated:
+        _efficiency_bars(axes.pop(0), repeated, groups, series)
+    colors = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(_label(r) for r in rows if r.stream_steps))}
+    for ax, group in zip(axes, streams):
+        workload, heads, steps, layers = group
+        for row in rows:
+            if _group(row) == group and row.step_ms:
+                cumulative = list(itertools.accumulate((ms / 1e3 for ms in row.step_ms), initial=0.0))
+                ax.plot(range(len(cumulative)), cumulative, color=colors[_label(row)],
+                        label=f"{_label(row)}: steady {row.steady_tflops_per_gpu} TF/s/GPU, "
+                              f"one-time {row.one_time_pct} %")
+        ax.set_title(f"{workload} {heads}: a stream of {steps} batches x {layers} layers", fontsize="medium")
+        ax.set_xlabel("steps done")
+        ax.set_ylabel("cumulative s")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def _efficiency_bars(ax, rows: list[Row], groups: list[tuple[str, str]], series: list[str]) -> None:
     efficiency = {(r.workload, r.heads, _label(r)): r.efficiency for r in rows}
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.25 * len(groups) * len(series)), 4.5))
     for i, label in enumerate(series):
         values = [efficiency.get((*g, label)) or 0.0 for g in groups]  # failed or not run: no bar
         ax.bar([g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))], values, width,
@@ -695,7 +1119,6 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.set_xticks(range(len(groups)), [f"{w}\n{h}" for w, h in groups])
     ax.set_ylabel("efficiency vs best one GPU")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def _label(row: Row) -> str:
@@ -746,6 +1169,12 @@ def parse_args() -> argparse.Namespace:
                                         "aot_eager on CPU)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--stream", type=int, metavar="N",
+                        help="instead of one batch repeated, a stream of N steps, every step a new batch of "
+                             "the workload's distribution through --layers attention calls, fwd+bwd "
+                             "(no --warmup, --iters, profile)")
+    parser.add_argument("--layers", type=int, metavar="L",
+                        help="with --stream: the attention calls (layers) per step, sharing its batch (default 1)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (exposed comm)")
     parser.add_argument("--share-gpu", action="store_true",
                         help="every rank on cuda:0, collectives over gloo: the CP modes' per-rank peak "
@@ -763,7 +1192,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--out", type=Path, help="JSON file (default benchmarks/results/speed_u{A}r{R}.json)")
     parser.add_argument("--plot", type=Path,
-                        help="also plot the efficiencies into this PNG (needs matplotlib)")
+                        help="also plot the efficiencies (and the streams' cumulative times) into this PNG "
+                             "(needs matplotlib)")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                         help="merge these results into --out (and --plot) instead of measuring")
     args = parser.parse_args()
@@ -774,6 +1204,20 @@ def parse_args() -> argparse.Namespace:
     args.placements = parse_list(args.placements, PLACEMENTS, "--placements", parser)
     if args.modes is not None:
         args.modes = parse_list(args.modes, MODES, "--modes", parser)
+    if args.stream is None and args.layers is not None:
+        parser.error("--layers counts the attention calls of a stream's step: it needs --stream")
+    if args.stream is not None:
+        if args.stream < 2:
+            parser.error(f"--stream {args.stream}: expected at least 2 steps (the last half is the steady part)")
+        args.layers = 1 if args.layers is None else args.layers
+        if args.layers < 1:
+            parser.error(f"--layers {args.layers}: expected at least 1")
+        if args.trace is not None:
+            parser.error("--stream profiles no step: it takes no --trace")
+        if args.modes is not None and "torch-native-cp" in args.modes:
+            parser.error("--stream: torch-native-cp has no stream (its one document is the same batch every "
+                         "step); leave it out")
+        args.no_profile = True
     args.inner = args.inner or ("inductor" if args.device == "cuda" else "aot_eager")
     args.recompute_exchange = {"off": [False], "on": [True], "both": [False, True]}[args.recompute_exchange]
     if args.share_gpu:
@@ -827,14 +1271,20 @@ def main() -> None:
         # plain NCCL: with a mixed cpu/cuda group Inductor cannot tell the collectives' device and
         # estimates them as free, which leaves its overlap scheduling nothing to hide (NCCL refuses
         # two ranks on one GPU: --share-gpu takes gloo)
-        dist.init_process_group("nccl" if cuda and not args.share_gpu else "gloo")
+        backend = "nccl" if cuda and not args.share_gpu else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:  # plain python: a world of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     args.ulysses = args.ulysses or world // args.ring
     if args.ulysses * args.ring != world:
         raise SystemExit(f"--ulysses {args.ulysses} x --ring {args.ring} must equal the world size {world}")
     if args.modes is None:
-        args.modes = [m for m in (ONE_GPU_MODES if world == 1 else MODES) if not (fake and m == "torch-native-cp")]
-    suffix = f"_rank{args.fake_rank}_alone" if fake else ""
+        args.modes = [m for m in (ONE_GPU_MODES if world == 1 else MODES)
+                      if not ((fake or args.stream) and m == "torch-native-cp")]
+    suffix = (f"_stream{args.stream}x{args.layers}" if args.stream else "") + (
+        f"_rank{args.fake_rank}_alone" if fake else "")
     args.out = args.out or Path(f"benchmarks/results/speed_u{args.ulysses}r{args.ring}{suffix}.json")
     setup = Setup(args, device, getattr(torch, args.dtype), dist.get_rank(), world, fake)
     runs = [metadata(setup)]
@@ -847,10 +1297,17 @@ def main() -> None:
         rows.append(row)
         relate(rows)
         write_json(args.out, runs, rows)  # after every row: a run cut short keeps its rows
-        result = row.error[:200] if row.error else (
-            f"{row.ms} ms, {row.tflops_per_gpu} TF/s per GPU, efficiency {row.efficiency}, "
-            f"peak {row.peak_gib} GiB, saved {row.saved_gib} GiB, exposed comm {row.exposed_comm_ms} ms"
-            + (f", first call {row.first_call_s} s" if row.first_call_s is not None else ""))
+        if row.error:
+            result = row.error[:200]
+        elif row.stream_steps:
+            result = (f"{row.stream_s} s, {row.tflops_per_gpu} TF/s per GPU, steady {row.steady_tflops_per_gpu}, "
+                      f"efficiency {row.efficiency} (steady {row.steady_efficiency}), one-time {row.one_time_pct} %, "
+                      f"first step {row.first_step_s} s, prepare {row.prepare_ms} ms per step, {row.graphs} graphs, "
+                      f"peak {row.peak_gib} GiB")
+        else:
+            result = (f"{row.ms} ms, {row.tflops_per_gpu} TF/s per GPU, efficiency {row.efficiency}, "
+                      f"peak {row.peak_gib} GiB, saved {row.saved_gib} GiB, exposed comm {row.exposed_comm_ms} ms"
+                      + (f", first call {row.first_call_s} s" if row.first_call_s is not None else ""))
         setup.say(f"  {row.mode} {row.placement}{' recompute' * row.recompute_exchange} ({row.kernel}): {result}")
 
     alone = f"rank {setup.rank} of " if fake else ""

@@ -8,8 +8,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks p
 
 from dataclasses import replace  # noqa: E402
 
-from benchmarks.common import exposed_length, kernel_intervals, kernel_summary, union_intervals  # noqa: E402
-from benchmarks.speed import Row, relate  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    exposed_length, kernel_intervals, kernel_summary, stream_seed, union_intervals,
+)
+from benchmarks.speed import Row, relate, summarize_stream, table, workloads  # noqa: E402
 
 
 def test_union_merges_overlapping_and_touching_intervals():
@@ -88,3 +90,82 @@ def test_fake_rank_times_one_rank_alone_on_cpu(tmp_path):
     cp = rows["hcp-eager"]
     assert cp["error"] is None and cp["mesh"] == "1x2 rank 1 alone" and cp["gpus"] == 2
     assert cp["efficiency"] == round(rows["one-gpu-hcp"]["ms"] / (2 * cp["ms"]), 3)
+
+
+def test_a_stream_draws_new_lengths_per_step_from_the_workloads_distribution():
+    """Step s: the workload's token count in lengths of its range, seeded (seed, step): the
+    same in every call (every rank, every run); step 0 is the workload's batch; one document
+    stays one document."""
+    by_name = workloads()
+    w2, w3, w4 = by_name["W2-128K"], by_name["W3-128K"], by_name["W4-128K"]
+    assert w2.step(0) == w2 and w3.step(0) == w3
+    assert by_name["W1-128K"].step(7) == by_name["W1-128K"]
+    steps = [w2.step(s).lengths for s in range(6)]
+    assert len(set(steps)) == 6 and steps == [w2.step(s).lengths for s in range(6)]
+    for s in range(1, 6):
+        assert sum(w2.step(s).lengths) == 128 * 1024 and max(w2.step(s).lengths[:-1]) <= 32768
+        assert min(w3.step(s).lengths[:-1]) >= 128 and max(w3.step(s).lengths) <= 2048
+        assert w4.step(s).lengths == w2.step(s).lengths and w4.step(s).window_left == 4096  # W2 under a window
+    assert stream_seed(0, 0) == 0 and stream_seed(1, 0) == 1 and stream_seed(0, 1) != stream_seed(1, 0)
+
+
+def test_stream_figures_from_step_times():
+    """Steady: the last half of the steps; one-time: the time beyond all steps at the steady
+    rate; cumulative time at the end of each tenth of the steps (rounded up)."""
+    row = Row("W2-128K", "gqa", "one-gpu-hcp", "-", "flash", "1", 1, stream_steps=4, stream_layers=2,
+              step_ms=[5000.0, 1000.0, 1000.0, 1000.0])
+    summarize_stream(row, [1e12, 1e12, 2e12, 2e12])  # steady: 4e12 FLOPs in 2 s
+    assert (row.stream_s, row.tflops_per_gpu, row.steady_tflops_per_gpu) == (8.0, 0.75, 2.0)
+    assert row.one_time_pct == 62.5  # 6e12 FLOPs at 2 TF/s take 3 s of the 8
+    assert row.first_step_s == 5.0
+    assert row.cumulative_s == [5.0, 5.0, 6.0, 6.0, 6.0, 7.0, 7.0, 8.0, 8.0, 8.0]
+    cp = Row("W2-128K", "gqa", "hcp-eager", "balanced", "flash", "2x1", 2, stream_steps=4, stream_layers=2,
+             step_ms=[2500.0, 500.0, 500.0, 500.0])
+    summarize_stream(cp, [1e12, 1e12, 2e12, 2e12])
+    repeated = Row("W2-128K", "gqa", "one-gpu-hcp", "-", "flash", "1", 1, ms=10.0)
+    relate([row, cp, repeated])
+    assert cp.efficiency == 1.0 and cp.steady_efficiency == 1.0  # 4 s on 2 GPUs vs 8 s on one; 2 TF/s per GPU steady
+    assert repeated.efficiency == 1.0 and repeated.steady_efficiency is None
+    assert len({r.key() for r in (row, cp, repeated)}) == 3  # merged files keep a stream apart
+    text = table([row, cp, repeated])
+    assert "steady TF/s/GPU" in text and "5 5 6 6 6 7 7 8 8 8" in text and "exposed ms" in text
+
+
+def test_stream_on_cpu(tmp_path):
+    """--stream 4 --layers 2 as one rank alone (the fake process group): every mode's row has
+    the stream's figures, each step a new batch; flex, which has no CPU backward, records
+    its error."""
+    import json
+    import subprocess
+    import time
+
+    out = tmp_path / "stream.json"
+    command = [sys.executable, "-m", "benchmarks.speed", "--device", "cpu", "--fake-rank", "1", "--ulysses", "1",
+               "--ring", "2", "--stream", "4", "--layers", "2", "--shrink", "1024", "--head-dim", "16",
+               "--dtype", "float32", "--heads", "gqa", "--workloads", "W2-128K",
+               "--modes", "one-gpu-flex,one-gpu-hcp,hcp-eager,hcp-compiled", "--placements", "balanced",
+               "--out", str(out)]
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(f"stream smoke run: {time.perf_counter() - started:.1f} s")
+    data = json.loads(out.read_text())
+    assert data["runs"][0]["options"]["stream"] == 4 and data["runs"][0]["options"]["layers"] == 2
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == {"one-gpu-flex", "one-gpu-hcp", "hcp-eager", "hcp-compiled"}
+    assert "backward" in rows["one-gpu-flex"]["error"] and rows["one-gpu-flex"]["stream_s"] is None
+    for mode in ("one-gpu-hcp", "hcp-eager", "hcp-compiled"):
+        row = rows[mode]
+        assert row["error"] is None, row["error"]
+        assert (row["stream_steps"], row["stream_layers"], row["ms"]) == (4, 2, None)
+        assert len(row["step_ms"]) == 4 and all(t > 0 for t in row["step_ms"])
+        cumulative = row["cumulative_s"]
+        assert len(cumulative) == 10 and all(a <= b for a, b in zip(cumulative, cumulative[1:]))
+        assert cumulative[0] == row["first_step_s"] > 0
+        assert abs(cumulative[-1] - row["stream_s"]) <= 1e-3 * row["stream_s"]
+        assert row["tflops_per_gpu"] > 0 and row["steady_tflops_per_gpu"] > 0 and row["prepare_ms"] > 0
+        assert row["one_time_pct"] < 100 and row["efficiency"] > 0 and row["steady_efficiency"] > 0
+    assert rows["one-gpu-hcp"]["efficiency"] == 1.0
+    assert rows["hcp-eager"]["mesh"] == "1x2 rank 1 alone" and rows["hcp-eager"]["graphs"] == 0
+    assert rows["hcp-compiled"]["graphs"] >= 1  # its compile, in the stream
