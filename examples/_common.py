@@ -1,4 +1,5 @@
-"""Helpers shared by ``examples/cp_attention.py`` and ``scripts/gpu_check.py``.
+"""Helpers shared by the examples and the GPU scripts (``scripts/gpu_check.py``,
+``scripts/gpu_properties.py``).
 
 Launching (``torchrun`` or a self-spawned group of processes), a packed batch of documents,
 attention with and without context parallelism, and the comparison against docs/design.md §6.

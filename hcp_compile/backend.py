@@ -50,7 +50,7 @@ class BackendOptions:
         (default: the ``HCP_DUMP_DIR`` environment variable; caches are bypassed while dumping,
         so every graph is traced and written).
     agree_across_ranks: the layout check of each batch is all-reduced over the mesh, so all
-        ranks fail together on one rank's bad input (two tiny collectives per batch).
+        ranks fail together on one rank's bad input (one tiny collective per mesh dimension larger than 1, per batch).
     recompute_exchange: as in ``context_parallel``: the backward exchanges q, KV and the
         output again instead of the forward's exchanged copies being saved.
     """

@@ -31,7 +31,7 @@ class CPOptions:
         documents whole on one rank, or ``"zigzag"``: every document round the ring).
     kernel: ``"auto"`` (the fastest kernel measured on the device that supports the call,
         kernels/measured.json; unmeasured devices: flash where it can run, else the
-        plain-PyTorch kernel), ``"flex"``, ``"flash"`` or ``"torch"``.
+        plain-PyTorch kernel), ``"dense"``, ``"flex"``, ``"flash"`` or ``"torch"``.
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
         outside it (costs one small device-to-host read per new ``cu_seqlens``).
     agree_across_ranks: before the first collective of every call, all ranks agree that

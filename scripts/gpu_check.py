@@ -9,7 +9,7 @@ A packed batch (default 65536 real tokens over 20 documents of mixed, partly odd
 of them long) runs through ``varlen_attention`` inside ``context_parallel(mesh, kernel=...)``
 (flash on CUDA, bf16), forward and backward, for GQA and MHA heads, causal and not. The
 unsharded output and q/k/v gradients are compared with single-GPU ``varlen_attention`` on the
-full tensors (rank 0, same dtype and kernel) using assert_close's criterion with
+full tensors (rank 0, same dtype, kernel "auto") using assert_close's criterion with
 atol = rtol = the docs/design.md §6 tolerance. For small batches (``--fp32-ref-max-tokens``) both are
 also compared with a float32 reference (the O(T^2)-memory torch kernel).
 
@@ -138,7 +138,7 @@ def report(
     parts = [
         title,
         f"doc lengths: {lengths}",
-        "max abs error of CP vs single-device attention (same dtype and kernel):",
+        "max abs error of CP vs single-device attention (same dtype, kernel auto):",
         tabulate(rows, headers=["placement", "heads q/kv", "causal", "recompute", *GRADIENTS, "tol",
                                 "worst/bound", "pad |max|", "result"],
                  floatfmt=("", "", "", "", ".2e", ".2e", ".2e", ".2e", "g", ".3f", "g", "")),

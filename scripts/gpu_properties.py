@@ -38,7 +38,7 @@ from the same bf16/fp16 inputs, in float64 for fp32 inputs):
 document, those of one length as one batch; flash where it runs, the memory-efficient kernel
 under a window's mask; KV heads repeated, their gradients summed in fp32 as flash does),
 against the same reference. ERROR_FACTOR = 4: the ring merges fp32 partial results of
-low-precision blocks, which measured up to 1.7x single-device error on the H200 (README, GPU
+low-precision blocks, which measured up to 1.7x single-device error on the H200 (docs/benchmarks.md, GPU
 check), and both sides are maxima over many elements; a real bug (a key too many or too few,
 a wrong merge or scale) shows as errors of many ulps. The floor, one ulp at the larger of the
 tensor's magnitude and the inputs' (1), keeps the bound meaningful where SDPA happens to be
