@@ -22,6 +22,10 @@ MESH = (1, 2)  # (ulysses, ring)
 SUITE = "test_agreement_timeout:suite"
 DEADLINE_S = 150
 SKIPPING_RANK = 1
+# how much longer than its timeout a wait may take on a loaded machine: far below the other
+# timeouts in play (the fresh groups' 30 s for SKIPPED, the world's 60 s), which a wait that
+# ignored agreement_timeout_s would run into
+LATE_S = 10
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ def test_a_skipped_call_raises_agreement_timeout_on_the_waiting_rank(world, case
     assert waiting.raised_instance_of(RuntimeError)
     expected_s = case.agreement_timeout_s or case.group_timeout_s
     waited = float(re.search(r"timed out after ([\d.]+) s", waiting.message).group(1))
-    assert expected_s <= waited < expected_s + 5, waiting.message
+    assert expected_s <= waited < expected_s + LATE_S, waiting.message
     option = (f"agreement_timeout_s={case.agreement_timeout_s:g}" if case.agreement_timeout_s
               else "agreement_timeout_s=None, the process group's timeout")
     for part in (option, "ring group, global ranks [0, 1]", "skipped this call or stopped",

@@ -21,7 +21,8 @@ import torch
 
 from attention_reference import document_mask, reference_attention
 from checks import (
-    EAGER_TOL, RESULTS, assert_compiled_rank_matches, assert_matches, expected_for, local_rows,
+    RESULTS, assert_compiled_rank_matches, assert_matches, assert_rounding_close, expected_for,
+    local_rows,
 )
 from compile_cases import (
     COMPILE_MESHES, ERROR_MESH, FULL_MESH, INDUCTOR_CASE, RECOMPUTE_MESHES, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
@@ -33,8 +34,11 @@ from cp_cases import cu_seqlens, mesh_id
 from hcp_compile.passes.match import UnsupportedAttention
 from hcp_compile.schedule import HEAD_GROUPS, head_groups, rank_kv_heads
 
-# compiled vs eager CP: the same kernels and collectives (aot_eager ran bit-identical when
-# this was written; Inductor may fuse and reorder the elementwise merge)
+# compiled vs eager CP: the same kernels and collectives, equal up to rounding
+# (checks.assert_rounding_close): Inductor's decompositions (also under aot_eager, in the
+# recompute_exchange cases) and Inductor's code replace some of eager's elementwise ops and
+# reductions. Measured: bit-equal with ATEN_CPU_CAPABILITY=default but not avx2 or avx512,
+# Inductor's code nowhere; at most 1.4 eps of the scale apart.
 DUMP_FILES = ("before_rewrite.py", "after_rewrite.py", "aot_forward.py", "aot_backward.py", "matches.md")
 
 
@@ -172,8 +176,7 @@ def test_model_of_marked_layers_compiles_to_one_graph(cp_world, mesh, case):
 def test_model_compiled_equals_eager_cp(cp_world, mesh, case):
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
         for name in [n for n in result if n == "out" or n == "dx" or n.startswith("grad/")]:
-            torch.testing.assert_close(result[name], result[f"eager_{name}"], **EAGER_TOL,
-                                       msg=lambda m: f"rank {rank} {name} vs eager CP: {m}")
+            assert_rounding_close(result[name], result[f"eager_{name}"], f"rank {rank} {name} vs eager CP")
 
 
 @pytest.mark.parametrize("mesh, case", MODELS)
@@ -380,6 +383,7 @@ def test_batch_not_fitting_the_shards_raises_on_every_rank(cp_world, mesh, case,
         assert result["graphs"] == 1, f"rank {rank}: compiled {result['graphs']} graphs"
         assert_matches(result["first"], local_rows(expected_out, result["global_index"]),
                        f"rank {rank} out of the valid batch")
+        # the same graph on the same inputs in the same process: bit-equal is promised
         torch.testing.assert_close(result["after"], result["first"], rtol=0, atol=0)
 
 
@@ -404,13 +408,7 @@ def test_inductor_compiled_matches_reference_and_eager_cp(cp_world, index):
     batch = INDUCTOR_CASE.batches()[index]
     reference = expected_for(batch)
     for rank, result in enumerate(inductor_world(cp_world).values(INDUCTOR_CASE.id)):
-        global_index = result[f"{index}/global_index"]
-        for name in RESULTS:
-            got = result[f"{index}/{name}"]
-            assert_matches(got, local_rows(reference[name], global_index), f"rank {rank} {name}")
-            assert (got[global_index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
-            torch.testing.assert_close(got, result[f"{index}/eager_{name}"], atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"rank {rank} {name} vs eager CP: {m}")
+        assert_compiled_rank_matches(result, index, reference, rank)
         assert result["graphs_after"] == [1, 1], f"rank {rank}: {result['graphs_after']}"
 
 

@@ -3,9 +3,10 @@
 The rule (``schedule.head_groups``) as a unit; then, in one gloo world per mesh of
 ``MESHES`` (suite :func:`suite` of this module, run by ``distributed.py``): eager CP with
 grouped heads (GQA 8/4, MHA 4/4) and with the rule's fallback to one group (4/2, 8/2, 2/1
-with repeated KV heads), results and gradients against the float64 reference and bit-equal to
-the algorithm forced to one group; the compiled path (``aot_eager``, GQA 8/4, and torch's
-``varlen_attn`` with its lse) against the reference and eager CP. Eagerly and in the traced
+with repeated KV heads), results and gradients against the float64 reference and equal, up to
+rounding, to the algorithm forced to one group (the same ops on the groups' smaller tensors,
+which the CPU kernels may round otherwise); the compiled path (``aot_eager``, GQA 8/4, and torch's ``varlen_attn`` with its lse)
+against the reference and eager CP. Eagerly and in the traced
 forward and backward graphs: the number of exchanges and the order they are issued in (group
 ``g + 1``'s exchange before group ``g``'s ring computes, group ``g``'s results sent back
 before group ``g + 1``'s ring).
@@ -21,7 +22,9 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from checks import RESULTS, assert_compiled_rank_matches, assert_matches, expected_for, local_rows
+from checks import (
+    RESULTS, assert_compiled_rank_matches, assert_matches, assert_rounding_close, expected_for, local_rows,
+)
 from compile_cases import (
     CompiledAttentionCase, TorchVarlenCase, capture_aot_graphs, split_forward_backward,
 )
@@ -233,9 +236,9 @@ def test_eager_matches_reference_and_ungrouped(cp_world, mesh, case):
             got = result[name]
             assert_matches(got, local_rows(reference[name], index), f"rank {rank} {name}")
             assert (got[index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
-            # heads are independent: grouping changes no summation order
-            torch.testing.assert_close(got, result[f"ungrouped_{name}"], rtol=0, atol=0,
-                                       msg=lambda m: f"rank {rank} {name} vs one group: {m}")
+            # heads are independent: grouping changes only the shapes the kernels and merges
+            # run on, and so at most their rounding (checks.ROUNDING_ULPS)
+            assert_rounding_close(got, result[f"ungrouped_{name}"], f"rank {rank} {name} vs one group")
         events = result["events"]
         groups = groups_of(mesh, case.heads_kv)
         # forward: q, kv in and out back; backward: dout in and dq, dkv back; per group

@@ -17,7 +17,7 @@ import hcp_compile as hc
 from hcp_compile.kernels import BlockSpec, torch_kernel
 from hcp_compile.passes.match import UnsupportedAttention
 from attention_reference import reference_with_grads
-from checks import assert_matches, expected_for
+from checks import assert_matches, assert_rounding_close, expected_for
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded
 
 
@@ -126,7 +126,8 @@ def test_non_finite_value_stays_in_its_document(heads, causal, tensor, value):
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "dout"])
 def test_block_ops_keep_a_non_finite_value_in_its_segment(tensor):
     """The ring's view: block_forward/backward on segments with global positions (a window),
-    the poisoned results compared with the same ops on clean inputs."""
+    the poisoned results compared with the same ops on clean inputs (up to rounding: a
+    non-finite value cuts the blocks at segment boundaries, so other matmul shapes)."""
     x, cu = isolation_inputs((4, 2)), cu_seqlens(ISOLATION_DOCS)
     positions = torch.arange(sum(ISOLATION_DOCS))
     args = (*BlockSpec(cu, cu, 9, 9, False, 0.35, 6, 2, positions, positions).op_args(), "torch")
@@ -139,8 +140,7 @@ def test_block_ops_keep_a_non_finite_value_in_its_segment(tensor):
     clean = forward_backward(x)
     got = forward_backward({**x, tensor: poisoned(x[tensor], float("nan"))})
     for name, g, c in zip(("out", "lse", "dq", "dk", "dv"), got, clean):
-        torch.testing.assert_close(outside_poisoned(g), outside_poisoned(c), atol=1e-6, rtol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+        assert_rounding_close(outside_poisoned(g), outside_poisoned(c), name)
 
 
 # --------------------------------------------------------------------------------------------
