@@ -167,8 +167,8 @@ PROFILES = {
 
 
 @dataclass(frozen=True)
-class Config:
-    """A case's static configuration: what a compiled graph or a kernel build is made for."""
+class AttentionArgs:
+    """The attention arguments besides the batch."""
 
     heads_q: int
     heads_kv: int
@@ -177,24 +177,23 @@ class Config:
     causal: bool
     window: tuple[int, int]
     scale: float | None  # softmax_scale (None: 1 / sqrt(head_dim))
-    kernel: str  # the CP kernel ("" in phase single, which runs them all)
 
 
 @dataclass(frozen=True)
-class Case:
+class Config(AttentionArgs):
+    """A case's static configuration: what a compiled graph or a kernel build is made for."""
+
+    kernel: str = ""  # the CP kernel ("" in phase single, which runs them all)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case(AttentionArgs):
     """One random batch and its attention arguments."""
 
     phase: str
     seed: int
     index: int
     lengths: tuple[int, ...]
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    dtype: str
-    causal: bool
-    window: tuple[int, int]
-    scale: float | None
 
     @property
     def tokens(self) -> int:
@@ -285,8 +284,8 @@ def draw(seed: int, phase: str, index: int, device: str) -> tuple[Case, list[Run
         max_tokens = min(max_tokens, profile.torch_max_tokens)
     rng = random.Random(f"{seed}/{phase}/{index}/lengths")
     lengths = draw_lengths(rng, profile, ulysses, ring, max_tokens)
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config) if f.name != "kernel"}
-    case = Case(phase, seed, index, tuple(lengths), **fields)
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(AttentionArgs)}
+    case = Case(phase=phase, seed=seed, index=index, lengths=tuple(lengths), **fields)
     if kind == "single":
         runs = [Run("kernel", name) for name in (*KERNELS, "auto")]
     else:

@@ -163,8 +163,9 @@ def test_reference_and_baseline_match_the_tests_float64_reference():
     lengths = (0, 1, 2, 7, 13, 7, 30, 1)
     cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
     for index, ((causal, window), heads_kv) in enumerate(zip(MASKS, (1, 2, 4, 1, 2, 4))):
-        case = props.Case("single", 0, index, lengths, 4, heads_kv, 8, "float32", causal, window,
-                          None if index % 2 else 0.3)
+        case = props.Case(phase="single", seed=0, index=index, lengths=lengths, heads_q=4, heads_kv=heads_kv,
+                          head_dim=8, dtype="float32", causal=causal, window=window,
+                          scale=None if index % 2 else 0.3)
         batch = props.make_batch(case, torch.device("cpu"))
         expected = reference_with_grads(batch.q, batch.k, batch.v, batch.dout, cu, cu, causal=causal,
                                         window=window, scale=case.softmax_scale)
