@@ -1,27 +1,54 @@
 """``placement="balanced"`` (the default): short documents stay whole on one rank, only the
-documents that would unbalance the ranks are split (docs/design.md §2.2).
+documents too heavy to place whole are split, and the others fill around them
+(docs/design.md §2.2).
 
-The rule, all of it tensor ops over the documents (sorts, cumulative sums, scatters), so the
-shard plan on the host and a compiled graph on the device derive the same placement:
+The promise, for any batch on any mesh: every *short* document (at most ``short_fraction``,
+1/8, of a rank's tokens) is LOCAL, but at most one per rank, which may straddle a rank
+boundary: split round the ring (RING) or over the Ulysses ranks of its ring rank (GROUP).
+With some thousands of tokens per rank, pads stay under 5 % of the tokens and every rank's
+causal work within 10 % of the mean, no rank more than 5 % above it (with fewer, the pads
+of ring documents, up to ``2R - 1`` tokens each and all on ring rank 0, weigh more).
 
-1. *Lumpy* documents are split: a document holding more than ``balance_tolerance`` of a
-   rank's share of the causal work (pairs, ``~L^2``) cannot be balanced by whole-document
-   placement. Short documents (at most ``short_fraction`` of a rank's tokens) never count as
-   lumpy. A lumpy document goes round the ring when one ring rank (a Ulysses group) could not
-   absorb it within the tolerance, when there is no Ulysses group to spread it over, or when it
-   is long enough that its ring transfers hide under its own attention
-   (:meth:`CostModel.ring_hides_transfers`); otherwise it is spread over one Ulysses group.
-2. The other documents are dealt to the ring ranks longest first in a serpentine (which
-   evens out both tokens and work), laid out pile after pile and cut into ``R`` equal token
-   ranges; a document crossing a cut goes round the ring (at most one per cut), unless it is
-   short: then it goes whole to the side that holds most of it, so a batch of short documents
-   never crosses the ring.
-3. Inside each ring rank the documents that are not spread are dealt to the ``A`` Ulysses
-   ranks the same way and stay whole there (``LOCAL``); a rank's documents beyond its token
-   count ``T`` (at most the shortest few of its pile) are spread over the group instead.
-4. The documents at the ring cuts leave their ring ranks short by up to their length, which
-   every rank pads; when that exceeds ``max_pad_fraction`` of the tokens and the zigzag
-   rule pads less, the batch takes the zigzag rule instead (never worse than it).
+The rule is tensor ops over the documents (sorts, cumulative sums, scatters, searches; the
+only loops run a fixed number of rounds), so that ``shard_plan`` and a compiled graph's
+host op derive the same placement from ``cu_seqlens``:
+
+1. *Heavy* documents are split: those not short that hold more than ``balance_tolerance``
+   of a rank's share of the causal work (pairs, ``~L^2``). One goes round the ring when a
+   Ulysses group could not absorb it within the tolerance, when there is no Ulysses group
+   to spread it over, or when it is long enough that its ring transfers hide under its own
+   attention (:meth:`CostModel.ring_hides_transfers`); otherwise it is spread over one
+   Ulysses group.
+2. Ring ranks (``R > 1``). *Coarse* documents go round the ring: those longer than 1 % of
+   a ring rank's share with fewer than ``(R - 1) L`` tokens in other documents no longer
+   than them, so that nothing could even the ring ranks out around them. All long ones do;
+   of the short ones, the longest ``j <= R`` for the least ``j`` whose rest, dealt whole,
+   pads within 0.5 % of the batch as little as any. The others are partitioned onto ``R``
+   piles (:func:`_partition`):
+
+   a. dealt longest first in a serpentine (0, 1, .., R-1, R-1, .., 0, ..), which evens
+      out tokens and work together;
+   b. work: documents are split, at most one per pile, their work then shared by every
+      pile. Where the lightest pile is more than twice ``work_slack`` of a pile's fair share
+      of the work under the mean, every pile more than the slack above it splits the
+      document closest to that difference, which stands the piles level (a count of heavy
+      documents that the piles do not divide); otherwise a pile more than the slack above
+      the mean splits the document that brings it back to the mean;
+   c. tokens: each pile keeps its longest documents up to an equal share of the tokens and
+      the rest is poured into the room left, roomiest pile first, each document to the pile
+      holding most of it. One across the end of a room is split where placing it whole
+      overflows the pile by more than 1 % and by more than ``1/(R + 1)`` of the document
+      (a split adds ``L / R`` to every pile); the room the split ones leave is poured again.
+      Of the piles as dealt, as poured and as poured again, those that pad least stand:
+      documents too coarse to pour can pad less as dealt.
+
+   At most ``R`` short documents are split in this step, the longest first.
+3. Ulysses ranks (``A > 1``). Inside each ring rank, its documents but the heavy spread ones
+   are partitioned the same way onto its ``A`` ranks, a split document going over the group
+   (GROUP). A rank's capacity is its token count ``T``, not an equal share: the exchange
+   stream fills what the local documents leave, so tokens need no evening and a split's
+   room is not poured again. At most ``A - 1`` short documents per ring rank are split here:
+   with step 2, at most one per rank.
 """
 
 from __future__ import annotations
@@ -39,11 +66,12 @@ class CostModel:
     """What the rule weighs. The defaults describe H200s with bf16 GQA attention (32 query and
     8 key/value heads of 128) and a ring that crosses nodes."""
 
-    # share of a rank's causal work one document may hold: half the 5 % the ranks may differ
-    # by, so that dealing whole documents stays inside it
+    # share of a rank's causal work a long document may hold and still be placed whole
     balance_tolerance: float = 0.025
     short_fraction: float = 1 / 8  # documents up to this share of a rank's tokens stay whole
-    max_pad_fraction: float = 0.02  # more pads than this: fall back to zigzag if it pads less
+    # how far (a share of its fair work) a pile may stray from the others before one of its
+    # documents is split to bring it back
+    work_slack: float = 0.025
     attention_flops_per_s: float = 375e12  # one GPU, fwd+bwd, on long documents
     flops_per_pair: float = 4 * 32 * 128  # q k^T and p v over the query heads, forward
     kv_bytes_per_token: float = 2 * 8 * 128 * 2  # k and v, bf16
@@ -65,44 +93,329 @@ DEFAULT_COST = CostModel()
 
 def balanced(lengths: Tensor, ulysses: int, ring: int, cost: CostModel = DEFAULT_COST) -> Assignment:
     ranks = ulysses * ring
-    total = lengths.sum()
-    work = lengths * lengths
-    total_work = work.sum()
-    tolerance = round(1 / cost.balance_tolerance)  # compare in integers: work * ranks * 40 > total
-    short = lengths * ranks * round(1 / cost.short_fraction) <= total
-    lumpy = ~short & (work * ranks * tolerance > total_work)
-    no = torch.zeros_like(lumpy)
+    docs = _Docs.of(lengths, ranks, cost.short_fraction)
+    tolerance = round(1 / cost.balance_tolerance)  # in integers: pairs * ranks * 40 > total
+    heavy = ~docs.short & (docs.pairs * ranks * tolerance > docs.total_pairs)
+    ring_doc = torch.zeros_like(heavy)
     if ring > 1:
-        group_cannot_absorb = work * ring * tolerance > total_work
-        ring_doc = lumpy & (group_cannot_absorb | (ulysses == 1) | cost.ring_hides_transfers(lengths, ring))
-    else:
-        ring_doc = no
-    spread = lumpy & ~ring_doc & (ulysses > 1)
-
-    ring_rank, crossing = _cut_into_ring_ranks(lengths, ~ring_doc, short, ring)
-    ring_doc = ring_doc | crossing
-    kept = ~ring_doc
-    ring_width = 2 * torch.where(ring_doc, (lengths + 2 * ring - 1) // (2 * ring), 0).sum()
-    per_ring_rank = ring_width + lengths.new_zeros(ring).scatter_add(
-        0, torch.where(kept, ring_rank, 0), torch.where(kept, lengths, 0)
-    )
-    tokens = (per_ring_rank.max() + ulysses - 1) // ulysses
-    candidates = kept & ~spread
-    ulysses_rank, fits = _deal_to_ulysses_ranks(lengths, candidates, ring_rank, ulysses, ring, tokens)
-    group_doc = kept & (spread | ~fits)
+        group_cannot_absorb = docs.pairs * ring * tolerance > docs.total_pairs
+        ring_doc = heavy & (group_cannot_absorb | (ulysses == 1) | cost.ring_hides_transfers(lengths, ring))
+    group_doc = heavy & ~ring_doc
+    slack = round(1 / cost.work_slack)
+    ring_rank = torch.zeros_like(lengths)
+    if ring > 1:
+        ring_rank, ring_doc = _place_on_ring_ranks(docs, ring_doc, ring, slack)
+    ulysses_rank = torch.zeros_like(lengths)
+    if ulysses > 1:
+        ulysses_rank, group_doc = _place_on_ulysses_ranks(
+            docs, ring_doc, group_doc, ring_rank, ulysses, ring, slack
+        )
     kind = torch.where(ring_doc, int(Kind.RING), torch.where(group_doc, int(Kind.GROUP), int(Kind.LOCAL)))
-    zigzag_tokens = (2 * ((lengths + 2 * ring - 1) // (2 * ring)).sum() + ulysses - 1) // ulysses
-    padded = (tokens * ranks - total) * round(1 / cost.max_pad_fraction) > total
-    kind = torch.where(padded & (zigzag_tokens < tokens), int(Kind.RING), kind)
     return Assignment(kind.to(torch.int64), ring_rank, ulysses_rank)
 
 
-def _longest_first(lengths: Tensor, members: Tensor) -> Tensor:
-    """Each document's rank in a longest-first order of ``members`` (ties by index;
-    non-members after every member)."""
-    key = torch.where(members, lengths, -1)
-    order = torch.sort(key, descending=True, stable=True).indices
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+@dataclass(frozen=True)
+class _Docs:
+    """The documents of a batch as the rule sees them."""
+
+    lengths: Tensor
+    pairs: Tensor  # causal query-key pairs, L (L + 1) / 2
+    short: Tensor  # at most short_fraction of a rank's tokens: whole, but for one per rank
+    order: Tensor  # longest first, ties by index
+    rank: Tensor  # each document's place in ``order``
+    total: Tensor
+    total_pairs: Tensor
+
+    @staticmethod
+    def of(lengths: Tensor, ranks: int, short_fraction: float) -> "_Docs":
+        pairs = lengths * (lengths + 1) // 2
+        total = lengths.sum()
+        order = torch.sort(lengths, descending=True, stable=True).indices
+        return _Docs(
+            lengths, pairs, lengths * ranks * round(1 / short_fraction) <= total, order,
+            _inverse(order), total, pairs.sum(),
+        )
+
+    def running(self, values: Tensor) -> Tensor:
+        """Each document's running sum of ``values``, longest first (itself included)."""
+        return _running(values, self.order)
+
+    def segment_order(self, segment: Tensor, segments: int) -> Tensor:
+        """The documents by ``segment``, then longest first."""
+        if segments == 1:
+            return self.order
+        return torch.sort(segment * self.order.numel() + self.rank).indices
+
+
+@dataclass(frozen=True)
+class _Piles:
+    """Piles that documents are dealt onto: ``piles`` in each of ``segments`` independent
+    segments (ring ranks: one segment of ``R`` piles; Ulysses ranks: ``R`` segments of
+    ``A``). A document's pile is ``pile`` of its ``segment``; its *slot* is the flat
+    ``segment * piles + pile``, ``segments * piles`` for documents not dealt, and tables of
+    ``[segments, piles]`` are read and summed by slot."""
+
+    segment: Tensor  # [n], read for the documents dealt only
+    segments: int
+    piles: int
+    order: Tensor  # by segment, then longest first
+
+    @staticmethod
+    def of(docs: "_Docs", segment: Tensor, segments: int, piles: int) -> "_Piles":
+        return _Piles(segment, segments, piles, docs.segment_order(segment, segments))
+
+    @property
+    def slots(self) -> int:
+        return self.segments * self.piles
+
+    def running(self, values: Tensor) -> Tensor:
+        """Each document's running sum of ``values`` over its segment, longest first."""
+        return _running(values, self.order, self.segment, self.segments)
+
+    def slot(self, members: Tensor, pile: Tensor) -> Tensor:
+        """Each member's slot (``slots`` for the others)."""
+        return torch.where(members, self.segment * self.piles + pile, self.slots)
+
+    def sums(self, values: Tensor, slot: Tensor) -> Tensor:
+        """``[segments, piles]``: the sums of ``values`` by slot (0 for the documents not dealt)."""
+        return _slot_sum(slot, values, self.slots).view(self.segments, self.piles)
+
+    def read(self, table: Tensor, slot: Tensor) -> Tensor:
+        """``table[segment, pile]`` of each document (0 for the documents not dealt)."""
+        return torch.cat([table.reshape(-1), table.new_zeros(1)]).index_select(0, slot)
+
+    def count(self, which: Tensor) -> Tensor:
+        """``[segments]``: the documents of ``which`` in each segment."""
+        return _slot_sum(torch.where(which, self.segment, self.segments), which.long(), self.segments)
+
+
+def _place_on_ring_ranks(docs: _Docs, ring_doc: Tensor, ring: int, slack: int) -> tuple[Tensor, Tensor]:
+    """``(ring_rank, ring_doc)``: step 2 of the module's rule, the documents not ``ring_doc``
+    (heavy ones) onto ring ranks, or round the ring."""
+    stays = ~ring_doc
+    coarse = _coarse(docs, stays, ring)
+    fine = (docs.lengths * (stays & ~coarse)).sum()
+    coarse_short = _longest_to_split(docs, coarse & docs.short, fine, ring)
+    ring_doc = ring_doc | (coarse & ~docs.short) | coarse_short
+    piles = _Piles.of(docs, torch.zeros_like(docs.lengths), 1, ring)
+    ring_rank, split = _partition(
+        docs, ~ring_doc, piles, docs.total_pairs // ring, slack, None, ring - piles.count(coarse_short)
+    )
+    return ring_rank, ring_doc | split
+
+
+def _place_on_ulysses_ranks(
+    docs: _Docs, ring_doc: Tensor, group_doc: Tensor, ring_rank: Tensor, ulysses: int, ring: int,
+    slack: int,
+) -> tuple[Tensor, Tensor]:
+    """``(ulysses_rank, group_doc)``: step 3 of the module's rule, the documents of each ring
+    rank but the ``group_doc`` (heavy ones) onto its Ulysses ranks, or over them."""
+    lengths = docs.lengths
+    stays = ~ring_doc
+    chunk = (lengths + 2 * ring - 1) // (2 * ring) * ring_doc
+    per_ring_rank = 2 * chunk.sum() + lengths.new_zeros(ring).scatter_add(
+        0, ring_rank * stays, lengths * stays
+    )
+    tokens = (per_ring_rank.max() + ulysses - 1) // ulysses
+    local = stays & ~group_doc
+    piles = _Piles.of(docs, ring_rank * local, ring, ulysses)
+    ulysses_rank, split = _partition(
+        docs, local, piles, docs.total_pairs // (ring * ulysses), slack, tokens,
+        lengths.new_full((ring,), ulysses - 1),
+    )
+    return ulysses_rank, group_doc | (local & split)
+
+
+def _partition(
+    docs: _Docs, members: Tensor, piles: _Piles, fair: Tensor, slack: int, capacity: Tensor | None,
+    budget: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """``(pile, split)``: the ``members`` of each segment dealt onto its piles, work then
+    tokens evened out (steps 2a-c of the module's rule). ``fair``: a pile's share of the
+    batch's work; ``capacity``: the tokens a pile may hold (None: an equal share of its
+    segment's, poured again after a split); ``budget``: ``[segments]`` short documents each
+    segment may split."""
+    pile = _serpentine(piles.running(members.long()) - 1, piles.piles)
+    split, slot = _split_work(docs, members, piles, pile, fair, slack)
+    split = split & (~docs.short | _highest(split & docs.short, slot, docs.lengths, docs, piles, budget))
+    budget = budget - piles.count(split & docs.short)
+    pile, more = _even_tokens(docs, members & ~split, piles, pile, capacity, budget)
+    return pile, split | more
+
+
+def _even_tokens(docs: _Docs, members: Tensor, piles: _Piles, pile: Tensor, capacity: Tensor | None,
+                 budget: Tensor) -> tuple[Tensor, Tensor]:
+    """``(pile, split)``: the piles filled to the capacity (:func:`_fill`), splitting the
+    straddlers worth it (short ones within the ``budget``).
+
+    With no capacity (an equal share), a split leaves room that is filled again; but where
+    the documents are too coarse to pour (nothing short enough to fill a pile's room), the
+    straddlers placed whole or even the piles as dealt can pad less: of the three, the
+    layout that pads least (the earlier on a tie)."""
+    filled, straddles, crossed, minority, cap = _fill(docs, members, piles, pile, capacity)
+    # a straddler placed whole makes its pile overflow by its smaller part: worth splitting
+    # where that exceeds 1 % of a pile and, over the ring (where a split document adds
+    # L / R to every pile), where it exceeds 1 / (R + 1) of the document
+    worth = straddles & (minority * 100 > cap)
+    if capacity is None:
+        worth = worth & (minority * (piles.piles + 1) > docs.lengths)
+    split = worth & (~docs.short | _highest(worth & docs.short, crossed, minority, docs, piles, budget))
+    if capacity is not None:
+        return filled, split
+    refilled = _fill(docs, members & ~split, piles, filled, capacity)[0]
+    none = torch.zeros_like(split)
+    options = ((pile, none), (filled, none), (refilled, split))
+    pads = torch.stack([
+        _pads(piles.sums(docs.lengths * (members & ~cut), piles.slot(members, at)))
+        for at, cut in options
+    ])
+    best = pads.argmin(0).index_select(0, piles.segment * members)
+    pile = torch.where(best == 0, pile, torch.where(best == 1, filled, refilled))
+    return pile, (best == 2) & split
+
+
+def _split_work(docs: _Docs, members: Tensor, piles: _Piles, pile: Tensor, fair: Tensor,
+                slack: int) -> tuple[Tensor, Tensor]:
+    """``(split, slot)``: documents to split, at most one per pile, and the members' slots.
+    A split document's work is shared by every pile of its segment. Where the lightest pile
+    of a segment is more than twice the slack (a share of ``fair``) under the mean, every
+    pile more than the slack above the lightest splits the document closest to that
+    difference, and the piles then stand level (a count of heavy documents that does not
+    divide by the piles). Otherwise a pile more than the slack above the mean splits the
+    document closest to ``piles / (piles - 1)`` times its excess, which brings it back."""
+    count = piles.piles
+    slot = piles.slot(members, pile)
+    pairs = docs.pairs * members
+    work = piles.sums(pairs, slot)
+    total = work.sum(1, keepdim=True)
+    lightest = work.min(1, keepdim=True).values
+    above = work - lightest
+    low = (total - count * lightest) * slack > 2 * count * fair
+    excess = count * work - total  # piles x (pile - mean)
+    # what a split should take off the pile, times piles - 1 (0: the pile does not split)
+    target = torch.where(low, (count - 1) * above * (above * slack > fair), excess * (excess * slack > count * fair))
+    own = piles.read(target, slot)
+    shed = (count - 1) * pairs
+    eligible = (pairs > 0) & (shed < 2 * own)
+    return _argmin_per_slot((shed - own).abs(), eligible, slot, piles.slots), slot
+
+
+def _fill(docs: _Docs, members: Tensor, piles: _Piles, pile: Tensor, capacity: Tensor | None,
+          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(pile, straddles, crossed, minority, cap)``: each pile keeps its longest documents up
+    to the capacity (``None``: an equal share of its segment's tokens); the rest is poured
+    into the room left, roomiest pile first, each document to the pile holding most of it.
+    ``straddles``: the poured documents across the end of a pile's room (``crossed``: the flat
+    index of that room, one straddler each), ``minority``: the part of each poured document
+    outside its pile, ``cap``: the capacity of each document's pile."""
+    segments, count, slots = piles.segments, piles.piles, piles.slots
+    lengths = docs.lengths * members
+    slot = piles.slot(members, pile)
+    held = piles.sums(lengths, slot)
+    if capacity is None:
+        cap = ((held.sum(1, keepdim=True) + count - 1) // count).expand(segments, count)
+    else:
+        cap = capacity.expand(segments, count)
+    # each pile's documents, longest first, while they fit
+    order = docs.segment_order(slot, slots + 1)
+    at = slot.index_select(0, order)
+    before = torch.cumsum(held.reshape(-1), 0) - held.reshape(-1)
+    inclusive = torch.cumsum(lengths.index_select(0, order), 0) - piles.read(before, at)
+    kept = torch.empty_like(members).scatter_(0, order, inclusive <= piles.read(cap, at)) & members
+    pool = members & ~kept
+    room = cap - piles.sums(lengths * kept, slot)
+    pour = torch.sort(room, dim=1, descending=True, stable=True).indices  # piles, roomiest first
+    size = room.gather(1, pour).reshape(-1)
+    ends = torch.cumsum(size, 0)  # where each room ends, segment after segment
+    # the pool laid out segment after segment, each from where its rooms start: positions
+    # that grow along ``piles.order``, so a few searches place the rooms' ends among them
+    poured = lengths * pool
+    first = torch.cat([ends.new_zeros(1), ends.view(segments, count)[:, -1]])[:segments]
+    end = piles.running(poured) + first.index_select(0, piles.segment)
+    start = end - poured
+    most = _rooms_below(2 * ends, start + end, piles.order)  # the room holding a document's middle
+    most = most.minimum(piles.segment * count + count - 1)
+    crossed = _rooms_below(ends, start, piles.order)  # the room a document starts in
+    room_end = ends.index_select(0, most)
+    inside = (end.minimum(room_end) - start.maximum(room_end - size.index_select(0, most))).clamp(min=0)
+    minority = poured - inside
+    pile = torch.where(pool, pour.reshape(-1).index_select(0, most), pile)
+    return pile, minority > 0, crossed, minority, piles.read(cap, piles.slot(members, pile))
+
+
+def _rooms_below(bounds: Tensor, values: Tensor, order: Tensor) -> Tensor:
+    """``searchsorted(bounds, values, right=True)``: how many of the ascending ``bounds`` are
+    at most each value, for ``values`` that ascend along ``order``: the bounds are placed
+    among the values (few searches) rather than each value among the bounds."""
+    laid = values.index_select(0, order)
+    where = torch.searchsorted(laid, bounds)  # the first value each bound is at most
+    below = torch.cumsum(values.new_zeros(values.numel() + 1).scatter_add_(0, where, torch.ones_like(where)), 0)
+    return torch.empty_like(values).scatter_(0, order, below[:-1])
+
+
+def _pads(held: Tensor) -> Tensor:
+    """``[segments]``: the pads that evening ``[segments, piles]`` held tokens to the fullest
+    pile takes."""
+    return held.shape[1] * held.max(1).values - held.sum(1)
+
+
+def _highest(candidates: Tensor, slot: Tensor, priority: Tensor, docs: _Docs, piles: _Piles,
+             budget: Tensor) -> Tensor:
+    """The ``budget[segment]`` candidates of each segment of highest ``priority`` (a
+    non-negative int below ``2**31``; ties: longest first). ``slot``: a flat slot of the
+    segment's that no other candidate has."""
+    n = priority.numel()
+    key = torch.where(candidates, priority * n + (n - 1 - docs.rank), -1)  # distinct per document
+    table = key.new_full((piles.slots + 1,), -1).scatter_(0, torch.where(candidates, slot, piles.slots), key)
+    table = table[:-1].view(piles.segments, piles.piles)
+    place = _inverse_rows(torch.sort(table, dim=1, descending=True, stable=True).indices)
+    allowed = (table >= 0) & (place < budget[:, None])
+    return candidates & piles.read(allowed, slot.clamp(max=piles.slots))
+
+
+def _coarse(docs: _Docs, members: Tensor, piles: int) -> Tensor:
+    """Members too long for the other members to even out ``piles`` piles around them: longer
+    than 1 % of a pile, with fewer than ``(piles - 1) * L`` tokens in other members no longer
+    than them that are not coarse themselves (three rounds towards that fixed point, each
+    catching what the last one's coarse documents no longer cover)."""
+    ascending = docs.order.flip(0)
+    laid = docs.lengths.index_select(0, ascending)
+    member = members.index_select(0, ascending)
+    # the last of each run of equal lengths: documents of one length count for each other
+    last = torch.cat([laid[1:] != laid[:-1], laid.new_ones(1, dtype=torch.bool)])
+    position = torch.arange(laid.numel(), device=laid.device)
+    run_end = torch.where(last, position, laid.numel()).flip(0).cummin(0).values.flip(0)
+    long = member & (laid * 100 > (laid * member).sum() // piles)
+    needed = (piles - 1) * laid
+    coarse = torch.zeros_like(member)
+    for _ in range(3):
+        kept = laid * (member & ~coarse)
+        coarse = long & (torch.cumsum(kept, 0).index_select(0, run_end) - kept < needed)
+    return torch.empty_like(coarse).scatter_(0, ascending, coarse)
+
+
+def _longest_to_split(docs: _Docs, coarse: Tensor, fine: Tensor, piles: int) -> Tensor:
+    """Which of the ``coarse`` documents to split: the longest ``j`` of them, for the least
+    ``j <= piles`` whose rest, dealt longest first in a serpentine and evened out by the
+    ``fine`` tokens, pads within 0.5 % of the batch as little as any ``j`` does."""
+    rank = docs.running(coarse.long()) - 1  # among the coarse, longest first
+    lengths = docs.lengths * coarse
+    # a serpentine deals position q onto pile q mod 2P or 2P - 1 - (q mod 2P): the rest after
+    # the longest j puts on pile p the documents of rank = j + p and j + 2P - 1 - p mod 2P
+    period = 2 * piles
+    residue = lengths.new_zeros(period).scatter_add_(0, rank % period * coarse, lengths)
+    first = lengths.new_zeros(piles + 1).scatter_add_(
+        0, torch.where(coarse & (rank < piles), rank, piles), lengths
+    )[:piles]  # the longest ``piles``, by rank
+    j = torch.arange(piles + 1, device=rank.device)[:, None]
+    before_j = torch.arange(period, device=rank.device) < j  # [j, residue]: ranks below j
+    rest = residue - torch.where(before_j, torch.cat([first, first.new_zeros(piles)]), 0)
+    p = torch.arange(piles, device=rank.device)
+    held = rest.gather(1, (j + p) % period) + rest.gather(1, (j + period - 1 - p) % period)
+    pads = (piles * held.max(1).values - held.sum(1) - fine).clamp(min=0)
+    good = pads * 200 <= pads.min() * 200 + docs.total
+    least = (torch.cumsum(good.long(), 0) == 0).sum()  # the first good j
+    return coarse & (rank < least)
 
 
 def _serpentine(rank: Tensor, piles: int) -> Tensor:
@@ -111,59 +424,40 @@ def _serpentine(rank: Tensor, piles: int) -> Tensor:
     return torch.where(lap % 2 == 0, seat, piles - 1 - seat)
 
 
-def _cut_into_ring_ranks(
-    lengths: Tensor, members: Tensor, short: Tensor, ring: int
-) -> tuple[Tensor, Tensor]:
-    """``(ring_rank, crossing)`` of the ``members``: dealt onto ``ring`` piles, each pile laid
-    out shortest at both ends and longest in the middle (so that a cut near a pile's end meets a
-    short document), the piles one after another, cut into ``ring`` equal token ranges. A
-    document across a cut is ``crossing`` unless it is ``short``."""
-    n = lengths.numel()
-    rank = _longest_first(lengths, members)
-    pile, lap = _serpentine(rank, ring), rank // ring
-    # even laps ascend to the middle of the pile (shortest first), odd laps descend from it
-    within = torch.where(lap % 2 == 0, n - lap, n + 1 + lap)
-    key = torch.where(members, pile * (2 * n + 2) + within, ring * (2 * n + 2) + rank)
-    order = torch.argsort(key)
-    laid = torch.where(members, lengths, 0).index_select(0, order)
-    end = torch.empty_like(laid).scatter_(0, order, torch.cumsum(laid, 0))
-    start = end - torch.where(members, lengths, 0)
-    cuts = torch.arange(1, ring, device=lengths.device) * laid.sum() // ring
-    crossing = members & ~short & ((start[:, None] < cuts) & (cuts < end[:, None])).any(1)
-    # a short document across a cut goes whole to the side holding most of it
-    return torch.searchsorted(2 * cuts, start + end, right=True), crossing
+def _inverse_rows(order: Tensor) -> Tensor:
+    """The inverse of each row's permutation."""
+    seats = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, seats)
 
 
-def _deal_to_ulysses_ranks(
-    lengths: Tensor, members: Tensor, ring_rank: Tensor, ulysses: int, ring: int, tokens: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """``(ulysses_rank, fits)``: the ``members`` of each ring rank dealt longest first onto its
-    ``ulysses`` ranks in a serpentine; ``fits`` is False for the documents beyond a rank's
-    ``tokens`` (the shortest of its pile)."""
-    n = lengths.numel()
-    rank = _longest_first(lengths, members)
-    group = torch.where(members, ring_rank, ring)
-    within_ring = _rank_within(group, rank, ring + 1)
-    ulysses_rank = _serpentine(within_ring, ulysses)
-    slot = torch.where(members, ring_rank * ulysses + ulysses_rank, ring * ulysses)
-    order = torch.argsort(slot * n + rank)
-    laid = torch.where(members, lengths, 0).index_select(0, order)
+def _inverse(order: Tensor) -> Tensor:
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def _running(values: Tensor, order: Tensor, group: Tensor | None = None, groups: int = 1) -> Tensor:
+    """Running sums of ``values`` in ``order`` (itself included), restarting at each of the
+    ``groups`` that ``order`` visits one after another."""
+    laid = values.index_select(0, order)
     running = torch.cumsum(laid, 0)
-    slot_sorted = slot.index_select(0, order)
-    slot_total = lengths.new_zeros(ring * ulysses + 1).scatter_add(0, slot_sorted, laid)
-    slot_before = torch.cumsum(slot_total, 0) - slot_total
-    inclusive = running - slot_before.index_select(0, slot_sorted)
-    fits = torch.empty_like(members).scatter_(0, order, inclusive <= tokens)
-    return ulysses_rank, fits
+    if group is not None and groups > 1:
+        total = _slot_sum(group, values, groups + 1)
+        running = running - (torch.cumsum(total, 0) - total).index_select(0, group.index_select(0, order))
+    return torch.empty_like(running).scatter_(0, order, running)
 
 
-def _rank_within(group: Tensor, rank: Tensor, groups: int) -> Tensor:
-    """Each item's rank inside its group, in the order of ``rank``."""
-    n = rank.numel()
-    order = torch.argsort(group * n + rank)
-    counts = torch.zeros(groups, dtype=rank.dtype, device=rank.device).scatter_add(
-        0, group, torch.ones_like(group)
-    )
-    first = torch.cumsum(counts, 0) - counts
-    position = torch.arange(n, device=rank.device) - first.index_select(0, group.index_select(0, order))
-    return torch.empty_like(position).scatter_(0, order, position)
+def _slot_sum(slot: Tensor, values: Tensor, slots: int) -> Tensor:
+    """Sum of ``values`` per slot below ``slots`` (slot ``slots`` collects the rest)."""
+    return values.new_zeros(slots + 1).scatter_add(0, slot, values)[:slots]
+
+
+def _argmin_per_slot(score: Tensor, eligible: Tensor, slot: Tensor, slots: int) -> Tensor:
+    """The eligible document of lowest ``score`` in each slot (ties: lowest index)."""
+    n = score.numel()
+    big = torch.iinfo(torch.int64).max
+    score = torch.where(eligible, score, big)
+    target = torch.where(eligible, slot, slots)
+    lowest = score.new_full((slots + 1,), big).scatter_reduce(0, target, score, "amin")
+    hit = eligible & (score == lowest.index_select(0, target))
+    index = torch.arange(n, device=score.device)
+    first = index.new_full((slots + 1,), n).scatter_reduce(0, target, torch.where(hit, index, n), "amin")
+    return hit & (index == first.index_select(0, target))
