@@ -196,9 +196,9 @@ def assert_balanced(plan: hc.ShardPlan, lengths: tuple[int, ...], ranks: int, pa
     padded = (plan.local_tokens * ranks - sum(lengths)) / sum(lengths)
     assert padded < pads, f"pads: {padded:.2%} of the tokens"
     work = layout.attention_work(plan.layout).reshape(-1).double()
-    mean = float(work.mean())
-    assert float(work.max()) <= (1 + above) * mean, f"work: a rank {float(work.max()) / mean - 1:.2%} over the mean"
-    assert float(work.min()) >= (1 - within) * mean, f"work: a rank {1 - float(work.min()) / mean:.2%} under the mean"
+    highest, lowest = float(work.max()) / float(work.mean()), float(work.min()) / float(work.mean())
+    assert highest <= 1 + above, f"work: a rank {highest - 1:.2%} over the mean"
+    assert lowest >= 1 - within, f"work: a rank {1 - lowest:.2%} under the mean"
 
 
 def fill(candidates: torch.Tensor, total: int) -> tuple[int, ...]:
@@ -302,10 +302,10 @@ def test_balanced_keeps_short_documents_whole_and_balances_random_batches_on_8x8
 
 
 def test_balanced_places_straddlers_whole_where_splitting_them_pads_more():
-    """28 documents on 1 x 8, too few and too long to pour again into the room that split
-    straddlers leave: the piles poured with their straddlers whole pad least and stand
-    (splitting the straddlers and pouring again would pad 7.6 %)."""
-    lengths = random_batch("log-uniform 32..8K", 8, 4096, seed=126)
+    """27 documents on 1 x 8, too few and too long to pour again into the room that split
+    straddlers leave: the layout that pads least stands (splitting the straddlers and
+    pouring again would pad 5.1 %)."""
+    lengths = random_batch("log-uniform 32..8K", 8, 4096, seed=124)
     plan = balanced_plan(lengths, 1, 8)
     assert_short_documents_stay_whole(plan, lengths, 8)
     assert_balanced(plan, lengths, 8, pads=0.02)

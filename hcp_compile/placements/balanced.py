@@ -22,9 +22,9 @@ host op derive the same placement from ``cu_seqlens``:
 2. Ring ranks (``R > 1``). *Coarse* documents go round the ring: those longer than 1 % of
    a ring rank's share with fewer than ``(R - 1) L`` tokens in other documents no longer
    than them, so that nothing could even the ring ranks out around them. All long ones do;
-   of the short ones, the longest ``j <= R`` for the least ``j`` whose rest, dealt whole,
-   pads within 0.5 % of the batch as little as any. The others are partitioned onto ``R``
-   piles (:func:`_partition`):
+   of the short ones, the longest ``j <= R``, for the least ``j`` whose rest, dealt whole,
+   pads at most 0.5 % of the batch more than the rest after any other ``j``. The others are
+   partitioned onto ``R`` piles (:func:`_partition`):
 
    a. dealt longest first in a serpentine (0, 1, .., R-1, R-1, .., 0, ..), which evens
       out tokens and work together;
@@ -36,19 +36,19 @@ host op derive the same placement from ``cu_seqlens``:
       the mean splits the document that brings it back to the mean;
    c. tokens: each pile keeps its longest documents up to an equal share of the tokens and
       the rest is poured into the room left, roomiest pile first, each document to the pile
-      holding most of it. One across the end of a room is split where placing it whole
-      overflows the pile by more than 1 % and by more than ``1/(R + 1)`` of the document
-      (a split adds ``L / R`` to every pile); the room the split ones leave is poured again.
-      Of the piles as dealt, as poured and as poured again, those that pad least stand:
-      documents too coarse to pour can pad less as dealt.
+      holding most of it. Those across the end of a room that overflow their pile by more
+      than 1 % are split, and the room they leave is poured again. Of the piles as dealt, as
+      poured (straddlers whole) and as poured again, those that pad least stand: documents
+      too few or too long to pour again can pad less whole.
 
-   At most ``R`` short documents are split in this step, the longest first.
-3. Ulysses ranks (``A > 1``). Inside each ring rank, its documents but the heavy spread ones
-   are partitioned the same way onto its ``A`` ranks, a split document going over the group
-   (GROUP). A rank's capacity is its token count ``T``, not an equal share: the exchange
-   stream fills what the local documents leave, so tokens need no evening and a split's
-   room is not poured again. At most ``A - 1`` short documents per ring rank are split here:
-   with step 2, at most one per rank.
+   At most ``R`` short documents are split in this step: the coarse ones first, then those
+   the work and the tokens split, the longest and the most overflowing first.
+3. Ulysses ranks (``A > 1``). Inside each ring rank, its documents but the heavy ones spread
+   over its group are partitioned the same way onto its ``A`` ranks, a split document going
+   over the group (GROUP). A rank's capacity is its token count ``T``, not an equal share:
+   the exchange stream fills what the local documents leave, so tokens need no evening and a
+   split's room is not poured again. At most ``A - 1`` short documents per ring rank are
+   split here: with step 2, at most one per rank.
 """
 
 from __future__ import annotations
@@ -246,19 +246,16 @@ def _partition(
 def _even_tokens(docs: _Docs, members: Tensor, piles: _Piles, pile: Tensor, capacity: Tensor | None,
                  budget: Tensor) -> tuple[Tensor, Tensor]:
     """``(pile, split)``: the piles filled to the capacity (:func:`_fill`), splitting the
-    straddlers worth it (short ones within the ``budget``).
+    straddlers that overflow their pile by more than 1 % (short ones within the ``budget``).
 
-    With no capacity (an equal share), a split leaves room that is filled again; but where
-    the documents are too coarse to pour (nothing short enough to fill a pile's room), the
-    straddlers placed whole or even the piles as dealt can pad less: of the three, the
-    layout that pads least (the earlier on a tie)."""
+    With no capacity (an equal share), the room the split ones leave is poured again; but
+    where the documents are too few or too long to fill it, the straddlers placed whole, or
+    even the piles as dealt, pad less: of the three, the layout that pads least stands (the
+    earlier on a tie)."""
     filled, straddles, crossed, minority, cap = _fill(docs, members, piles, pile, capacity)
     # a straddler placed whole makes its pile overflow by its smaller part: worth splitting
-    # where that exceeds 1 % of a pile and, over the ring (where a split document adds
-    # L / R to every pile), where it exceeds 1 / (R + 1) of the document
+    # where that exceeds 1 % of a pile
     worth = straddles & (minority * 100 > cap)
-    if capacity is None:
-        worth = worth & (minority * (piles.piles + 1) > docs.lengths)
     split = worth & (~docs.short | _highest(worth & docs.short, crossed, minority, docs, piles, budget))
     if capacity is not None:
         return filled, split
@@ -293,7 +290,8 @@ def _split_work(docs: _Docs, members: Tensor, piles: _Piles, pile: Tensor, fair:
     low = (total - count * lightest) * slack > 2 * count * fair
     excess = count * work - total  # piles x (pile - mean)
     # what a split should take off the pile, times piles - 1 (0: the pile does not split)
-    target = torch.where(low, (count - 1) * above * (above * slack > fair), excess * (excess * slack > count * fair))
+    levels = (count - 1) * above * (above * slack > fair)
+    target = torch.where(low, levels, excess * (excess * slack > count * fair))
     own = piles.read(target, slot)
     shed = (count - 1) * pairs
     eligible = (pairs > 0) & (shed < 2 * own)
@@ -333,9 +331,9 @@ def _fill(docs: _Docs, members: Tensor, piles: _Piles, pile: Tensor, capacity: T
     first = torch.cat([ends.new_zeros(1), ends.view(segments, count)[:, -1]])[:segments]
     end = piles.running(poured) + first.index_select(0, piles.segment)
     start = end - poured
-    most = _rooms_below(2 * ends, start + end, piles.order)  # the room holding a document's middle
+    most = _bounds_up_to(2 * ends, start + end, piles.order)  # the room holding a document's middle
     most = most.minimum(piles.segment * count + count - 1)
-    crossed = _rooms_below(ends, start, piles.order)  # the room a document starts in
+    crossed = _bounds_up_to(ends, start, piles.order)  # the room a document starts in
     room_end = ends.index_select(0, most)
     inside = (end.minimum(room_end) - start.maximum(room_end - size.index_select(0, most))).clamp(min=0)
     minority = poured - inside
@@ -343,14 +341,14 @@ def _fill(docs: _Docs, members: Tensor, piles: _Piles, pile: Tensor, capacity: T
     return pile, minority > 0, crossed, minority, piles.read(cap, piles.slot(members, pile))
 
 
-def _rooms_below(bounds: Tensor, values: Tensor, order: Tensor) -> Tensor:
+def _bounds_up_to(bounds: Tensor, values: Tensor, order: Tensor) -> Tensor:
     """``searchsorted(bounds, values, right=True)``: how many of the ascending ``bounds`` are
     at most each value, for ``values`` that ascend along ``order``: the bounds are placed
     among the values (few searches) rather than each value among the bounds."""
     laid = values.index_select(0, order)
-    where = torch.searchsorted(laid, bounds)  # the first value each bound is at most
-    below = torch.cumsum(values.new_zeros(values.numel() + 1).scatter_add_(0, where, torch.ones_like(where)), 0)
-    return torch.empty_like(values).scatter_(0, order, below[:-1])
+    reached = torch.searchsorted(laid, bounds)  # the first value of ``laid`` each bound is at most
+    counted = values.new_zeros(values.numel() + 1).scatter_add_(0, reached, torch.ones_like(reached))
+    return torch.empty_like(values).scatter_(0, order, torch.cumsum(counted, 0)[:-1])
 
 
 def _pads(held: Tensor) -> Tensor:
@@ -397,7 +395,7 @@ def _coarse(docs: _Docs, members: Tensor, piles: int) -> Tensor:
 def _longest_to_split(docs: _Docs, coarse: Tensor, fine: Tensor, piles: int) -> Tensor:
     """Which of the ``coarse`` documents to split: the longest ``j`` of them, for the least
     ``j <= piles`` whose rest, dealt longest first in a serpentine and evened out by the
-    ``fine`` tokens, pads within 0.5 % of the batch as little as any ``j`` does."""
+    ``fine`` tokens, pads at most 0.5 % of the batch more than the rest after any ``j``."""
     rank = docs.running(coarse.long()) - 1  # among the coarse, longest first
     lengths = docs.lengths * coarse
     # a serpentine deals position q onto pile q mod 2P or 2P - 1 - (q mod 2P): the rest after
