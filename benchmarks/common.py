@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 from collections.abc import Callable
 
 import torch
+
+from hcp_compile.packing import log_uniform_lengths  # noqa: F401  (the benchmarks' batches)
 
 
 def packed_lengths(tokens: int, docs: int, seed: int) -> list[int]:
@@ -85,18 +86,6 @@ def kernel_summary(trace: dict, rows: int = 12) -> str:
     lines = [f"span {span / 1e3:.2f} ms, some kernel running {busy / 1e3:.2f} ms, {len(kernels)} kernels"]
     lines += [f"    {total / 1e3:8.3f} ms {count:5d}x  {name}" for name, (count, total) in top]
     return "\n".join(lines)
-
-
-def log_uniform_lengths(tokens: int, low: int, high: int, seed: int) -> list[int]:
-    """Lengths drawn log-uniformly from [low, high] until they hold ``tokens``, the last cut
-    (also the batches of scripts/measure_kernels.py)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < tokens:
-        u = float(torch.rand((), generator=gen))
-        lengths.append(int(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
-    lengths[-1] -= sum(lengths) - tokens
-    return [n for n in lengths if n > 0]
 
 
 def cuda_median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:

@@ -5,18 +5,22 @@ asks for milliseconds).
     python -m benchmarks.plan_bench --meshes 2x2 8x4 8x8 --repeats 11
 
 A real 32-rank mesh cannot be built on one machine, so for each ``ULYSSESxRING`` mesh and
-placement this times the placement itself (``hcp_compile.layout.batch_layout``: the rule and
-the sizes of every rank, what eager attention and a compiled graph compute per batch), one
-rank's tokens (``layout.rank_tokens``, what ``ShardPlan`` adds for its own rank) and the ring
-schedule that ``context_parallel`` builds on the first attention call of a batch
-(``hcp_compile.schedule.build_schedule``, causal). ``shard_plan`` itself is timed end to end on
-a real 1-process gloo mesh (1x1).
+placement this times, cumulatively, what the host derives per batch, once, in
+``hcp_compile.prepared`` (every path reads the batch from there): the prepared batch (the
+check of ``cu_seqlens``, the placement rule's layout and every rank's sizes), then one rank's
+tokens (what ``ShardPlan`` adds for its own rank), then that rank's causal schedule tables
+(what the first attention call of a batch adds, eager or compiled). A trainer can run all of
+it in a DataLoader worker (``prepared.prepare_batch``); the last columns time what is then
+left on the training step's critical path: unpickling the worker's batch and finding it by the
+values of ``cu_seqlens`` (its digest), and the pickle's size. ``shard_plan`` itself is timed end
+to end on a real 1-process gloo mesh (1x1), on ``cu_seqlens`` and on a prepared batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import time
 from collections.abc import Callable
@@ -26,10 +30,10 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import hcp_compile
-from hcp_compile import layout
+from hcp_compile import prepared
 from hcp_compile.placements import PLACEMENTS
-from hcp_compile.schedule import build_schedule
-from hcp_compile.validation import check_cu_seqlens
+from hcp_compile.prepared import BatchValues, MeshShape, PreparedBatch
+from hcp_compile.schedule import schedule_steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,28 +68,30 @@ def median_ms(fn: Callable[[torch.Tensor], object], cu: torch.Tensor, repeats: i
     return 1e3 * statistics.median(times)
 
 
-def placement(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> layout.BatchLayout:
-    """The batch's layout, as every path derives it per batch."""
-    return layout.batch_layout(check_cu_seqlens(cu), ulysses, ring, PLACEMENTS[rule])
+def placement(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> PreparedBatch:
+    """The prepared batch: checked values, layout, every rank's sizes (not cached here)."""
+    return prepared._build(BatchValues.of(cu.long()), MeshShape(ulysses, ring, rule))
 
 
-def rank_sizes(batch: layout.BatchLayout) -> layout.RankSizes:
-    return layout.rank_sizes(layout.rank_size_values(batch, 0, 0).tolist(), 0, batch.ulysses)
-
-
-def own_tokens(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> layout.StreamTokens:
-    """Rank (ring 0, ulysses 0)'s tokens: the layout, then where its tokens come from."""
+def own_tokens(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> PreparedBatch:
+    """The prepared batch and rank (ring 0, ulysses 0)'s tokens."""
     batch = placement(cu, ulysses, ring, rule)
-    return layout.rank_tokens(batch, rank_sizes(batch), 0)
+    batch.tokens(0, 0)
+    return batch
 
 
-def ring_schedule(cu: torch.Tensor, ulysses: int, ring: int, rule: str, max_seqlen: int) -> object:
-    """The causal schedule of rank (0, 0), as ``context_parallel`` builds it per batch."""
-    batch = placement(cu, ulysses, ring, rule)
-    return build_schedule(
-        batch, rank_sizes(batch), max_seqlen, 0, causal=True, scale=1.0, window=(-1, -1),
-        kernel="torch", skip_outside_window=True,
-    )
+def ring_schedule(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> PreparedBatch:
+    """The above and rank (0, 0)'s causal schedule tables."""
+    batch = own_tokens(cu, ulysses, ring, rule)
+    batch.tables(0, 0, schedule_steps(batch.rank_sizes(0, 0), ring), True, False)
+    return batch
+
+
+def critical_path(pickled: bytes, cu: torch.Tensor) -> PreparedBatch:
+    """What the training process does with a batch a worker prepared: unpickle it, keep it,
+    find it by the values of a fresh ``cu_seqlens`` (read and hashed once per tensor)."""
+    batch = prepared.adopt(pickle.loads(pickled))
+    return prepared.prepare(prepared.host_values(cu), batch.mesh)
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -94,29 +100,42 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def mesh_rows(cu: torch.Tensor, meshes: list[str], repeats: int) -> list[list]:
-    max_seqlen = int((cu[1:] - cu[:-1]).max())
     rows = []
     for text in meshes:
         ulysses, ring = parse_mesh(text)
         for rule in PLACEMENTS:
+            warm = prepared.prepare_batch(cu, ulysses=ulysses, ring=ring, placement=rule, rank=0)
+            pickled = pickle.dumps(warm)
             rows.append([
-                f"{ulysses}x{ring}", ulysses * ring, rule,
-                int(placement(cu, ulysses, ring, rule).local_tokens),
+                f"{ulysses}x{ring}", ulysses * ring, rule, warm.rank_tokens(0, 0),
                 median_ms(lambda c: placement(c, ulysses, ring, rule), cu, repeats),
                 median_ms(lambda c: own_tokens(c, ulysses, ring, rule), cu, repeats),
-                median_ms(lambda c: ring_schedule(c, ulysses, ring, rule, max_seqlen), cu, repeats),
+                median_ms(lambda c: ring_schedule(c, ulysses, ring, rule), cu, repeats),
+                median_ms(lambda c: critical_path(pickled, c), cu, repeats),
+                len(pickled) / 2**20,
             ])
     return rows
 
 
-def shard_plan_ms(cu: torch.Tensor, repeats: int) -> float:
-    """``hcp_compile.shard_plan`` end to end on a real 1-process gloo mesh (ulysses 1 x ring 1)."""
+def shard_plan_ms(cu: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """``hcp_compile.shard_plan`` end to end on a real 1-process gloo mesh (ulysses 1 x ring 1):
+    on ``cu_seqlens`` (each time a batch not seen before), and on a prepared batch."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = hcp_compile.make_mesh(ulysses=1, ring=1, device_type="cpu")
-        return median_ms(lambda c: hcp_compile.shard_plan(c, mesh), cu, repeats)
+        ahead = prepared.prepare_batch(cu, ulysses=1, ring=1)
+
+        def fresh(c: torch.Tensor) -> object:
+            prepared._PREPARED.clear()  # a new batch every time, as in training
+            return hcp_compile.shard_plan(c, mesh)
+
+        def given(c: torch.Tensor) -> object:
+            prepared._PREPARED.clear()
+            return hcp_compile.shard_plan(ahead, mesh)
+
+        return median_ms(fresh, cu, repeats), median_ms(given, cu, repeats)
     finally:
         dist.destroy_process_group()
 
@@ -127,11 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{int(cu[-1]):,} tokens in {args.docs:,} documents, {torch.get_num_threads()} CPU "
           f"threads, torch {torch.__version__}, median of {args.repeats}\n")
     rows = mesh_rows(cu, args.meshes, args.repeats)
-    headers = ["mesh AxR", "ranks", "placement", "local tokens", "placement (ms)",
-               "+ one rank's tokens (ms)", "+ ring schedule (ms)"]
+    headers = ["mesh AxR", "ranks", "placement", "local tokens", "prepared batch (ms)",
+               "+ one rank's tokens (ms)", "+ ring schedule tables (ms)",
+               "prepared in a worker: left on the step (ms)", "pickle (MiB)"]
     print(tabulate(rows, headers=headers, floatfmt=".1f", intfmt=","))
-    end_to_end = shard_plan_ms(cu, args.repeats)
-    print(f"\nshard_plan() end to end, real 1x1 gloo mesh: {end_to_end:.1f} ms")
+    on_the_fly, given = shard_plan_ms(cu, args.repeats)
+    print(f"\nshard_plan() end to end, real 1x1 gloo mesh: {on_the_fly:.1f} ms on cu_seqlens, "
+          f"{given:.1f} ms on a prepared batch")
 
 
 if __name__ == "__main__":

@@ -524,7 +524,7 @@ def one_gpu_hcp(batch: Batch, setup: Setup) -> Measurement:
     """hcp's single-device ``varlen_attention`` (no context parallelism) on the whole batch,
     with the kernel ``--kernel`` resolves to."""
     q, k, v = (t.clone().requires_grad_() for t in batch.qkv)
-    attend = PackedAttention(batch.workload.window)
+    attend = PackedAttention(batch.workload.window, setup.args.kernel)
     return measure(lambda q, k, v: attend(q, k, v, batch.cu, batch.longest), [q, k, v], setup, alone=True,
                    profile=one_gpu_trace(batch, setup, "one-gpu-hcp"))
 
@@ -554,11 +554,14 @@ class PackedAttention(nn.Module):
     an int argument that changes between calls would be traced as a symbol, and the backend
     needs the window at compile time."""
 
-    def __init__(self, window: tuple[int, int]):
+    def __init__(self, window: tuple[int, int], kernel: str = "auto"):
         super().__init__()
-        self.window = window
+        self.window, self.kernel = window, kernel
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        if self.kernel != "auto":  # one device, a named kernel (under CP the context or backend names it)
+            return torch.ops.hcp.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True,
+                                                  q.shape[-1] ** -0.5, *self.window, self.kernel)[0]
         return hcp_compile.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                             causal=True, window_size=self.window)
 
@@ -761,9 +764,9 @@ def sdpa_stream() -> Prepare:
     return lambda step: (step.tokens, dense_causal)
 
 
-def hcp_stream(workload: Workload) -> Prepare:
-    """hcp's single-device ``varlen_attention``, one module for the stream."""
-    attend = PackedAttention(workload.window)
+def hcp_stream(workload: Workload, kernel: str) -> Prepare:
+    """hcp's single-device ``varlen_attention`` with ``kernel``, one module for the stream."""
+    attend = PackedAttention(workload.window, kernel)
     return lambda step: (step.tokens, lambda q, k, v: attend(q, k, v, step.cu, step.longest))
 
 
@@ -955,8 +958,8 @@ def run_stream(setup: Setup, workload: Workload, heads: str, on_row: Callable[[R
             one_gpu = (("one-gpu-flex", "flex", lambda: flex_stream(setup), True),
                        ("one-gpu-flash", "flash", lambda: flash_stream(workload), False),
                        ("one-gpu-sdpa", "sdpa", sdpa_stream, True),
-                       ("one-gpu-hcp", hcp_kernel(workload, heads, setup, cp=False), lambda: hcp_stream(workload),
-                        False))
+                       ("one-gpu-hcp", hcp_kernel(workload, heads, setup, cp=False),
+                        lambda: hcp_stream(workload, args.kernel), False))
             for mode, kernel, make, bhtd in one_gpu:
                 if mode in args.modes and not skipped(mode, workload, setup):
                     measured(mode, "-", kernel, "1", 1, make, together=False, bhtd=bhtd)

@@ -9,6 +9,7 @@ from .mesh import AgreementTimeout, make_mesh
 from .ops import varlen_attention
 from .packing import cu_seqlens_from_position_ids
 from .plan import ShardPlan, shard_plan
+from .prepared import PreparedBatch, prepare_batch
 from .validation import InputError
 from .hf import register_when_imported as _register_with_transformers
 
@@ -24,10 +25,12 @@ __all__ = [
     "explain",
     "CPOptions",
     "InputError",
+    "PreparedBatch",
     "ShardPlan",
     "context_parallel",
     "cu_seqlens_from_position_ids",
     "make_mesh",
+    "prepare_batch",
     "shard_plan",
     "varlen_attention",
 ]

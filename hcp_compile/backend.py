@@ -18,10 +18,12 @@ from .kernels import KERNEL_CHOICES
 from .kernels.cost import estimate_block_runtime_ms
 from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
 from .placements import DEFAULT_PLACEMENT, check_placement
+from .schemes import DEFAULT_SCHEME, check_scheme
 from .validation import InputError, check_flags
 
 if TYPE_CHECKING:
     from .passes.hierarchical_cp import GraphDump, HierarchicalCPPass
+    from .passes.rewrite import RewriteConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 # torch 2.11's overlap scheduler counts every compute node's FLOPs on real tensors made from
@@ -53,6 +55,9 @@ class BackendOptions:
         ranks fail together on one rank's bad input (one tiny collective per mesh dimension larger than 1, per batch).
     recompute_exchange: as in ``context_parallel``: the backward exchanges q, KV and the
         output again instead of the forward's exchanged copies being saved.
+    scheme: the collective scheme that moves q, k, v and the results between ranks, a key of
+        ``hcp_compile.schemes.SCHEMES``: ``"ring"`` (KV hops round the ring, each hidden by a
+        step) or ``"allgather"`` (every ring section in one all-gather: for short ring steps).
     """
 
     mesh: MeshLike | None = None
@@ -62,14 +67,24 @@ class BackendOptions:
     dump_dir: str | None = None
     agree_across_ranks: bool = True
     recompute_exchange: bool = False
+    scheme: str = DEFAULT_SCHEME
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
+        check_scheme(self.scheme)
         if self.inner not in INNER_COMPILERS:
             raise InputError(f"inner: expected one of {INNER_COMPILERS}, got {self.inner!r}")
         if self.kernel not in KERNEL_CHOICES:
             raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
         check_flags(self, ("agree_across_ranks", "recompute_exchange"))
+
+
+def rewrite_config(groups: CPGroups, options: BackendOptions) -> RewriteConfig:
+    """What the rewrite pass takes of the options, for the mesh's ``groups``."""
+    from .passes.rewrite import RewriteConfig  # see HcpBackend.__call__
+
+    return RewriteConfig(groups, options.kernel, options.agree_across_ranks, options.placement,
+                         options.recompute_exchange, options.scheme)
 
 
 def parse_options(options: dict[str, Any] | None) -> BackendOptions:
@@ -143,14 +158,11 @@ class HcpBackend:
         # imported on first compile: the pass is an Inductor CustomGraphPass, and importing
         # torch._inductor would add about a second to every `import hcp_compile`
         from .passes.hierarchical_cp import HierarchicalCPPass
-        from .passes.rewrite import RewriteConfig
 
         options = self.options
         groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
         dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV))
-        rewrite = HierarchicalCPPass(
-            RewriteConfig.of(groups, options), dump,
-        )
+        rewrite = HierarchicalCPPass(rewrite_config(groups, options), dump)
         with _data_dependent_sizes(example_inputs):
             if options.inner == "inductor":
                 return _inductor(gm, example_inputs, rewrite, groups, dump)

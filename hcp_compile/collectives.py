@@ -158,6 +158,24 @@ def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Ten
     return _all_to_all(flat, (received, splits), group)
 
 
+def gather_sections(flat: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
+    """Issue an all-gather of a 1-D tensor over the ring group: the result, ``[size *
+    flat.numel()]`` in ring-rank order, is not yet waited for (read it through
+    :func:`arrived`). Gloo stages no CUDA tensor here (see :func:`gather_tokens`): a scheme
+    that uses it needs NCCL on GPUs."""
+    return torch.ops._c10d_functional.all_gather_into_tensor(flat, size, group.group_name)
+
+
+def send_pieces(flat: Tensor, piece: int | torch.SymInt, group: dist.ProcessGroup, rank: int,
+                size: int) -> Tensor:
+    """Issue an all-to-all of equal pieces: ``flat`` holds one piece of ``piece`` elements for
+    every other rank of the group, in rank order (none for this rank); the result, not yet
+    waited for (read it through :func:`arrived`), holds every other rank's piece for this one,
+    in rank order."""
+    splits = [0 if j == rank else piece for j in range(size)]
+    return _all_to_all(flat, (splits, list(splits)), group)
+
+
 def arrived(x: Tensor, shape: torch.Size) -> Tensor:
     """Wait for a transfer issued by :func:`ring_shift` and view it as ``shape``."""
     return _wait(x).view(shape)

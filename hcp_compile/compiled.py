@@ -2,16 +2,16 @@
 
 It is the eager algorithm (``HierarchicalAttention`` on a ``RingSchedule``) with the host-side
 parts done by opaque ops when the graph runs: ``hcp::batch_layout`` reads ``cu_seqlens`` to the
-host, lays the batch out by the same placement rule as ``shard_plan``'s and checks it there,
-the verdict is agreed over the mesh, and the few sizes the collectives need become the
-graph's data-dependent sizes; ``hcp::schedule_tables`` hands every attention call its
-schedule's tables from the host (docs/design.md §5).
+host, finds its :class:`prepared.PreparedBatch` by value (the one ``shard_plan`` made, here or
+in a DataLoader worker) and checks the call against it (``batch_check.check``), the verdict is
+agreed over the mesh, and the few sizes the collectives need become the graph's
+data-dependent sizes; ``hcp::schedule_tables`` hands every attention call its schedule's
+tables from the same prepared batch (docs/design.md §5).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from typing import NamedTuple
 
@@ -19,20 +19,19 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import layout, validation
+from . import batch_check, layout, validation
 from .hierarchical import HierarchicalAttention
-from .layout import BatchLayout
-from .mesh import CPGroups, agreeing_groups, resolve_groups
-from .placements import placement_rule
-from .plan import check_plan_agrees
 from .kernels import KeysByValue
-from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps, schedule_tables
+from .mesh import CPGroups, agreeing_groups, resolve_groups
+from .prepared import MeshShape, host_values, planned_shape, prepare, remember_values
+from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
+from .schemes import DEFAULT_SCHEME
 
 
 def checked_layout(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tokens: tuple[int | torch.SymInt, ...],
     max_seqlens: tuple[int | torch.SymInt, ...], *, ulysses_group: str, ring_group: str,
-    placement: str, agree: bool, recompute_exchange: bool = False,
+    placement: str, agree: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
 ) -> "CheckedBatch":
     """Check the batch and return what every attention call of it in the graph reuses: this
     rank's sizes (the values of :func:`layout.rank_size_values`) and the first cache key of
@@ -41,18 +40,17 @@ def checked_layout(
     ``max_seqlen_q`` and ``max_seqlen_k``.
 
     One opaque op (``hcp::batch_layout``) reads ``cu_seqlens`` to the host (once per tensor and
-    version), lays the batch out
-    and checks :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a
-    fingerprint of ``cu_seqlens`` are all-reduced over the mesh first (on the device, where
-    the groups' collectives run), so every rank raises together (also when the ranks were
-    given different batches, or differ in ``placement`` or ``recompute_exchange``: the
-    fingerprint's salt) instead of some ranks waiting in the next collective; reading the
-    agreed verdict is the one host read of the call that waits for the device."""
+    version), takes the batch's prepared layout (by value) and checks
+    :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a fingerprint of the
+    batch are all-reduced over the mesh first (on the device, where the groups' collectives
+    run), so every rank raises together (also when the ranks were given different batches, or
+    differ in ``placement``, ``recompute_exchange`` or ``scheme``, which the fingerprint covers) instead
+    of some ranks waiting in the next collective; reading the agreed verdict is the one host
+    read of the call that waits for the device."""
     groups = groups_from_names(ulysses_group, ring_group)
-    salt = validation.fingerprint_salt(placement, recompute_exchange)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
-        groups.ulysses_rank, list(tokens), list(max_seqlens), salt,
+        groups.ulysses_rank, list(tokens), list(max_seqlens), recompute_exchange, scheme,
     )
     verdict, sizes = on_host.split([_FLAGS, on_host.shape[0] - _FLAGS])
     agreeing = agreeing_groups(groups) if agree else []
@@ -81,75 +79,56 @@ _FLAGS = len(validation.BATCH_RULES) + 2
 @torch.library.custom_op("hcp::batch_layout", mutates_args=())
 def batch_layout_op(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, ulysses: int, ring: int, placement: str,
-    ring_rank: int, ulysses_rank: int, tokens: list[int], max_seqlens: list[int], salt: int,
+    ring_rank: int, ulysses_rank: int, tokens: list[int], max_seqlens: list[int],
+    recompute_exchange: bool, scheme: str,
 ) -> tuple[Tensor, Tensor]:
     """One batch on the host, once per call: ``(on_host, cu_on_host)``, int64 CPU tensors.
 
     ``on_host``: the verdict, then rank ``(ring_rank, ulysses_rank)``'s sizes
-    (:func:`layout.rank_size_values` of :func:`layout.batch_layout`) and the first of the cache
-    keys that name its segmentations of this batch. The verdict: a flag per rule of
-    :data:`validation.BATCH_RULES` (``tokens``: q, k and v's token counts, ``max_seqlens``:
-    both ``max_seqlen``), a fingerprint of ``cu_seqlens_q`` (with ``salt``) and its negation. ``cu_on_host``:
-    a CPU copy of ``cu_seqlens_q``, from which ``hcp::schedule_tables`` derives the schedules.
+    (:func:`layout.rank_size_values`; zeros when the batch could not be laid out) and the
+    first of the cache keys that name its segmentations of this batch. The verdict:
+    ``batch_check.flags`` of the call (``tokens``: q, k and v's token counts,
+    ``max_seqlens``: both ``max_seqlen``) on the batch's :class:`prepared.PreparedBatch`,
+    then its fingerprint and the negation. ``cu_on_host``: a CPU copy of ``cu_seqlens_q``, by
+    which ``hcp::schedule_tables`` finds the prepared batch.
 
     On a GPU the rule's hundreds of small sorts, scans and searches, and the checks, would cost
     milliseconds of launches per call; the host copy of ``cu_seqlens``, made once per tensor and
-    version, costs microseconds (docs/design.md §5.3). The layout and sizes are computed once per distinct batch. The
-    keys are given by the batch's values, so the layers and the backward of one batch share
-    what kernels derive from a block (flex's masks), while Inductor reuses the graph's
-    buffers (§8.1)."""
-    # read from the device once per tensor version, as eagerly: every layer of a step passes
-    # the same tensors, and a read per call would wait for the GPU to drain (§5.3)
-    host_q = validation.host_copy(cu_seqlens_q)
-    host_k = host_q if cu_seqlens_k is cu_seqlens_q else validation.host_copy(cu_seqlens_k)
-    batch = (host_q.numpy().tobytes(), ulysses, ring, placement, ring_rank, ulysses_rank)
-    sizes, fingerprint = _host_sizes(*batch, salt)
-    plan_differs = torch.tensor(_plan_disagrees(cu_seqlens_q, ulysses, ring, placement))
-    failed = validation.batch_failures(host_q, host_k, sizes[0], tokens, max_seqlens, plan_differs)
-    verdict = torch.cat([failed, torch.stack([fingerprint, -fingerprint])])
-    key = torch.tensor([_batch_keys.key(batch, cache_keys_needed(ring))], dtype=torch.int64)
-    return torch.cat([verdict, sizes, key]), host_q.to(torch.int64, copy=True)
+    version, costs microseconds, and the batch is prepared once (by ``shard_plan``, or ahead of
+    time in a DataLoader worker: docs/design.md §5.3). The keys are given by the batch's
+    values, so the layers and the backward of one batch share what the kernels derive."""
+    queries = host_values(cu_seqlens_q)
+    prepared = prepare(queries, MeshShape(ulysses, ring, placement))
+    call = batch_check.BatchCall(
+        dict(zip("qkv", tokens)), {"max_seqlen_q": max_seqlens[0], "max_seqlen_k": max_seqlens[1]},
+        keys=None if cu_seqlens_k is cu_seqlens_q else host_values(cu_seqlens_k),
+        rank=(ring_rank, ulysses_rank), planned=planned_shape(queries),
+    )
+    failed = batch_check.flags(batch_check.check(prepared, call))
+    fingerprint = prepared.fingerprint(recompute_exchange, scheme)
+    if prepared.laid_out:
+        sizes = prepared.rank_size_values(ring_rank, ulysses_rank)
+    else:
+        sizes = torch.zeros(_sizes_length(ulysses, ring), dtype=torch.int64)
+    key = _batch_keys.key((queries.digest, ulysses, ring, placement, ring_rank, ulysses_rank), cache_keys_needed(ring))
+    on_host = torch.tensor([*failed, fingerprint, -fingerprint, *sizes.tolist(), key], dtype=torch.int64)
+    cu_on_host = queries.values.clone()
+    remember_values(cu_on_host, queries)  # schedule_tables finds the batch without hashing it again
+    return on_host, cu_on_host
 
 
 # the keys of the batches seen last (a compiled model's graphs see one batch per step)
 _batch_keys = KeysByValue(64)
 
 
-@functools.lru_cache(maxsize=8)
-def _host_batch(cu_bytes: bytes, ulysses: int, ring: int, placement: str) -> BatchLayout:
-    """The layout of a batch given by value (the cache key: ``cu_seqlens`` as int64 bytes), on
-    the host."""
-    return layout.batch_layout(_from_bytes(cu_bytes), ulysses, ring, placement_rule(placement))
-
-
-def _from_bytes(cu_bytes: bytes) -> Tensor:
-    return torch.frombuffer(bytearray(cu_bytes), dtype=torch.int64)
-
-
-@functools.lru_cache(maxsize=8)
-def _host_sizes(
-    cu_bytes: bytes, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int, salt: int,
-) -> tuple[Tensor, Tensor]:
-    """For a batch given by value, on the host: the rank's sizes and the batch's fingerprint."""
-    batch = _host_batch(cu_bytes, ulysses, ring, placement)
-    fingerprint = validation.batch_fingerprint(_from_bytes(cu_bytes), salt)
-    return layout.rank_size_values(batch, ring_rank, ulysses_rank), fingerprint
-
-
-def _plan_disagrees(cu_seqlens: Tensor, ulysses: int, ring: int, placement: str) -> bool:
-    """Whether this ``cu_seqlens`` tensor was given to ``shard_plan`` with another mesh shape
-    or placement."""
-    try:
-        check_plan_agrees(cu_seqlens, ulysses, ring, placement)
-    except validation.InputError:
-        return True
-    return False
+def _sizes_length(ulysses: int, ring: int) -> int:
+    return 3 + ulysses + 1 + ring  # layout.rank_size_values
 
 
 @batch_layout_op.register_fake
-def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens, salt):
-    sizes = 3 + ulysses + 1 + ring  # layout.rank_size_values
-    on_host = torch.empty(_FLAGS + sizes + 1, dtype=torch.int64, device="cpu")
+def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens,
+      recompute_exchange, scheme):
+    on_host = torch.empty(_FLAGS + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
     return on_host, torch.empty(cu_seqlens_q.shape[0], dtype=torch.int64, device="cpu")
 
 
@@ -173,7 +152,7 @@ def hierarchical_varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, max_seqlen: int | torch.SymInt,
     batch: CheckedBatch, *, causal: bool, scale: float,
     window: tuple[int, int], kernel: str, ulysses_group: str, ring_group: str,
-    return_lse: bool, recompute_exchange: bool = False,
+    return_lse: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """This rank's shard of varlen attention over a packed batch, q/k/v being the local shards
     laid out by ``shard_plan``; ``batch`` comes from :func:`checked_layout`. The groups are
@@ -195,7 +174,7 @@ def hierarchical_varlen_attention(
     sched = assemble_schedule(
         ScheduleTables.unflat(*flat, rank_sizes, steps, windowed), rank_sizes, max_seqlen, groups.ring_rank,
         groups.ring_size, causal=causal, scale=float(scale), window=window, kernel=kernel,
-        first_cache_key=first_cache_key,
+        first_cache_key=first_cache_key, scheme=scheme,
     )
     return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse, recompute_exchange)
 
@@ -206,29 +185,13 @@ def schedule_tables_op(
     ring_rank: int, ulysses_rank: int, steps: int, causal: bool, windowed: bool, sizes: list[int],
 ) -> tuple[Tensor, Tensor]:
     """The tables of rank ``(ring_rank, ulysses_rank)``'s schedule of the batch ``cu_on_host``
-    (:meth:`ScheduleTables.flat`: int32 segmentations, int64 positions), computed on the host
-    once per batch and mask (one copy to ``device`` per call): on a GPU their sorts, scans and
-    searches cost a dozen small kernels per attention call (docs/design.md §5.3). ``sizes``:
-    the rank's sizes as :func:`checked_layout` read them. On CUDA the host tables are pinned
-    and copied without waiting: a copy from pageable memory waits for all the work queued
-    before it, so every compiled call started with the GPU idle."""
-    pin = device.type == "cuda"
-    tables = _host_schedule_tables(
-        cu_on_host.numpy().tobytes(), ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal,
-        windowed, tuple(sizes), pin,
-    )
-    return tuple(t.to(device, copy=True, non_blocking=pin) for t in tables)
-
-
-@functools.lru_cache(maxsize=16)
-def _host_schedule_tables(
-    cu_bytes: bytes, ulysses: int, ring: int, placement: str, ring_rank: int, ulysses_rank: int,
-    steps: int, causal: bool, windowed: bool, sizes: tuple[int, ...], pin: bool,
-) -> tuple[Tensor, Tensor]:
-    batch = _host_batch(cu_bytes, ulysses, ring, placement)
-    rank_sizes = layout.rank_sizes(list(sizes), ulysses_rank, ulysses)
-    tables = schedule_tables(batch, rank_sizes, ring_rank, steps, causal=causal, windowed=windowed).flat()
-    return tuple(t.pin_memory() for t in tables) if pin else tables
+    (:meth:`ScheduleTables.flat`: int32 segmentations, int64 positions), derived on the host
+    once per batch and mask by its :class:`prepared.PreparedBatch` (one copy to ``device`` per
+    call): on a GPU their sorts, scans and searches cost a dozen small kernels per attention
+    call (docs/design.md §5.3). ``sizes``: the rank's sizes as :func:`checked_layout` read
+    them, which give the fake outputs their lengths (the prepared batch holds the same)."""
+    prepared = prepare(host_values(cu_on_host), MeshShape(ulysses, ring, placement))
+    return prepared.device_tables(ring_rank, ulysses_rank, steps, causal, windowed, device)
 
 
 @schedule_tables_op.register_fake

@@ -6,16 +6,16 @@ import contextvars
 from dataclasses import dataclass
 
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
-from . import layout, validation
+from . import validation
+from .batch_check import BatchCall, check
 from .hierarchical import HierarchicalAttention
 from .kernels import KERNEL_CHOICES, BlockRequest, new_cache_key, resolve_kernel
-from .layout import BatchLayout, RankSizes
 from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
-from .placements import DEFAULT_PLACEMENT, check_placement, placement_rule
-from .plan import check_plan_agrees
-from .schedule import RingSchedule, build_schedule, cache_keys_needed
+from .placements import DEFAULT_PLACEMENT, check_placement
+from .prepared import MeshShape, PreparedBatch, host_values, planned_shape, prepare
+from .schedule import RingSchedule, ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
+from .schemes import DEFAULT_SCHEME, check_scheme
 from .validation import InputError
 
 _ACTIVE: contextvars.ContextVar["ContextParallel | None"] = contextvars.ContextVar(
@@ -31,7 +31,8 @@ class CPOptions:
         documents whole on one rank, or ``"zigzag"``: every document round the ring).
     kernel: ``"auto"`` (the fastest kernel measured on the device that supports the call,
         kernels/measured.json; unmeasured devices: flash where it can run, else the
-        plain-PyTorch kernel), ``"dense"``, ``"flex"``, ``"flash"`` or ``"torch"``.
+        plain-PyTorch kernel), ``"dense"``, ``"cudnn"`` (with nvidia-cudnn-frontend installed),
+        ``"flex"``, ``"flash"`` or ``"torch"``.
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
         outside it (costs one small device-to-host read per new ``cu_seqlens``).
     agree_across_ranks: before the first collective of every call, all ranks agree that
@@ -45,6 +46,9 @@ class CPOptions:
         again in the backward, in the all-to-all that sends the gradient: a layer's saved
         tensors per rank fall by the exchanged copies (about the size of its q, k, v and
         output shards), for about twice the backward's all-to-all bytes (docs/design.md §4.1).
+    scheme: the collective scheme that moves KV between the ring ranks, a key of
+        ``hcp_compile.schemes.SCHEMES`` (``"ring"``: hops round the ring, each behind a step's
+        blocks; ``"allgather"``: one all-gather, for rings of short steps; docs/extending.md).
     agreement_timeout_s: how long that agreement waits for the other ranks before it raises
         :class:`hcp_compile.AgreementTimeout` (a rank that skipped the call, e.g. because it
         caught an exception and went on, would leave the others waiting); None: the process
@@ -57,9 +61,11 @@ class CPOptions:
     agree_across_ranks: bool = True
     agreement_timeout_s: float | None = None
     recompute_exchange: bool = False
+    scheme: str = DEFAULT_SCHEME
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
+        check_scheme(self.scheme)
         if self.kernel not in KERNEL_CHOICES:
             raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
         validation.check_timeout(self.agreement_timeout_s, "agreement_timeout_s")
@@ -70,27 +76,17 @@ def active_context() -> "ContextParallel | None":
     return _ACTIVE.get()
 
 
-@dataclass(frozen=True)
-class _BatchFacts:
-    """What the checks and the schedule need from one ``cu_seqlens`` version."""
-
-    version: int
-    values: Tensor  # host copy, int64
-    layout: BatchLayout  # on the host; the schedule moves it to the attention's device
-    sizes: RankSizes  # this rank's sizes under the layout
-    fingerprint: int
-
-
 class ContextParallel:
-    """The state of one ``context_parallel`` block: the mesh's groups, the options, and what
-    was derived from the ``cu_seqlens`` tensors seen (every layer of a model passes the same
-    tensor, so it is read, checked and laid out once per batch)."""
+    """The state of one ``context_parallel`` block: the mesh's groups, the options, and the
+    schedules built for the batches seen (every layer of a model passes the same batch, so it
+    is read, checked and laid out once per batch: ``prepared``)."""
 
     def __init__(self, mesh: MeshLike, options: CPOptions):
         self.groups: CPGroups = resolve_groups(mesh)
         self.options = options
-        self._facts_of = WeakIdKeyDictionary()  # cu_seqlens tensor -> _BatchFacts
-        self._schedules = WeakIdKeyDictionary()  # cu_seqlens tensor -> {signature: schedule}
+        self.shape = MeshShape(self.groups.ulysses_size, self.groups.ring_size, options.placement)
+        # (batch digest, call signature) -> schedule, for the latest batch only
+        self._schedules: dict[tuple, RingSchedule] = {}
         self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> "ContextParallel":
@@ -105,79 +101,75 @@ class ContextParallel:
         max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float,
         window: tuple[int, int],
     ) -> Tensor:
-        error, kernel, facts = None, None, None
+        error, kernel, prepared = None, None, None
         try:
-            facts = self._facts(cu_seqlens_q)
+            prepared = self._prepared(cu_seqlens_q)
             kernel = self._check_call(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, facts
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, prepared
             )
         except InputError as exc:
             error = exc
         if self.options.agree_across_ranks:
-            agree_on_error(
-                self.groups, error, facts.fingerprint if facts is not None else None,
-                timeout_s=self.options.agreement_timeout_s,
-            )
+            fingerprint = (None if prepared is None
+                           else prepared.fingerprint(self.options.recompute_exchange, self.options.scheme))
+            agree_on_error(self.groups, error, fingerprint, timeout_s=self.options.agreement_timeout_s)
         elif error is not None:
             raise error
         # max_seqlen only bounds the kernels' segments: the larger one is right for both
         max_seqlen = max(max_seqlen_q, max_seqlen_k)
-        sched = self._schedule(q, cu_seqlens_q, facts, max_seqlen, causal, scale, window, kernel)
+        sched = self._schedule(q, prepared, max_seqlen, causal, scale, window, kernel)
         return HierarchicalAttention.apply(q, k, v, sched, self.groups, False, self.options.recompute_exchange)
 
-    def _facts(self, cu_seqlens: Tensor) -> _BatchFacts:
-        facts = self._facts_of.get(cu_seqlens)
-        if facts is None or facts.version != cu_seqlens._version:
-            values = validation.check_cu_seqlens(cu_seqlens, "cu_seqlens_q")
-            groups = self.groups
-            batch = layout.batch_layout(
-                values, groups.ulysses_size, groups.ring_size, placement_rule(self.options.placement)
-            )
-            sizes = layout.rank_sizes(
-                layout.rank_size_values(batch, groups.ring_rank, groups.ulysses_rank).tolist(),
-                groups.ulysses_rank, groups.ulysses_size,
-            )
-            salt = validation.fingerprint_salt(self.options.placement, self.options.recompute_exchange)
-            fingerprint = int(validation.batch_fingerprint(values, salt))
-            facts = _BatchFacts(cu_seqlens._version, values, batch, sizes, fingerprint)
-            self._facts_of[cu_seqlens] = facts
-        return facts
+    def _prepared(self, cu_seqlens: Tensor) -> PreparedBatch:
+        """The batch, by value (shard_plan prepared it already, here or in a DataLoader
+        worker, unless the cache lost it)."""
+        validation.check_cu_seqlens_dtype(cu_seqlens, "cu_seqlens_q")
+        return prepare(host_values(cu_seqlens), self.shape)
 
     def _schedule(
-        self, q: Tensor, cu_seqlens: Tensor, facts: _BatchFacts, max_seqlen: int, causal: bool,
-        scale: float, window: tuple[int, int], kernel: str,
+        self, q: Tensor, prepared: PreparedBatch, max_seqlen: int, causal: bool, scale: float,
+        window: tuple[int, int], kernel: str,
     ) -> RingSchedule:
-        """The ring schedule, cached per ``cu_seqlens`` tensor version and call signature
-        (building it runs no collective, so a cache miss on one rank only is harmless)."""
-        key = (cu_seqlens._version, q.device, max_seqlen, causal, scale, window, kernel)
-        per_tensor = self._schedules.setdefault(cu_seqlens, {})
-        if key not in per_tensor:
-            for stale in [old for old in per_tensor if old[0] != key[0]]:
-                del per_tensor[stale]  # the tensor was written in place since
+        """The ring schedule from the prepared batch's host tables, kept per batch (by value)
+        and call signature: the layers of a model share one (building it runs no collective,
+        so a cache miss on one rank only is harmless)."""
+        key = (prepared.batch.digest, q.device, max_seqlen, causal, scale, window, kernel)
+        if key not in self._schedules:
+            for stale in [old for old in self._schedules if old[0] != key[0]]:
+                del self._schedules[stale]  # another batch: the old one's layers are done
             groups = self.groups
-            per_tensor[key] = build_schedule(
-                facts.layout.to(q.device), facts.sizes, max_seqlen, groups.ring_rank, causal=causal, scale=scale,
-                window=window, kernel=kernel, skip_outside_window=self.options.skip_outside_window,
-                first_cache_key=new_cache_key(cache_keys_needed(groups.ring_size)),
+            ring_rank, ulysses_rank = groups.ring_rank, groups.ulysses_rank
+            sizes = prepared.rank_sizes(ring_rank, ulysses_rank)
+            steps, windowed = schedule_steps(sizes, groups.ring_size), window != (-1, -1)
+            active = (prepared.steps_seeing_keys(ring_rank, ulysses_rank, causal, window)
+                      if self.options.skip_outside_window else None)
+            flat = prepared.device_tables(ring_rank, ulysses_rank, steps, causal, windowed, q.device)
+            tables = ScheduleTables.unflat(*flat, sizes, steps, windowed)
+            self._schedules[key] = assemble_schedule(
+                tables, sizes, max_seqlen, ring_rank, groups.ring_size, causal=causal, scale=scale,
+                window=window, kernel=kernel, active=None if active is None else list(active),
+                first_cache_key=new_cache_key(cache_keys_needed(groups.ring_size)), scheme=self.options.scheme,
             )
-        return per_tensor[key]
+        return self._schedules[key]
 
-    def _check_call(self, q, k, v, cu_q, cu_k, max_q, max_k, window, facts: _BatchFacts) -> str:
-        """The rules of one call (validation.py; no collective); returns the kernel to run."""
-        groups, placement = self.groups, self.options.placement
+    def _check_call(self, q, k, v, cu_q, cu_k, max_q, max_k, window, prepared: PreparedBatch) -> str:
+        """The rules of one call (validation.py, batch_check.py; no collective); returns the
+        kernel to run."""
+        groups = self.groups
         validation.check_qkv(q, k, v)
-        if cu_k is not cu_q:
-            validation.check_same_documents(
-                facts.values, validation.check_cu_seqlens(cu_k, "cu_seqlens_k")
-            )
-        for name, max_seqlen in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
-            validation.check_max_seqlen(max_seqlen, facts.values, name)
         validation.check_head_split(q.shape[1], k.shape[1], groups.ulysses_size)
-        check_plan_agrees(cu_q, groups.ulysses_size, groups.ring_size, placement)
-        validation.check_shard_tokens(
-            {"q": q, "k": k, "v": v}, facts.sizes.tokens, groups.ulysses_size, groups.ring_size,
-            placement,
+        keys = None
+        if cu_k is not cu_q:
+            validation.check_cu_seqlens_dtype(cu_k, "cu_seqlens_k")
+            keys = host_values(cu_k)
+        call = BatchCall(
+            {"q": q.shape[0], "k": k.shape[0], "v": v.shape[0]},
+            {"max_seqlen_q": max_q, "max_seqlen_k": max_k}, keys,
+            (groups.ring_rank, groups.ulysses_rank), planned_shape(prepared.batch),
         )
+        failures = check(prepared, call)
+        if failures:
+            raise failures[0].error()
         return resolve_kernel(
             self.options.kernel, BlockRequest.of(q, k, window, context_parallel=True),
             "context_parallel(mesh, kernel=...)",

@@ -10,7 +10,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
-from .backend import default_mesh, parse_options
+from .backend import default_mesh, parse_options, rewrite_config
 from .mesh import CPGroups, resolve_groups
 from .plan import ShardPlan
 
@@ -46,11 +46,10 @@ def explain(model: nn.Module, *args, plan: ShardPlan | None = None, **options) -
     pads, work, placements and bytes moved per rank; its heads and head size default to the
     model's first attention node)."""
     from .passes.hierarchical_cp import HierarchicalCPPass  # see HcpBackend.__call__
-    from .passes.rewrite import RewriteConfig
 
     parsed = parse_options(options)
     groups: CPGroups = resolve_groups(parsed.mesh if parsed.mesh is not None else default_mesh())
-    config = RewriteConfig.of(groups, parsed)
+    config = rewrite_config(groups, parsed)
     graphs, tables = [], []
 
     def record_rewrite(gm: fx.GraphModule, example_inputs):
@@ -73,5 +72,5 @@ def explain(model: nn.Module, *args, plan: ShardPlan | None = None, **options) -
             "heads_q": first.heads_q, "heads_kv": first.heads_kv, "head_dim": first.head_dim,
             "dtype": first.dtype,
         }
-        batch = plan.summary(**shape)
+        batch = plan.summary(**shape, scheme=parsed.scheme)
     return Explanation(graphs, tables, batch)

@@ -1,21 +1,23 @@
 """Hierarchical context-parallel attention of one rank (docs/design.md §3-4): its LOCAL
 documents attend on the rank itself with all heads; the rest of its tokens go through the
-Ulysses all-to-all over heads, the zigzag ring of KV exchanges over the ring sections, and the
-all-to-all back. Forward and backward are one autograd.Function, because autograd through an
-unrolled ring would drop the lse gradients."""
+Ulysses exchange over heads, the ring steps over the ring sections, and the exchange back.
+What moves between ranks, and when, is the schedule's collective scheme
+(:mod:`hcp_compile.schemes`); this module decides what is computed and what overlaps what.
+Forward and backward are one autograd.Function, because autograd through an unrolled ring
+would drop the lse gradients."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from .collectives import Issued
 from .kernels import BlockSpec, run_backward, run_forward
-from .collectives import Issued, arrived, gather_heads, join_heads, ring_shift, scatter_heads
-from .kernels.precision import accumulate_dtype
-from .merge import accumulate, merge_partials
 from .layout import StepKind
+from .merge import accumulate, merge_partials
 from .mesh import CPGroups
 from .schedule import RingSchedule, RingStep, head_groups, kv_head_repeat, rank_kv_heads
+from .schemes import HeadExchange, KVRing, scheme_named
 
 
 def _step_spec(step: RingStep, sched: RingSchedule) -> BlockSpec:
@@ -34,21 +36,17 @@ def _local_spec(sched: RingSchedule) -> BlockSpec:
     )
 
 
-def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups) -> tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups,
+                 ring: KVRing) -> tuple[Tensor, Tensor]:
     """Merged ``(out, lse)`` of the exchange stream's queries: the own step against the whole
     stream, each further step against another ring rank's ring section (the first
-    ``ring_width`` rows, all a transfer carries). Pad rows come out as (0, -inf)."""
-    ring, rank, steps = groups.ring_size, groups.ring_rank, len(sched.steps)
+    ``ring_width`` rows, all the scheme moves). Pad rows come out as (0, -inf)."""
     kv_heads = kv.shape[1] // 2
-    section = (sched.sizes.ring_width, *kv.shape[1:])
-    out = lse = incoming = None
+    out = lse = None
     last = _last_active(sched)
+    steps = ring.forward(kv, sched.sizes.ring_width, len(sched.steps), groups)
     for index, step in enumerate(sched.steps):
-        current = kv if index == 0 else arrived(incoming, section)
-        # issue the next transfer before this step's compute, so the two can overlap
-        if index + 1 < steps:
-            ring_section = current.split([section[0], current.shape[0] - section[0]])[0]
-            incoming = ring_shift(ring_section, groups.ring_group, rank, ring)
+        current = steps.kv(index)
         if step.active:
             k, v = current.split(kv_heads, dim=1)
             block_out, block_lse = run_forward(sched.kernel, q, k, v, _step_spec(step, sched))
@@ -64,32 +62,23 @@ def _last_active(sched: RingSchedule) -> int:
 
 def ring_backward(
     dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, sched: RingSchedule,
-    groups: CPGroups, carried: Tensor,
+    groups: CPGroups, carried: Tensor, ring: KVRing,
 ) -> tuple[Tensor, Tensor]:
-    """``(dq, dkv)`` of the exchange stream. The ring sections' KV travels R-1 hops as in the
-    forward; a dKV accumulator of the ring section travels with it, R hops, and arrives back at
-    its owner after the last step; the GROUP documents' dKV stays home. Sums of several blocks
-    are kept in fp32 (float64 for float64 inputs); a block's own gradient and the finished sum
-    travel in the input dtype, which rounds nothing that the result would not."""
-    ring, rank, steps = groups.ring_size, groups.ring_rank, len(sched.steps)
+    """``(dq, dkv)`` of the exchange stream: each step's block gradient, the keys' part handed
+    to the scheme, which returns the ring section's gradient summed over every ring rank; the
+    GROUP documents' dKV (the own step's rows past the ring section) stays home. dq sums
+    several blocks in fp32 (float64 for float64 inputs)."""
     kv_heads = kv.shape[1] // 2
-    acc = accumulate_dtype(q.dtype)
     width = sched.sizes.ring_width
-    section = (width, *kv.shape[1:])
-    dq = incoming = travelling = home = None
+    dq = home = None
     last = _last_active(sched)
-    # The KV message carries ``carried``, one value of the backward's incoming gradient, along.
-    # Without that dependency on the backward's input, a compiler merges these transfers with
-    # the forward's identical ones (or moves them into the forward) and keeps every rank's KV
-    # alive until the backward.
-    own_section = kv.split([width, kv.shape[0] - width])[0]
-    message = torch.cat([own_section.reshape(-1), carried.to(kv.dtype)]) if steps > 1 else None
+    # ``carried``, one value of the backward's incoming gradient, travels with the keys: without
+    # that dependency on the backward's input, a compiler merges these transfers with the
+    # forward's identical ones (or moves them into the forward) and keeps every rank's KV
+    # alive until the backward
+    steps = ring.backward(kv, width, len(sched.steps), groups, carried)
     for index, step in enumerate(sched.steps):
-        if index > 0:
-            message = arrived(incoming, message.shape)
-        current = kv if index == 0 else message[: own_section.numel()].view(section)
-        if index + 1 < steps:
-            incoming = ring_shift(message, groups.ring_group, rank, ring)
+        current = steps.kv(index)
         dkv = None
         if step.active:
             k, v = current.split(kv_heads, dim=1)
@@ -100,21 +89,8 @@ def ring_backward(
             dkv = torch.cat([dk_block, dv_block], dim=1)
         if index == 0:  # the own step covers the whole stream: its GROUP rows stay home
             dkv, home = dkv.split([width, dkv.shape[0] - width])
-        if travelling is not None:
-            received = arrived(travelling, section)
-            if dkv is None:  # every rank sends the same dtype at each step
-                dkv = received.to(acc)
-            else:  # the last hop sends the finished sum in kv's dtype: written so at once
-                dkv = accumulate(received, dkv, out_dtype=kv.dtype if index == steps - 1 else None)
-        if dkv is None:
-            dkv = torch.zeros(section, dtype=kv.dtype, device=kv.device)
-        if steps > 1:
-            last_hop = index == steps - 1
-            travelling = ring_shift(dkv.to(kv.dtype) if last_hop else dkv, groups.ring_group, rank, ring)
-        else:
-            travelling = dkv
-    ring_dkv = arrived(travelling, section) if steps > 1 else travelling
-    return dq.to(q.dtype), torch.cat([ring_dkv.to(kv.dtype), home.to(kv.dtype)])
+        steps.add(index, dkv)
+    return dq.to(q.dtype), torch.cat([steps.result(), home.to(kv.dtype)])
 
 
 def _repeated_kv(k_x: Tensor, v_x: Tensor, groups: CPGroups) -> tuple[Tensor, Tensor]:
@@ -127,7 +103,7 @@ def _repeated_kv(k_x: Tensor, v_x: Tensor, groups: CPGroups) -> tuple[Tensor, Te
 
 
 def _scatter_stream(
-    sent: list[Tensor], ulysses: tuple, part: int, parts: int, carried: Tensor,
+    heads: HeadExchange, sent: list[Tensor], ulysses: tuple, part: int, parts: int, carried: Tensor,
 ) -> Issued[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """Issue the backward's exchange of head group ``part`` when the forward's exchanged
     tensors were not kept: ``sent`` = the exchange regions of ``[dout, q, out, k, v]``, in one
@@ -143,10 +119,10 @@ def _scatter_stream(
     side by side for the ring as in the forward, after the gradient's element ``carried``."""
     size = ulysses[1]
     if size == 1:  # the regions are the stream
-        kv = scatter_heads(sent[3:], *ulysses, part, parts, after=carried)
+        kv = heads.scatter(sent[3:], *ulysses, part, parts, after=carried)
         return Issued(kv.pending, lambda kv_s: (*sent[:3], kv.finish(kv_s)), collective=False)
     widths = [t.shape[1] // (size * parts) for t in sent]
-    issued = scatter_heads(sent, *ulysses, part, parts)
+    issued = heads.scatter(sent, *ulysses, part, parts)
 
     def unpack(received: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return issued.finish(received).split([*widths[:3], widths[3] + widths[4]], dim=1)
@@ -191,14 +167,16 @@ class HierarchicalAttention(torch.autograd.Function):
     ):
         (q_l, q_x), (k_l, k_x), (v_l, v_x) = (_split_regions(t, sched) for t in (q, k, v))
         k_x, v_x = _repeated_kv(k_x, v_x, groups)
+        scheme = scheme_named(sched.scheme)
+        heads = scheme.heads
         parts = head_groups(rank_kv_heads(k.shape[1], groups.ulysses_size), groups.ulysses_size)
         ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
         back = (*ulysses, groups.ulysses_rank)
 
         def scatter(part: int) -> tuple[Issued, Issued]:
             # k and v travel together, so the ring can send them as one contiguous buffer
-            return (scatter_heads([q_x], *ulysses, part, parts),
-                    scatter_heads([k_x, v_x], *ulysses, part, parts))
+            return (heads.scatter([q_x], *ulysses, part, parts),
+                    heads.scatter([k_x, v_x], *ulysses, part, parts))
 
         incoming = scatter(0)  # issued first: the local region's attention hides it
         out_l, lse_l = run_forward(sched.kernel, q_l, k_l, v_l, _local_spec(sched))
@@ -208,21 +186,21 @@ class HierarchicalAttention(torch.autograd.Function):
             if part + 1 < parts:  # the next group's exchange overlaps this group's ring
                 incoming = scatter(part + 1)
             q_s, kv_s = (issued.wait() for issued in arriving)
-            out_s, lse_s = ring_forward(q_s, kv_s, sched, groups)
+            out_s, lse_s = ring_forward(q_s, kv_s, sched, groups, scheme.ring)
             streams.append((lse_s,) if recompute_exchange else (q_s, kv_s, out_s, lse_s))
             # sent back at once
-            lse_back = gather_heads(lse_s.t().unsqueeze(-1), *back) if return_lse else None
-            outgoing.append((gather_heads(out_s, *back), lse_back))
+            lse_back = heads.gather(lse_s.t().unsqueeze(-1), *back) if return_lse else None
+            outgoing.append((heads.gather(out_s, *back), lse_back))
         # waited only here, where the output is assembled
-        out_x = join_heads([out_back.wait() for out_back, _ in outgoing])
+        out_x = heads.join([out_back.wait() for out_back, _ in outgoing])
         out = _join_regions(out_l, out_x, sched)
         # the joined output rather than out_l: the caller's next layer usually keeps it anyway
         ctx.save_for_backward(q, k, v, out, lse_l, *(t for group in streams for t in group))
         ctx.sched, ctx.groups, ctx.parts, ctx.recompute = sched, groups, parts, recompute_exchange
         if not return_lse:
             return out
-        # the lse travels token-major ([stream, H_s, 1]), as gather_heads exchanges
-        lse_x = join_heads([lse_back.wait() for _, lse_back in outgoing]).squeeze(-1).t()
+        # the lse travels token-major ([stream, H_s, 1]), as the exchange gathers
+        lse_x = heads.join([lse_back.wait() for _, lse_back in outgoing]).squeeze(-1).t()
         lse = _join_regions(lse_l, lse_x, sched, dim=1, pad_value=float("-inf"))
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -232,6 +210,8 @@ class HierarchicalAttention(torch.autograd.Function):
         q, k, v, out, lse_l, *saved = ctx.saved_tensors
         sched, groups, parts, recompute = ctx.sched, ctx.groups, ctx.parts, ctx.recompute
         repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
+        scheme = scheme_named(sched.scheme)
+        heads = scheme.heads
         dout = dout.contiguous()
         (q_l, q_x), (k_l, k_x), (v_l, v_x), (out_l, out_x), (dout_l, dout_x) = (
             _split_regions(t, sched) for t in (q, k, v, out, dout)
@@ -246,12 +226,12 @@ class HierarchicalAttention(torch.autograd.Function):
             streams = [(None, None, None, lse_s) for lse_s in saved]
 
             def scatter(part: int) -> Issued:
-                return _scatter_stream(sent, ulysses, part, parts, carried)
+                return _scatter_stream(heads, sent, ulysses, part, parts, carried)
         else:
             streams = [saved[i : i + 4] for i in range(0, len(saved), 4)]
 
             def scatter(part: int) -> Issued:
-                return scatter_heads([dout_x], *ulysses, part, parts)
+                return heads.scatter([dout_x], *ulysses, part, parts)
 
         incoming = scatter(0)  # hidden by the local region
         dq_l, dk_l, dv_l = run_backward(
@@ -266,11 +246,12 @@ class HierarchicalAttention(torch.autograd.Function):
                 dout_s, q_s, out_s, kv_s = arriving.wait()
             else:
                 dout_s = arriving.wait()
-            dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried)
-            outgoing.append((gather_heads(dq_s, *back), gather_heads(dkv_s, *back)))
-        dq_x = join_heads([dq_back.wait() for dq_back, _ in outgoing])
+            dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried,
+                                        scheme.ring)
+            outgoing.append((heads.gather(dq_s, *back), heads.gather(dkv_s, *back)))
+        dq_x = heads.join([dq_back.wait() for dq_back, _ in outgoing])
         dk_v = [dkv_back.wait().chunk(2, dim=2) for _, dkv_back in outgoing]
-        dk_x = join_heads([dk_s for dk_s, _ in dk_v], repeat)
-        dv_x = join_heads([dv_s for _, dv_s in dk_v], repeat)
+        dk_x = heads.join([dk_s for dk_s, _ in dk_v], repeat)
+        dv_x = heads.join([dv_s for _, dv_s in dk_v], repeat)
         grads = (_join_regions(l, x, sched) for l, x in ((dq_l, dq_x), (dk_l, dk_x), (dv_l, dv_x)))
         return (*grads, None, None, None, None)

@@ -18,8 +18,9 @@ document order: ``W`` tokens, the same on every ring rank), then its GROUP docum
 document order. So after the all-to-all every Ulysses rank holds the exchange stream in order
 (each document contiguous) for its heads, and ring transfers carry only the ring section.
 
-Every function is vectorized over documents and traceable: shapes depend on the number of
-documents and on sizes computed here, never on Python branches over values.
+Every function is vectorized over documents (tensor ops, no Python loop or branch over
+documents), so 100K documents lay out in milliseconds. It runs on the host, on the batch's
+values (prepared.py), once per batch and mesh shape.
 """
 
 from __future__ import annotations

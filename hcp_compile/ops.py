@@ -7,9 +7,11 @@ import torch
 from torch import Tensor
 
 from . import validation
+from .batch_check import BatchCall, check
 from .context import active_context
+from .prepared import host_values, prepare
 from .kernels import KERNELS, BlockRequest, BlockSpec, KeysByValue, resolve_kernel
-from .kernels.precision import accumulate_dtype
+from .precision import accumulate_dtype
 
 
 @torch.library.custom_op("hcp::varlen_attention", mutates_args=())
@@ -33,7 +35,8 @@ def varlen_attention_op(
     _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k))
-    return KERNELS[_kernel(kernel, q, k, window_left, window_right)].forward(q, k, v, spec)
+    chosen = _kernel(kernel, q, k, cu_seqlens_q, max(max_seqlen_q, max_seqlen_k), window_left, window_right)
+    return KERNELS[chosen].forward(q, k, v, spec)
 
 
 # keys of the batches seen last: the layers of a model and the backward share what a kernel
@@ -43,12 +46,15 @@ _keys_by_value = KeysByValue(64)
 
 def _cache_key(cu_q: Tensor, cu_k: Tensor) -> int:
     """The :attr:`BlockSpec.cache_key` of a batch, given by its values (read on the host once
-    per tensor version, as the checks read them)."""
-    return _keys_by_value.key(tuple(validation.host_copy(cu).numpy().tobytes() for cu in (cu_q, cu_k)))
+    per tensor version, as the checks read them: prepared.host_values)."""
+    return _keys_by_value.key((host_values(cu_q).digest, host_values(cu_k).digest))
 
 
-def _kernel(name: str, q: Tensor, k: Tensor, window_left: int, window_right: int) -> str:
-    request = BlockRequest.of(q, k, (window_left, window_right))
+def _kernel(name: str, q: Tensor, k: Tensor, cu_q: Tensor, longest: int, window_left: int,
+            window_right: int) -> str:
+    """The kernel for the call, ``"auto"`` judged by the batch's composition (its document
+    count, from the shape, and the longest document's bound)."""
+    request = BlockRequest.of(q, k, (window_left, window_right), segments=cu_q.shape[0] - 1, longest=longest)
     return resolve_kernel(name, request, "the op's kernel argument")
 
 
@@ -67,7 +73,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.args = (max_q, max_k, causal, scale, left, right)
-    ctx.kernel = _kernel(kernel, q, k, left, right)
+    ctx.kernel = _kernel(kernel, q, k, cu_q, max(max_q, max_k), left, right)
 
 
 def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
@@ -137,15 +143,19 @@ def varlen_attention(
 
 
 def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
-    """Shapes, dtypes, ``cu_seqlens`` against the token counts, ``max_seqlen`` against the
-    longest document (the flash kernel sizes its grid by it). ``cu_seqlens`` is read on the
-    host once per tensor version, so the layers of a model that share it wait only once."""
+    """Shapes, dtypes, then the batch rules of a single device (``batch_check.check`` on the
+    mesh-less prepared batch): ``cu_seqlens`` against the token counts, ``max_seqlen`` against
+    the longest document (the flash kernel sizes its grid by it). ``cu_seqlens`` is read on
+    the host once per tensor version, so the layers of a model that share it wait only once."""
     validation.check_qkv(q, k, v)
-    for name, cu, tensor_name, tokens, max_len, max_name in (
-        ("cu_seqlens_q", cu_q, "q", q.shape[0], max_q, "max_seqlen_q"),
-        ("cu_seqlens_k", cu_k, "k", k.shape[0], max_k, "max_seqlen_k"),
-    ):
-        values = validation.check_cu_seqlens(cu, name)
-        validation.check_token_count(values, tokens, name, tensor_name)
-        validation.check_max_seqlen(max_len, values, max_name)
-    validation.check_document_counts(cu_q, cu_k)
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        validation.check_cu_seqlens_dtype(cu, name)
+    queries = host_values(cu_q)
+    call = BatchCall(
+        {"q": q.shape[0], "k": k.shape[0], "v": v.shape[0]},
+        {"max_seqlen_q": max_q, "max_seqlen_k": max_k},
+        keys=None if cu_k is cu_q else host_values(cu_k),
+    )
+    failures = check(prepare(queries, None), call)
+    if failures:
+        raise failures[0].error()

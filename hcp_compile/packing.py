@@ -8,6 +8,8 @@ boundaries.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -72,3 +74,16 @@ def _checked_host_values(position_ids: Tensor) -> Tensor:
             "counted within each document, as packing collators emit them"
         )
     return values
+
+
+def log_uniform_lengths(tokens: int, low: int, high: int, seed: int) -> list[int]:
+    """Document lengths drawn log-uniformly from [low, high] (seeded) until they hold
+    ``tokens``, the last one cut: the synthetic batches of the benchmarks (seed 0 and 128K
+    tokens of 256..32K give W2) and of ``python -m hcp_compile.advise``."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        u = float(torch.rand((), generator=gen))
+        lengths.append(int(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
+    lengths[-1] -= sum(lengths) - tokens
+    return [n for n in lengths if n > 0]

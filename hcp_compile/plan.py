@@ -1,48 +1,32 @@
 """``shard_plan``: which global tokens each rank holds, and moving tensors between the global
-packed layout and the local shards (docs/design.md §2; the rules live in ``placements``, the
-layout math in ``layout``)."""
+packed layout and the local shards (docs/design.md §2; what is derived from the batch lives in
+``prepared``, the rules in ``placements``, the layout math in ``layout``)."""
 
 from __future__ import annotations
 
 import torch
 from tabulate import tabulate
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import layout, validation
 from .collectives import gather_tokens
-from .hierarchical import kv_head_repeat
-from .layout import BatchLayout, Kind, RankSizes
+from .layout import Kind
 from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
-from .placements import DEFAULT_PLACEMENT, check_placement, placement_rule
-from .validation import InputError, check_cu_seqlens
+from .placements import DEFAULT_PLACEMENT, check_placement
+from .prepared import MeshShape, PreparedBatch, adopt, host_values, prepare, record_plan
+from .schemes import DEFAULT_SCHEME
+from .schemes.traffic import CallShape, call_traffic
+from .validation import InputError
 
 PLACEMENT_NAMES = {Kind.LOCAL: "local", Kind.GROUP: "group", Kind.RING: "ring"}
 
-# cu_seqlens tensor -> (its version, the plan's mesh shape and placement), so that an attention
-# call can tell that its batch was sharded for another mesh or placement
-_PLANS = WeakIdKeyDictionary()
-
-
-def check_plan_agrees(cu_seqlens: Tensor, ulysses: int, ring: int, placement: str) -> None:
-    """Raise if ``cu_seqlens`` (this very tensor, unchanged) was given to ``shard_plan`` with
-    another mesh shape or placement than the attention call is about to use."""
-    made = _PLANS.get(cu_seqlens)
-    if made is None or made[0] != cu_seqlens._version:
-        return
-    planned = made[1]
-    if planned != (ulysses, ring, placement):
-        raise validation.PLANNED_FOR_THIS_MESH.error(
-            f"a batch sharded for ulysses={planned[0]} x ring={planned[1]} with "
-            f"placement={planned[2]!r}, but the attention runs on ulysses={ulysses} x "
-            f"ring={ring} with placement={placement!r}"
-        )
-
 
 class ShardPlan:
-    """The token layout of one packed batch on one context-parallel mesh.
+    """The token layout of one packed batch on one context-parallel mesh: this rank's view of
+    a :class:`prepared.PreparedBatch`, which the attention of the batch finds by value.
 
     Attributes:
+        prepared: everything derived from the batch and the mesh shape (picklable).
         placement: the rule that laid the batch out (``"balanced"`` or ``"zigzag"``).
         document_placement: one entry per document of ``cu_seqlens``: ``"local"`` (whole on
             one rank), ``"group"`` (inside one Ulysses group) or ``"ring"``.
@@ -55,40 +39,25 @@ class ShardPlan:
             tensor, -1 for pads.
     """
 
-    def __init__(self, cu_seqlens: Tensor, mesh: MeshLike, placement: str = DEFAULT_PLACEMENT):
+    def __init__(
+        self, cu_seqlens: Tensor | PreparedBatch, mesh: MeshLike, placement: str = DEFAULT_PLACEMENT
+    ):
         self.groups: CPGroups = resolve_groups(mesh)
         self.placement = check_placement(placement)
         groups = self.groups
-        values = check_cu_seqlens(cu_seqlens)
-        self.layout: BatchLayout = layout.batch_layout(
-            values, groups.ulysses_size, groups.ring_size, placement_rule(placement)
-        )
-        self._sizes = _every_rank_sizes(self.layout)
-        sizes = self._sizes[groups.ring_rank][groups.ulysses_rank]
-        self.local_tokens = sizes.tokens
-        self.num_tokens = int(values[-1])
+        shape = MeshShape(groups.ulysses_size, groups.ring_size, placement)
+        self.prepared = _prepared(cu_seqlens, shape)
+        record_plan(self.prepared)  # the attention checks that it runs on this shape
+        self.layout = self.prepared.layout
+        self.local_tokens = self.prepared.rank_tokens(groups.ring_rank, groups.ulysses_rank)
+        self.num_tokens = self.prepared.batch.num_tokens
         self.document_placement = [PLACEMENT_NAMES[Kind(k)] for k in self.layout.kind.tolist()]
-        tokens = layout.rank_tokens(self.layout, sizes, groups.ring_rank)
-        device = cu_seqlens.device
+        tokens = self.prepared.tokens(groups.ring_rank, groups.ulysses_rank)
+        device = cu_seqlens.device if isinstance(cu_seqlens, Tensor) else _mesh_device(groups)
         self.global_index = tokens.global_index.to(device)
         self.valid = tokens.valid.to(device)
         self.position_ids = tokens.position.to(device)
-        self._unshard_index = self._gathered_rows()
-        _PLANS[cu_seqlens] = (
-            cu_seqlens._version, (groups.ulysses_size, groups.ring_size, placement)
-        )
-
-    def _gathered_rows(self) -> Tensor:
-        """Row of each global token in the shards gathered ring rank major, Ulysses minor."""
-        gathered = torch.cat([
-            layout.rank_tokens(self.layout, sizes, ring_rank).global_index
-            for ring_rank, row in enumerate(self._sizes) for sizes in row
-        ])
-        # pads (-1) scatter into one extra slot that is cut off afterwards
-        slot = torch.where(gathered >= 0, gathered, self.num_tokens)
-        rows = torch.empty(self.num_tokens + 1, dtype=torch.int64)
-        rows.scatter_(0, slot, torch.arange(gathered.numel()))
-        return rows[:-1]
+        self._unshard_index = self.prepared.unshard_rows()
 
     def shard(self, x: Tensor, pad_value: float = 0) -> Tensor:
         """Global ``[num_tokens, ...]`` -> this rank's ``[local_tokens, ...]`` (pads filled)."""
@@ -122,29 +91,28 @@ class ShardPlan:
 
     def summary(
         self, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype = torch.bfloat16, scheme: str = DEFAULT_SCHEME,
     ) -> str:
         """A table per rank: real tokens, pads, causal work (query-key pairs), documents per
         placement, and the bytes one attention call (forward and backward) sends through the
-        Ulysses all-to-all and the ring, for attention of ``heads_q``/``heads_kv`` heads of
-        ``head_dim`` in ``dtype``."""
+        Ulysses all-to-all and the ring under the collective ``scheme`` (its own counts), for
+        attention of ``heads_q``/``heads_kv`` heads of ``head_dim`` in ``dtype``."""
         work = layout.attention_work(self.layout)
+        sizes_of = self.prepared.rank_sizes
         kind, ring_rank = self.layout.kind, self.layout.ring_rank
         ulysses, ring = self.groups.ulysses_size, self.groups.ring_size
-        kv_heads = heads_kv * kv_head_repeat(heads_kv, ulysses)
-        element = head_dim * dtype.itemsize
+        call = CallShape(heads_q, heads_kv, head_dim, dtype)
         rows = []
-        for r, row in enumerate(self._sizes):
-            for a, sizes in enumerate(row):
-                real = int(layout.rank_tokens(self.layout, sizes, r).valid.sum())
+        for r in range(ring):
+            for a in range(ulysses):
+                sizes = sizes_of(r, a)
+                real = int(self.prepared.tokens(r, a).valid.sum())
                 local_docs = int(self.layout.is_local_on(r, a).sum())
                 group_docs = int(((kind == Kind.GROUP) & (ring_rank == r)).sum())
                 ring_docs = int((kind == Kind.RING).sum())
-                # q, k, v in and out back; dout in and dq, dk, dv back: all but the own 1/A
-                exchanged = sizes.own_exchange * (4 * heads_q + 4 * kv_heads) * element
-                all_to_all = exchanged * (ulysses - 1) // ulysses
-                # KV: R-1 hops forward and backward, its gradient R hops; this rank's heads
-                ring_bytes = (3 * ring - 2) * sizes.ring_width * 2 * kv_heads // ulysses * element
+                moved = call_traffic(scheme, sizes, call, ulysses, ring)
+                all_to_all = moved.ulysses.forward_bytes + moved.ulysses.backward_bytes
+                ring_bytes = moved.ring.forward_bytes + moved.ring.backward_bytes
                 rows.append([
                     f"{r * ulysses + a} ({r}, {a})", real, sizes.tokens - real,
                     f"{float(work[r, a]):.4g}", f"{local_docs}/{group_docs}/{ring_docs}",
@@ -164,14 +132,31 @@ def format_bytes(count: int) -> str:
     return f"{count:.1f} GiB"
 
 
-def _every_rank_sizes(batch: BatchLayout) -> list[list[RankSizes]]:
-    """``[ring rank][Ulysses rank]`` sizes, read to the host in one go."""
-    values = torch.stack([
-        layout.rank_size_values(batch, r, a)
-        for r in range(batch.ring) for a in range(batch.ulysses)
-    ]).tolist()
-    return [[layout.rank_sizes(values[r * batch.ulysses + a], a, batch.ulysses) for a in range(batch.ulysses)]
-            for r in range(batch.ring)]
+def _prepared(cu_seqlens: Tensor | PreparedBatch, shape: MeshShape) -> PreparedBatch:
+    """The batch prepared for ``shape``: a ``cu_seqlens`` tensor checked and prepared here, or
+    a :class:`PreparedBatch` built ahead of time (``prepared.prepare_batch``), taken as it is."""
+    if isinstance(cu_seqlens, PreparedBatch):
+        if cu_seqlens.mesh != shape:
+            made = "no mesh" if cu_seqlens.mesh is None else cu_seqlens.mesh.describe()
+            raise InputError(
+                f"cu_seqlens: a PreparedBatch for {made}, but shard_plan lays out for "
+                f"{shape.describe()}; give prepare_batch the mesh's ulysses and ring sizes and "
+                "the placement of shard_plan"
+            )
+        return adopt(cu_seqlens)
+    validation.check_cu_seqlens_dtype(cu_seqlens, "cu_seqlens")
+    batch = host_values(cu_seqlens)
+    failed = batch.failures("cu_seqlens")
+    if failed:
+        raise failed[0].error()
+    return prepare(batch, shape)
+
+
+def _mesh_device(groups: CPGroups) -> torch.device:
+    """Where the plan's tensors go when it was given no tensor: the mesh's device."""
+    if groups.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(groups.device_type)
 
 
 class _GatherShards(torch.autograd.Function):
@@ -187,9 +172,14 @@ class _GatherShards(torch.autograd.Function):
         return grad[start : start + ctx.local], None
 
 
-def shard_plan(cu_seqlens: Tensor, mesh: MeshLike, *, placement: str = DEFAULT_PLACEMENT) -> ShardPlan:
+def shard_plan(
+    cu_seqlens: Tensor | PreparedBatch, mesh: MeshLike, *, placement: str = DEFAULT_PLACEMENT
+) -> ShardPlan:
     """The layout of the packed batch described by ``cu_seqlens`` (global, real document
     boundaries, int32) on ``mesh`` (a ``("ring", "ulysses")`` DeviceMesh or a group pair).
+    ``cu_seqlens`` may also be a :class:`prepared.PreparedBatch` that
+    ``prepared.prepare_batch`` built ahead of time (in a DataLoader worker) for this mesh's
+    shape and placement: then nothing is derived again, here or in the batch's attention.
 
     ``placement``: ``"balanced"`` (default: short documents whole on one rank, long ones split
     over a Ulysses group or the ring) or ``"zigzag"`` (every document round the ring). The

@@ -1,7 +1,8 @@
 """The attention schedule of one rank for one batch: the segmentation of its local region and
 of every ring step over the exchange stream (pure tensor math on top of
-:mod:`hcp_compile.layout`), and the rules that split the heads over the Ulysses group and into
-head groups (docs/design.md §3.2, §3.6)."""
+:mod:`hcp_compile.layout`), the collective scheme that moves the data (by name, one of
+``hcp_compile.schemes.SCHEMES``), and the rules that split the heads over the Ulysses group and
+into head groups (docs/design.md §3.2, §3.6)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from . import layout
 from .layout import BatchLayout, RankSizes, StepKind
+from .schemes import DEFAULT_SCHEME
 
 
 # Head groups the exchange is pipelined over when the heads allow it (docs/design.md §3.6):
@@ -65,6 +67,7 @@ class RingSchedule:
     window_left: int
     window_right: int
     kernel: str
+    scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.schemes.SCHEMES
 
 
 @dataclass(frozen=True)
@@ -138,43 +141,15 @@ def schedule_steps(sizes: RankSizes, ring: int) -> int:
     return 1 if isinstance(sizes.ring_width, int) and sizes.ring_width == 0 else ring
 
 
-def build_schedule(
-    batch: BatchLayout, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int, *,
-    causal: bool, scale: float, window: tuple[int, int], kernel: str, skip_outside_window: bool,
-    first_cache_key: int | torch.SymInt | None = None,
-) -> RingSchedule:
-    """Schedule of rank ``(ring_rank, sizes.ulysses_rank)``; ``skip_outside_window`` reads one
-    small tensor on the host. ``first_cache_key``: the first of :func:`cache_keys_needed`
-    keys that name this schedule's segmentations (:attr:`BlockSpec.cache_key`: the ring steps
-    in order, then the local region), so that kernels reuse what they derive from them; None:
-    no keys."""
-    ring = batch.ring
-    windowed = window != (-1, -1)
-    steps = schedule_steps(sizes, ring)
-    tables = schedule_tables(batch, sizes, ring_rank, steps, causal=causal, windowed=windowed)
-    active = [True] * steps
-    if windowed and skip_outside_window and steps > 1:
-        own = layout.stream_table(batch, ring_rank)
-        seen = torch.stack([
-            layout.step_sees_any_key(own, layout.stream_table(batch, src, with_group=False), ring_rank, src, ring,
-                                     layout.step_kind(ring_rank, src, causal), *window)
-            for src in _sources(ring_rank, ring, steps)[1:]
-        ])
-        active = [True, *seen.tolist()]
-    return assemble_schedule(
-        tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window,
-        kernel=kernel, first_cache_key=first_cache_key, active=active,
-    )
-
-
 def assemble_schedule(
     tables: ScheduleTables, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int,
     ring: int, *, causal: bool, scale: float, window: tuple[int, int], kernel: str,
     first_cache_key: int | torch.SymInt | None, active: list[bool] | None = None,
+    scheme: str = DEFAULT_SCHEME,
 ) -> RingSchedule:
-    """The schedule with the given tables (:func:`build_schedule`'s, or a compiled graph's from
-    the host), one ring step per step of ``tables``; ``active`` (default: all) says which
-    steps compute."""
+    """The schedule with the given tables (the prepared batch's, from the host), one ring step
+    per step of ``tables``; ``active`` (default: all) says which steps compute; ``scheme``: the
+    collective scheme."""
     steps = len(tables.cu_q)
     sources = _sources(ring_rank, ring, steps)
     active = [True] * steps if active is None else active
@@ -199,6 +174,7 @@ def assemble_schedule(
         window_left=window[0],
         window_right=window[1],
         kernel=kernel,
+        scheme=scheme,
     )
 
 

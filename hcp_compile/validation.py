@@ -1,13 +1,15 @@
 """The input contract of hcp_compile (docs/design.md §9): every rule, its condition and its
 message, in one place.
 
-Errors name the argument, say what was expected and how to fix it. The single-device op,
-the eager CP path (``context.py``), the compiled path at compile time (``passes/rewrite.py``:
-what the graph alone decides) and the compiled path when its graph runs
-(``compiled.checked_layout``: the batch) all call the functions here. A rule checked per batch
-by the compiled path has a tensor form next to its plain form and the same message; its flags
-are agreed over the mesh and carry no values, so there the message leaves out what was found.
-All checks run before any collective.
+Errors name the argument, say what was expected and how to fix it. Two kinds of rules live
+here. The rules of a call that need no batch values (types, shapes, head split, window) are
+checked by the functions below, on the host by the single-device op and eager CP, and at
+compile time by the ``hcp`` rewrite (``passes/rewrite.py``). The rules of a batch (its
+``cu_seqlens`` against the call and the mesh) are :class:`Rule` records checked by one
+function, ``batch_check.check``, on the host copy of ``cu_seqlens`` that every path reads
+anyway; it returns :class:`Failure` records that eager CP raises after the ranks agree and
+the compiled path turns into agreed flags (:data:`BATCH_RULES`), which carry no values, so
+there the message leaves out what was found. All checks run before any collective.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 
 class InputError(ValueError):
@@ -40,8 +41,23 @@ class Rule:
         return InputError(self.message(found, argument))
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A rule one call broke, with the message that says how (the value found)."""
+
+    rule: Rule
+    message: str
+
+    @classmethod
+    def of(cls, rule: Rule, found: str = "", argument: str = "") -> "Failure":
+        return cls(rule, rule.message(found, argument))
+
+    def error(self) -> InputError:
+        return InputError(self.message)
+
+
 # --------------------------------------------------------------------------------------------
-# the batch rules: checked by every path, by the compiled one when its graph runs
+# the batch rules (batch_check.check): every path, the compiled one when its graph runs
 # --------------------------------------------------------------------------------------------
 
 CU_STARTS_AT_0 = Rule("cu_seqlens", "must start at 0", "prepend a 0")
@@ -67,6 +83,15 @@ PLANNED_FOR_THIS_MESH = Rule(
     "placement", "give shard_plan the mesh and placement of context_parallel (or of the hcp "
     "backend's options)",
 )
+# a single device: each cu_seqlens describes the whole tensor of its side
+CU_ENDS_AT_TOKENS = Rule(
+    "cu_seqlens", "last entry must equal the number of packed tokens",
+    "the last entry must equal the number of packed tokens",
+)
+SAME_DOCUMENT_COUNT = Rule(
+    "cu_seqlens_q, cu_seqlens_k", "expected the same number of documents",
+    "pass one entry per document in both",
+)
 SAME_BATCH = Rule(
     "cu_seqlens", "must be the same global cu_seqlens on every rank of the context-parallel "
     "mesh (the one its shards were cut from)", "check the data loader: all ranks of a "
@@ -78,90 +103,11 @@ BATCHES_DIFFER = (
     "different batches or options)"
 )
 
-# what the compiled path checks per batch when its graph runs, in the order of its flags
-# (batch_failures)
+# the rules of a batch under context parallelism, in the order of the compiled path's flags
 BATCH_RULES = (
     CU_STARTS_AT_0, CU_NON_DECREASING, SHARD_TOKENS, SAME_DOCUMENTS, MAX_SEQLEN_COVERS,
     PLANNED_FOR_THIS_MESH,
 )
-
-
-def check_cu_seqlens(cu_seqlens: Tensor, name: str = "cu_seqlens") -> Tensor:
-    """Validate a cumulative-lengths tensor; return its values as a CPU int64 tensor."""
-    check_cu_seqlens_dtype(cu_seqlens, name)
-    values = host_copy(cu_seqlens)
-    if values[0] != 0:
-        raise CU_STARTS_AT_0.error(str(int(values[0])), name)
-    decreasing = (values[1:] < values[:-1]).nonzero()
-    if decreasing.numel():
-        i = int(decreasing[0]) + 1
-        raise CU_NON_DECREASING.error(
-            f"entry {i} ({int(values[i])}) < entry {i - 1} ({int(values[i - 1])})", name
-        )
-    return values
-
-
-def check_max_seqlen(max_seqlen: int, cu_values: Tensor, name: str) -> None:
-    longest = max_length(cu_values)
-    if not isinstance(max_seqlen, int) or max_seqlen < longest:
-        raise MAX_SEQLEN_COVERS.error(
-            f"{max_seqlen!r} while the longest document in cu_seqlens has {longest} tokens", name
-        )
-
-
-def check_shard_tokens(
-    tensors: Mapping[str, Tensor], rank_tokens: int, ulysses: int, ring: int, placement: str
-) -> None:
-    """q, k and v each hold the rank's token count of the batch's layout."""
-    for name, t in tensors.items():
-        if t.shape[0] != rank_tokens:
-            raise SHARD_TOKENS.error(
-                f"{t.shape[0]} tokens where this cu_seqlens sharded over "
-                f"ulysses={ulysses} x ring={ring} (placement {placement!r}) gives "
-                f"{rank_tokens} per rank", name,
-            )
-
-
-def check_same_token_counts(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """What a compiled graph decides of :data:`SHARD_TOKENS` at compile time: q, k and v hold
-    the same number of tokens (whether it is the rank's count depends on the batch: checked
-    when the graph runs)."""
-    counts = (q.shape[0], k.shape[0], v.shape[0])
-    if counts[1] != counts[0] or counts[2] != counts[0]:
-        raise SHARD_TOKENS.error(f"{counts[0]}, {counts[1]} and {counts[2]} tokens (q, k, v)")
-
-
-def check_same_documents(cu_values_q: Tensor, cu_values_k: Tensor) -> None:
-    if not torch.equal(cu_values_q, cu_values_k):
-        raise SAME_DOCUMENTS.error()
-
-
-def batch_failures(
-    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, rank_tokens: Tensor,
-    tokens: Sequence[int | torch.SymInt], max_seqlens: Sequence[int | torch.SymInt],
-    plan_differs: Tensor,
-) -> Tensor:
-    """The tensor form of :data:`BATCH_RULES`: int64 ``[len(BATCH_RULES)]``, 1 where a rule
-    fails. ``rank_tokens``: the rank's token count under the layout (0-d); ``tokens``: the
-    token counts of q, k and v; ``plan_differs``: 1 when the batch was planned for another
-    mesh or placement. No branch on values: the flags of every rule, on any device."""
-    cu = cu_seqlens_q.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
-    longest = lengths.max()
-    if cu_seqlens_k is cu_seqlens_q:
-        documents_differ = torch.zeros((), dtype=torch.bool, device=cu.device)
-    elif cu_seqlens_k.shape == cu_seqlens_q.shape:
-        documents_differ = (cu_seqlens_k.to(torch.int64) != cu).any()
-    else:
-        documents_differ = torch.ones((), dtype=torch.bool, device=cu.device)
-    return torch.stack([
-        cu[0] != 0,
-        (lengths < 0).any(),
-        torch.stack([rank_tokens != count for count in tokens]).any(),
-        documents_differ,
-        torch.stack([longest > bound for bound in max_seqlens]).any(),
-        plan_differs.reshape(()) != 0,
-    ]).to(torch.int64)
 
 
 def rejected_batch_error(failed: Sequence[bool], batches_differ: bool) -> InputError | None:
@@ -182,6 +128,15 @@ def rejected_batch_error(failed: Sequence[bool], batches_differ: bool) -> InputE
 # --------------------------------------------------------------------------------------------
 # rules of the call that the compiled path decides at compile time (and the host always)
 # --------------------------------------------------------------------------------------------
+
+def check_same_token_counts(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """What a compiled graph decides of :data:`SHARD_TOKENS` at compile time: q, k and v hold
+    the same number of tokens (whether it is the rank's count depends on the batch: checked
+    when the graph runs)."""
+    counts = (q.shape[0], k.shape[0], v.shape[0])
+    if counts[1] != counts[0] or counts[2] != counts[0]:
+        raise SHARD_TOKENS.error(f"{counts[0]}, {counts[1]} and {counts[2]} tokens (q, k, v)")
+
 
 def check_cu_seqlens_dtype(cu_seqlens: Tensor, name: str) -> None:
     """What can be checked of ``cu_seqlens`` without reading its values (also at compile
@@ -268,22 +223,6 @@ def check_window(window_size: tuple[int, int]) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
-def check_token_count(cu_values: Tensor, num_tokens: int, name: str, tensor_name: str) -> None:
-    if int(cu_values[-1]) != num_tokens:
-        raise InputError(
-            f"{name}: last entry is {int(cu_values[-1])} but {tensor_name} has {num_tokens} "
-            "tokens; the last entry must equal the number of packed tokens"
-        )
-
-
-def check_document_counts(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> None:
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise InputError(
-            f"cu_seqlens_q, cu_seqlens_k: expected the same number of documents, got "
-            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
-        )
-
-
 def check_flags(options: object, names: tuple[str, ...]) -> None:
     """The options ``names`` of ``options`` are bools (a string such as ``"false"`` would
     silently count as true)."""
@@ -302,48 +241,3 @@ def check_timeout(seconds: float | None, name: str) -> None:
             f"{name}: expected a number of seconds > 0, or None for the process group's own "
             f"timeout, got {seconds!r}"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------
-
-_HOST_COPIES = WeakIdKeyDictionary()  # tensor -> (version, host copy)
-
-
-def host_copy(cu_seqlens: Tensor) -> Tensor:
-    """CPU int64 copy of ``cu_seqlens``, read from the device once per tensor version (every
-    layer of a model passes the same tensor, so only the first one waits for the device)."""
-    cached = _HOST_COPIES.get(cu_seqlens)
-    if cached is not None and cached[0] == cu_seqlens._version:
-        return cached[1]
-    values = cu_seqlens.detach().to("cpu", torch.int64)
-    _HOST_COPIES[cu_seqlens] = (cu_seqlens._version, values)
-    return values
-
-
-def max_length(cu_values: Tensor) -> int:
-    return int((cu_values[1:] - cu_values[:-1]).max())
-
-
-_FINGERPRINT_MODULUS = 2**31 - 1
-
-
-def fingerprint_salt(placement: str, recompute_exchange: bool) -> int:
-    """The options every rank must share, as :func:`batch_fingerprint`'s ``salt``: ranks that
-    differ in them would exchange buffers of different layouts or sizes."""
-    from .placements import PLACEMENTS  # the placements import this module
-
-    return 2 * list(PLACEMENTS).index(placement) + int(recompute_exchange)
-
-
-def batch_fingerprint(cu_seqlens: Tensor, salt: int = 0) -> Tensor:
-    """A 0-d int64 hash of ``cu_seqlens`` (and ``salt``, below 8), the same on any device and
-    traceable: ranks compare it to find out whether they were given the same batch (and
-    options, :func:`fingerprint_salt`)."""
-    values = cu_seqlens.to(torch.int64) % _FINGERPRINT_MODULUS
-    index = torch.arange(values.numel(), device=values.device)
-    # small constants: a compiled graph may compute this in 32-bit kernel code
-    weights = (index * 40503 + 97) % _FINGERPRINT_MODULUS
-    digest = ((values * weights) % _FINGERPRINT_MODULUS).sum() % _FINGERPRINT_MODULUS
-    return digest + (values.numel() * 8 + salt) * _FINGERPRINT_MODULUS

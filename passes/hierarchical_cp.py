@@ -14,8 +14,7 @@ from pathlib import Path
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-import hcp_compile
-from hcp_compile.marking import marks_digest
+import hcp_compile.marking as marking
 
 from . import report
 from .match import find_attention, find_unmarked
@@ -69,7 +68,7 @@ class HierarchicalCPPass(CustomGraphPass):
         """Everything the rewritten graph depends on besides the input graph: this code,
         the mesh as this rank sees it, the options and the module marks."""
         groups = self.config.groups
-        package = Path(hcp_compile.__file__).parent
+        package = Path(marking.__file__).parent  # hcp_compile/
         sources = sorted(package.rglob("*.py")) + sorted(Path(__file__).parent.glob("*.py"))
         mesh = (
             groups.ulysses_group.group_name, groups.ring_group.group_name, groups.ulysses_size,
@@ -77,7 +76,7 @@ class HierarchicalCPPass(CustomGraphPass):
         )
         config = self.config
         facts = repr((mesh, config.kernel, config.agree_across_ranks, config.placement,
-                      config.recompute_exchange, marks_digest()))
+                      config.recompute_exchange, config.scheme, marking.marks_digest()))
         return hashlib.sha256((get_hash_for_files(tuple(sources)).hex() + facts).encode()).hexdigest()
 
 

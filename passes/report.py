@@ -1,7 +1,8 @@
 """The table of rewritten attention nodes: what was matched, how it is split over the mesh,
-which collectives the rewrite inserts and how many bytes they move per rank at most (when
-every local token goes through the exchange; the batch's placement decides how many do, see
-``ShardPlan.summary``)."""
+which collectives the rewrite inserts and how many bytes they send per rank at most (when
+every local token goes through the exchange and round the ring; the batch's placement decides
+how many do, see ``ShardPlan.summary``). Counts and bytes are the collective scheme's own
+(``hcp_compile.schemes``), for a compiled graph, which always has every ring step."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ from tabulate import tabulate
 
 from hcp_compile.mesh import CPGroups
 from hcp_compile.plan import format_bytes
-from hcp_compile.schedule import head_groups, kv_head_repeat, rank_kv_heads
+from hcp_compile.schemes import Traffic
+from hcp_compile.schemes.traffic import CallShape, call_traffic, whole_exchange_sizes
 
 from .rewrite import Rewritten
 
 HEADERS = (
     "module", "op", "heads q/kv", "head dim", "dtype", "ulysses x ring", "placement", "kernel",
-    "collectives fwd", "collectives bwd", "all-to-all bytes/rank fwd (max)",
-    "ring bytes/rank/step (max)", "ring steps",
+    "scheme", "collectives fwd", "collectives bwd", "all-to-all bytes/rank fwd (max)",
+    "ring bytes/rank fwd (max)", "ring steps",
 )
 
 
@@ -27,37 +29,35 @@ class Collectives:
     """Collectives one rewritten node adds to the forward and backward graphs."""
 
     forward_all_to_all: int  # Ulysses exchanges
-    forward_ring: int  # KV transfers
+    forward_ring: int  # collectives on the ring group
     forward_all_reduce: int  # the batch check's agreement
     backward_all_to_all: int
-    backward_ring: int  # KV and dKV transfers
+    backward_ring: int
+
+
+def traffic(node: Rewritten, groups: CPGroups) -> Traffic:
+    """The node's collectives and bytes per rank when all of its tokens are exchanged and go
+    round the ring (``node.local_tokens`` per rank)."""
+    ulysses, ring = groups.ulysses_size, groups.ring_size
+    call = CallShape(node.heads_q, node.heads_kv, node.head_dim, node.dtype, node.returns_lse)
+    sizes = whole_exchange_sizes(node.local_tokens, ulysses, ring)
+    return call_traffic(node.scheme, sizes, call, ulysses, ring, steps=ring)
 
 
 def collectives(node: Rewritten, groups: CPGroups, agree: bool) -> Collectives:
-    ulysses, ring = groups.ulysses_size, groups.ring_size
-    # every head group has its own exchanges and its own ring (docs/design.md §3.6), per
-    # group: q and kv in, out back (and the lse when the graph reads it); dout in, dq and dkv
-    # back. The batch check's all-reduces are once per cu_seqlens, whatever the groups, one
-    # per mesh dimension of more than one rank.
-    parts = head_groups(rank_kv_heads(node.heads_kv, ulysses), ulysses)
-    exchanges = ulysses > 1
+    """The scheme's collectives of the node, and the batch check's all-reduces: once per
+    cu_seqlens, one per mesh dimension of more than one rank."""
+    moved = traffic(node, groups)
+    checks = int(groups.ulysses_size > 1) + int(groups.ring_size > 1)
     return Collectives(
-        forward_all_to_all=parts * (3 + node.returns_lse) if exchanges else 0,
-        forward_ring=parts * (ring - 1),
-        forward_all_reduce=int(ulysses > 1) + int(ring > 1) if node.checked and agree else 0,
-        backward_all_to_all=parts * 3 if exchanges else 0,
-        backward_ring=parts * (2 * ring - 1) if ring > 1 else 0,  # R-1 KV hops, R dKV hops
+        forward_all_to_all=moved.ulysses.forward_calls, forward_ring=moved.ring.forward_calls,
+        forward_all_reduce=checks if node.checked and agree else 0,
+        backward_all_to_all=moved.ulysses.backward_calls, backward_ring=moved.ring.backward_calls,
     )
 
 
 def row(node: Rewritten, groups: CPGroups, agree: bool) -> list[str]:
-    ulysses = groups.ulysses_size
-    element = node.dtype.itemsize
-    kv_heads = node.heads_kv * kv_head_repeat(node.heads_kv, ulysses)
-    per_head = node.local_tokens * node.head_dim * element
-    # every rank keeps 1/A of what it exchanges: q, k, v in and out back
-    all_to_all = (ulysses - 1) * (2 * node.heads_q + 2 * kv_heads) * per_head // ulysses
-    ring_step = 2 * kv_heads * per_head  # this rank's stream of its head slice: A*T/A tokens
+    moved = traffic(node, groups)
     count = collectives(node, groups, agree)
     forward = [f"{count.forward_all_to_all} all_to_all", f"{count.forward_ring} ring"]
     if count.forward_all_reduce:
@@ -68,13 +68,14 @@ def row(node: Rewritten, groups: CPGroups, agree: bool) -> list[str]:
         f"{node.heads_q}/{node.heads_kv}",
         str(node.head_dim),
         str(node.dtype).removeprefix("torch."),
-        f"{ulysses} x {groups.ring_size}",
+        f"{groups.ulysses_size} x {groups.ring_size}",
         node.placement,
         node.kernel,
+        node.scheme,
         ", ".join(forward),
         f"{count.backward_all_to_all} all_to_all, {count.backward_ring} ring",
-        format_bytes(all_to_all),
-        format_bytes(ring_step) if groups.ring_size > 1 else "-",
+        format_bytes(moved.ulysses.forward_bytes),
+        format_bytes(moved.ring.forward_bytes) if groups.ring_size > 1 else "-",
         str(groups.ring_size),
     ]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import fx
@@ -21,28 +21,25 @@ from hcp_compile.compiled import checked_layout, hierarchical_varlen_attention
 from hcp_compile.kernels import BlockRequest, resolve_kernel
 from hcp_compile.kernels.cost import size_hint
 from hcp_compile.mesh import CPGroups
+from hcp_compile.schemes import DEFAULT_SCHEME
 from hcp_compile.validation import (
     InputError, check_cu_seqlens_dtype, check_head_split, check_qkv, check_same_token_counts,
 )
 
 from .match import AttentionMatch, UnsupportedAttention
 
-if TYPE_CHECKING:
-    from hcp_compile.backend import BackendOptions
-
 
 @dataclass(frozen=True)
 class RewriteConfig:
+    """What the rewrite needs of the backend's options (the backend builds it: this package
+    sits below the backend and imports nothing of it)."""
+
     groups: CPGroups
     kernel: str  # the backend's kernel; a mark's kernel overrides it
     agree_across_ranks: bool
     placement: str
     recompute_exchange: bool = False
-
-    @classmethod
-    def of(cls, groups: CPGroups, options: BackendOptions) -> "RewriteConfig":
-        return cls(groups, options.kernel, options.agree_across_ranks, options.placement,
-                   options.recompute_exchange)
+    scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.schemes.SCHEMES
 
 
 @dataclass(frozen=True)
@@ -59,6 +56,7 @@ class Rewritten:
     returns_lse: bool
     checked: bool  # this node carries the batch check and size read of its cu_seqlens
     placement: str
+    scheme: str = DEFAULT_SCHEME
 
 
 def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: RewriteConfig) -> list[Rewritten]:
@@ -160,7 +158,7 @@ def _rewrite_one(
             layouts[sizes_key] = graph.call_function(
                 checked_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens, max_seqlens),
                 {**names, "placement": config.placement, "agree": config.agree_across_ranks,
-                 "recompute_exchange": config.recompute_exchange},
+                 "recompute_exchange": config.recompute_exchange, "scheme": config.scheme},
             )
         if call.max_seqlen_k is not call.max_seqlen_q and call.max_seqlen_k != call.max_seqlen_q:
             # only a bound for the kernels' grids: the larger one is right for both
@@ -170,7 +168,8 @@ def _rewrite_one(
             hierarchical_varlen_attention,
             (call.q, call.k, call.v, max_seqlen, layouts[sizes_key]),
             {"causal": call.causal, "scale": scale, "window": call.window, "kernel": kernel,
-             **names, "return_lse": returns_lse, "recompute_exchange": config.recompute_exchange},
+             **names, "return_lse": returns_lse, "recompute_exchange": config.recompute_exchange,
+             "scheme": config.scheme},
         )
         _copy_provenance(node, attention)
         new_outputs = {call.out_index: attention}
@@ -189,7 +188,7 @@ def _rewrite_one(
     graph.erase_node(node)
     return Rewritten(
         match, kernel, heads_q, heads_kv, head_dim, q_value.dtype,
-        size_hint(local_tokens), returns_lse, is_checked, config.placement,
+        size_hint(local_tokens), returns_lse, is_checked, config.placement, config.scheme,
     )
 
 

@@ -30,7 +30,8 @@ from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
 import hcp_compile as hc
 from cp_cases import (
-    AttentionCase, World, cu_seqlens, saved_besides, saved_for_backward, seeded, shard_with_garbage_pads,
+    AttentionCase, World, cu_seqlens, saved_besides, saved_for_backward, seeded,
+    shard_with_garbage_pads,
 )
 from distributed import WORLD_DIR_ENV
 
@@ -269,6 +270,7 @@ class CompiledAttentionCase:
     # graph reads cu_seqlens to the host once per tensor and version, so only the version
     # tells these batches apart
     cu_in_place: bool = False
+    scheme: str = "ring"  # the collective scheme, compiled and eager
 
     @property
     def id(self) -> str:
@@ -291,7 +293,7 @@ class CompiledAttentionCase:
         counter = CompileCounter(hc.backend(mesh=world.mesh, inner=self.inner,
                                             dump_dir=str(dump) if dump else None,
                                             placement=self.placement, kernel=self.kernel,
-                                            recompute_exchange=self.recompute_exchange))
+                                            recompute_exchange=self.recompute_exchange, scheme=self.scheme))
         module = VarlenAttention(self.causal, self.scale, self.window)
         compiled = torch.compile(module, backend=counter, dynamic=self.dynamic, fullgraph=True)
         result: dict = {"graphs_after": []}
@@ -301,7 +303,7 @@ class CompiledAttentionCase:
             result["graphs_after"].append(counter.graphs)
             if self.eager:
                 with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel,
-                                         recompute_exchange=self.recompute_exchange):
+                                         recompute_exchange=self.recompute_exchange, scheme=self.scheme):
                     eager = run_attention(batch, world, module, cu)
                 got.update({f"eager_{n}": eager[n] for n in ("out", "dq", "dk", "dv")})
             result.update({f"{index}/{n}": value for n, value in got.items()})
@@ -354,8 +356,12 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     recompute = [CompiledAttentionCase("gqa-recompute-exchange", ("mixed",), 8, 4, True,
                                        recompute_exchange=True, inductor_decompositions=True)
                  ] if mesh in RECOMPUTE_MESHES else []
+    # the all-gather scheme where there is a ring: GQA 8/4 makes two head groups on 2 x 2
+    allgather = [CompiledAttentionCase("gqa-allgather", ("mixed", "four"), 8, 4, True, (4, 0),
+                                       scheme="allgather")] if mesh[1] > 1 else []
     return [
         *recompute,
+        *allgather,
         CompiledAttentionCase("gqa-causal-batches", ("mixed", "mixed-permuted", "four", *single),
                               4, 2, True),
         CompiledAttentionCase(f"{name}-full-window-scale-zigzag-flex", automatic, 4, heads_kv, False,
@@ -617,7 +623,7 @@ class ExplainCase:
         plan = hc.shard_plan(cu, world.mesh)
         x = plan.shard(seeded(f"{self.id}/x", int(cu[-1]), MODEL_DIM)).requires_grad_()
         with counting_runs() as runs:
-            explanation = hc.explain(model, x, cu, max(COMPILE_DOCS[self.docs]), mesh=world.mesh)
+            explanation = hc.explain(model, x, cu, max(COMPILE_DOCS[self.docs]), mesh=world.mesh, plan=plan)
         graph = explanation.graphs[0]
         return {
             "graphs": len(explanation.graphs),
@@ -631,6 +637,10 @@ class ExplainCase:
             "before": graph.before,
             "runs": runs,
             "plan_local_tokens": plan.local_tokens,
+            "batch": explanation.batch,
+            # the marked blocks' attention (4/2 heads of HEAD_DIM, fp32), and the defaults
+            "summary": plan.summary(4, 2, HEAD_DIM, torch.float32),
+            "default_summary": plan.summary(),
         }
 
 

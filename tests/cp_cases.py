@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import hcp_compile as hc
+from hcp_compile import layout
 from hcp_compile.kernels import torch_kernel
 from traffic import CollectiveTraffic
 
@@ -116,22 +117,29 @@ class AttentionCase:
         with hc.context_parallel(world.mesh, placement=self.placement):
             return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
 
-    def attend(self, world: World, cu: Tensor, max_seqlen: int) -> dict:
+    def attend(self, world: World, cu: Tensor, max_seqlen: int, measure: bool = False) -> dict:
         """Forward and backward of this case's inputs, sharded with garbage in the pads, in the
         active context; returns the local results, where the local rows come from, and the
-        shapes of the tensors saved for the backward that are not q, k, v or the output."""
+        shapes of the tensors saved for the backward that are not q, k, v or the output; with
+        ``measure``, what the collectives of the forward and of the backward sent
+        (:func:`traffic_record`)."""
         plan = hc.shard_plan(cu, world.mesh, placement=self.placement)
         x = self.inputs()
         q, k, v = (shard_with_garbage_pads(plan, x[n], f"{self.id}/{n}", world.rank).requires_grad_()
                    for n in ("q", "k", "v"))
-        with saved_for_backward() as saved:
+        forward, backward = CollectiveTraffic(), CollectiveTraffic()
+        with saved_for_backward() as saved, forward if measure else contextlib.nullcontext():
             out = hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen + self.max_seqlen_k_slack,
                                       causal=self.causal, softmax_scale=self.scale, window_size=self.window)
-        out.backward(shard_with_garbage_pads(plan, x["dout"], f"{self.id}/dout", world.rank))
+        dout = shard_with_garbage_pads(plan, x["dout"], f"{self.id}/dout", world.rank)
+        with backward if measure else contextlib.nullcontext():
+            out.backward(dout)
+        measured = {"forward": traffic_record(forward, world),
+                    "backward": traffic_record(backward, world)} if measure else {}
         return {
             "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
             "global_index": plan.global_index, "unsharded_out": plan.unshard(out.detach()),
-            "saved_besides_inputs": saved_besides(saved, (q, k, v, out)),
+            "saved_besides_inputs": saved_besides(saved, (q, k, v, out)), **measured,
         }
 
 
@@ -191,6 +199,65 @@ class RecomputeExchangeCase(AttentionCase):
             return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
 
 
+def traffic_record(traffic: CollectiveTraffic, world: World) -> dict[str, int]:
+    """What a :class:`CollectiveTraffic` measured on the world's two groups."""
+    names = {"ulysses": world.mesh.get_group("ulysses").group_name,
+             "ring": world.mesh.get_group("ring").group_name}
+    return {f"{group}_{what}": getattr(traffic, what)[name]
+            for group, name in names.items() for what in ("calls", "bytes")}
+
+
+@dataclass(frozen=True)
+class SchemeCase(AttentionCase):
+    """The attention under the collective scheme ``scheme`` (optionally in bf16, and with
+    ``recompute_exchange``), what its forward and its backward sent measured apart, and this
+    rank's sizes under the plan (what the scheme's counts are computed from)."""
+
+    scheme: str = "allgather"
+    dtype: str = "float32"
+    recompute_exchange: bool = False
+
+    @property
+    def id(self) -> str:
+        recompute = "-recompute" if self.recompute_exchange else ""
+        dtype = "" if self.dtype == "float32" else f"-{self.dtype}"
+        return f"scheme-{self.scheme}{recompute}{dtype}-{super().id}"
+
+    def inputs(self) -> dict[str, Tensor]:
+        return {n: t.to(getattr(torch, self.dtype)) for n, t in super().inputs().items()}
+
+    def run(self, world: World) -> dict:
+        with hc.context_parallel(world.mesh, placement=self.placement, recompute_exchange=self.recompute_exchange,
+                                 scheme=self.scheme):
+            result = self.attend(world, cu_seqlens(self.lengths), max(self.lengths), measure=True)
+        plan = hc.shard_plan(cu_seqlens(self.lengths), world.mesh, placement=self.placement)
+        groups = plan.groups
+        sizes = layout.rank_size_values(plan.layout, groups.ring_rank, groups.ulysses_rank)
+        summary = plan.summary(self.heads_q, self.heads_kv, self.head_dim, getattr(torch, self.dtype), self.scheme)
+        return {**result, "sizes": sizes.tolist(), "ulysses_rank": groups.ulysses_rank,
+                "summary": summary, "document_placement": plan.document_placement}
+
+
+def scheme_cases() -> list[SchemeCase]:
+    """Both schemes on batches whose documents go round the ring (their traffic checked), one
+    whose window skips ring steps, GQA with two head groups on 2 x 2, bf16 (the ring's sums
+    travel in fp32 between its first and last hop), ``recompute_exchange``; and zigzag "8.8",
+    whose tokens all go through the exchange and round the ring on every mesh of MESHES (the
+    report's "max")."""
+    cases = []
+    for scheme in ("ring", "allgather"):
+        cases += [
+            SchemeCase("mixed", 4, 2, True, scheme=scheme),
+            SchemeCase("many", 8, 4, True, scheme=scheme),
+            SchemeCase("long", 4, 1, False, (3, 5), scheme=scheme),
+            SchemeCase("long", 4, 2, True, (4, 0), scheme=scheme),
+            SchemeCase("long", 4, 2, True, scheme=scheme, dtype="bfloat16"),
+            SchemeCase("long", 4, 2, True, placement="zigzag", scheme=scheme, recompute_exchange=True),
+            SchemeCase("8.8", 4, 2, True, placement="zigzag", scheme=scheme),
+        ]
+    return cases
+
+
 @contextlib.contextmanager
 def saved_for_backward() -> Iterator[list[Tensor]]:
     """The tensors autograd saves for the backward inside the block, in a list."""
@@ -247,7 +314,7 @@ def shard_with_garbage_pads(plan: hc.ShardPlan, x: Tensor, name: str, rank: int)
     """``plan.shard(x)`` with random values at the pads (as a projection's bias would leave
     there): the pads must still not affect any real output or gradient."""
     local = plan.shard(x)
-    garbage = seeded(f"{name}/pads", *local.shape, salt=rank) * 10
+    garbage = (seeded(f"{name}/pads", *local.shape, salt=rank) * 10).to(local.dtype)
     pads = ~plan.valid.reshape(-1, *([1] * (x.dim() - 1)))
     return torch.where(pads, garbage, local)
 
@@ -534,7 +601,7 @@ def error_cases() -> list[ErrorCase]:
 
 def suite(mesh: tuple[int, int]) -> list:
     """Every case run in the world of ``mesh``, in order."""
-    cases = [*attention_cases(), *plan_cases(), *traffic_cases(), ONE_BAD_RANK]
+    cases = [*attention_cases(), *scheme_cases(), *plan_cases(), *traffic_cases(), ONE_BAD_RANK]
     if mesh == ERROR_MESH:
         cases += error_cases()
     return cases

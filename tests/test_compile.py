@@ -336,6 +336,8 @@ def test_explain_reports_only_marked_layers_without_running(cp_world, mesh, case
         assert result["kernels"] == ["torch", "torch"]
         assert result["local_tokens"] == [result["plan_local_tokens"]] * 2
         assert result["checked"] == [True, False]  # one layout check for the shared cu_seqlens
+        # Explanation.batch: the plan's summary for the heads of the model's attention
+        assert result["batch"] == result["summary"] != result["default_summary"], f"rank {rank}"
         # the unmarked layer keeps its single-device call; the marked ones are rewritten
         assert result["before"].count("torch.ops.hcp.varlen_attention(") == 3
         assert result["after"].count("torch.ops.hcp.varlen_attention(") == 1

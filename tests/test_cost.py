@@ -132,7 +132,7 @@ def test_runtime_hook_estimates_blocks_only_from_their_flops():
 
 def test_runtime_hook_takes_the_throughput_of_the_nodes_kernel_and_device(monkeypatch):
     """Kernels measured at 100 and 400 TFLOP/s on this device kind: the estimates differ by 4x."""
-    monkeypatch.setattr(measured, "throughputs", lambda windowed=False: {"cpu": {"torch": 100e12, "flex": 400e12}})
+    monkeypatch.setattr(measured, "throughputs", lambda kind_of_call=None: {"cpu": {"torch": 100e12, "flex": 400e12}})
     inputs = block_inputs((8, 12), heads_q=4, heads_kv=2)
     slow, fast = hook_estimates(inputs, "torch"), hook_estimates(inputs, "flex")
     forward_flops, _ = forward_and_backward_flops(inputs, max_k=12, causal=True)
@@ -141,7 +141,7 @@ def test_runtime_hook_takes_the_throughput_of_the_nodes_kernel_and_device(monkey
 
 
 def test_unmeasured_devices_and_kernels_fall_back_to_other_measurements(monkeypatch):
-    monkeypatch.setattr(measured, "throughputs", lambda windowed=False: {
+    monkeypatch.setattr(measured, "throughputs", lambda kind_of_call=None: {
         "A": {"flash": 300e12, "flex": 400e12}, "B": {"flash": 100e12}})
     assert measured.throughput("flex", "A") == 400e12
     assert measured.throughput("flash", "unknown GPU") == 200e12  # flash's mean over A and B
@@ -151,31 +151,42 @@ def test_unmeasured_devices_and_kernels_fall_back_to_other_measurements(monkeypa
     assert measured.fastest("unknown GPU", ["flash", "flex"]) is None
 
 
-def test_windowed_calls_are_judged_by_the_windowed_measurements(monkeypatch, tmp_path):
-    """A device's ``tflops_window`` batches give the windowed means; a device without them
-    falls back to its unwindowed ones."""
+def test_calls_are_judged_by_the_measurements_of_their_composition(monkeypatch, tmp_path):
+    """A device's row for the call's composition decides; a composition it did not record, or
+    an unknown one, the mean over its unwindowed rows."""
     recorded = {"devices": {
-        "A": {"tflops": {"one": {"flash": 300, "flex": 400}, "two": {"flash": 100, "flex": 200}},
-              "tflops_window": {"windowed": {"flash": 250, "flex": 150}}},
-        "B": {"tflops": {"one": {"flash": 100}}},
+        "A": {"tflops": {"one document": {"dense": 500, "cudnn": 450},
+                         "log-uniform documents": {"dense": 300, "cudnn": 450},
+                         "window": {"flash": 250, "flex": 150}}},
+        "B": {"tflops": {"one document": {"flash": 100}}},
     }}
     path = tmp_path / "measured.json"
     path.write_text(json.dumps(recorded))
     monkeypatch.setattr(measured, "MEASURED_FILE", path)
-    measured.throughputs.cache_clear()
+    measured.recorded.cache_clear()
     try:
-        assert measured.throughputs() == {"A": {"flash": 200e12, "flex": 300e12}, "B": {"flash": 100e12}}
-        assert measured.throughputs(True) == {"A": {"flash": 250e12, "flex": 150e12}, "B": {"flash": 100e12}}
-        assert measured.fastest("A", ["flash", "flex"]) == "flex"
-        assert measured.fastest("A", ["flash", "flex"], windowed=True) == "flash"
+        assert measured.throughputs() == {"A": {"dense": 400e12, "cudnn": 450e12}, "B": {"flash": 100e12}}
+        assert measured.throughputs(measured.WINDOW) == {"A": {"flash": 250e12, "flex": 150e12},
+                                                         "B": {"flash": 100e12}}
+        one = measured.composition(False, segments=1, longest=131_072)
+        many = measured.composition(False, segments=20, longest=30_000)
+        assert (one, many) == (measured.ONE_DOCUMENT, measured.LOG_UNIFORM)
+        assert measured.fastest("A", ["dense", "cudnn"], one) == "dense"
+        assert measured.fastest("A", ["dense", "cudnn"], many) == "cudnn"
+        assert measured.fastest("A", ["dense", "cudnn"], None) == "cudnn"  # by the means
+        # short documents: A did not record them, so the means decide
+        assert measured.fastest("A", ["dense", "cudnn"], measured.composition(False, 200, 1500)) == "cudnn"
+        assert measured.fastest("A", ["flash", "flex"], measured.composition(True, 20, 30_000)) == "flash"
     finally:
-        measured.throughputs.cache_clear()
+        measured.recorded.cache_clear()
 
 
 def test_the_recorded_measurements_load():
-    """measured.json as shipped: every device lists TFLOP/s per batch and kernel, with and
-    without a window."""
-    for windowed in (False, True):
-        table = measured.throughputs(windowed)
+    """measured.json as shipped: every device lists TFLOP/s per kernel for every composition
+    ``kernel="auto"`` judges calls by."""
+    for kind_of_call in (None, *measured.recorded()["NVIDIA H200"]):
+        table = measured.throughputs(kind_of_call)
         assert table and all(per_kernel for per_kernel in table.values())
         assert all(1e12 < v < 1e16 for per_kernel in table.values() for v in per_kernel.values())
+    assert set(measured.recorded()["NVIDIA H200"]) == {
+        measured.ONE_DOCUMENT, measured.LOG_UNIFORM, measured.SHORT, measured.WINDOW}

@@ -274,7 +274,7 @@ def test_second_halves_against_whole_documents(tiny_dense_segments, split):
 
 
 def check_second_halves(lengths: tuple[int, ...], split: bool, device: torch.device, dtype: torch.dtype,
-                        **tol) -> None:
+                        kernel: str = "dense", **tol) -> None:
     """Queries of each document's second half, causal, against all its keys: one block (more
     keys than queries, aligned bottom-right: a full rectangle and a causal square), or the
     ring's two blocks (first halves full, second halves causal) merged, each backward given
@@ -296,11 +296,11 @@ def check_second_halves(lengths: tuple[int, ...], split: bool, device: torch.dev
               for keys, spec in blocks]
     out = lse = None
     for keys, spec in blocks:
-        out, lse = merge_partials(out, lse, *run_forward("dense", on(q[rows]), on(k[keys]), on(v[keys]), spec))
+        out, lse = merge_partials(out, lse, *run_forward(kernel, on(q[rows]), on(k[keys]), on(v[keys]), spec))
     out = out.to(dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
     for keys, spec in blocks:
-        grads = run_backward("dense", on(dout[rows]), on(q[rows]), on(k[keys]), on(v[keys]), out, lse, spec)
+        grads = run_backward(kernel, on(dout[rows]), on(q[rows]), on(k[keys]), on(v[keys]), out, lse, spec)
         dq[rows] += grads[0].cpu().double()
         dk[keys] += grads[1].cpu().double()
         dv[keys] += grads[2].cpu().double()

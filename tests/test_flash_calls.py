@@ -166,7 +166,7 @@ def test_dense_kernel_runs_of_one_token_documents_reach_flash_with_raised_bounds
     """The dense kernel's varlen runs (segments of 0 and 1 queries beside a dense segment) go to
     flash on CUDA: on CPU they are sent there too, under the stand-in, and give the documents'
     attention."""
-    monkeypatch.setattr(dense, "SHORT_KERNELS", {"cpu": "flash"})
+    monkeypatch.setattr(dense, "SHORT_KERNELS", {"cpu": FlashKernel()})
     monkeypatch.setattr(dense, "MIN_DENSE_ROWS", 8)
     lengths = (1, 0, 1, 24, 1, 0, 0, 1)
     x = _inputs(lengths, 8, 2)

@@ -479,13 +479,14 @@ def request(device="cpu", dtype=torch.float32, head_dim=64, window=(-1, -1), cp=
 
 def test_every_kernel_is_registered_under_its_name():
     assert {name: kernel.name for name, kernel in KERNELS.items()} == {
-        "torch": "torch", "flash": "flash", "flex": "flex", "dense": "dense"}
+        "torch": "torch", "flash": "flash", "flex": "flex", "dense": "dense", "cudnn": "cudnn"}
 
 
 def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypatch):
     unwindowed = {"cpu": {"flex": 2e12, "torch": 1e12}, "NVIDIA X": {"flex": 400e12, "flash": 300e12}}
     windowed = {"cpu": {"flex": 2e12, "torch": 1e12}, "NVIDIA X": {"flex": 200e12, "flash": 300e12}}
-    monkeypatch.setattr(measured, "throughputs", lambda window=False: windowed if window else unwindowed)
+    monkeypatch.setattr(measured, "throughputs",
+                        lambda kind_of_call=None: windowed if kind_of_call == measured.WINDOW else unwindowed)
     monkeypatch.setattr(measured, "device_kind", lambda device: "NVIDIA X" if device.type == "cuda" else "cpu")
     monkeypatch.setattr(hc.kernels, "device_kind", measured.device_kind)
     assert resolve_kernel("auto", request("cpu")) == "flex"
@@ -498,7 +499,7 @@ def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypat
 
 
 def test_auto_falls_back_to_flash_on_cuda_and_torch_elsewhere_when_unmeasured(monkeypatch):
-    monkeypatch.setattr(measured, "throughputs", lambda windowed=False: {})
+    monkeypatch.setattr(measured, "throughputs", lambda kind_of_call=None: {})
     monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "unmeasured")
     assert resolve_kernel("auto", request("cpu")) == "torch"
     assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flash"

@@ -32,11 +32,13 @@ import hcp_compile as hc
 from attention_reference import reference_attention, reference_with_grads
 from checks import assert_matches
 from compile_cases import counting_runs
-from cp_cases import HEAD_DIM, cu_seqlens, seeded
+from cp_cases import HEAD_DIM, MESHES, cu_seqlens, mesh_id, scheme_cases, seeded
 from hcp_compile.compiled import checked_layout, hierarchical_varlen_attention
 from hcp_compile.marking import AttentionMark
 from hcp_compile.mesh import CPGroups, resolve_groups
 from hcp_compile.passes import report
+from hcp_compile.plan import format_bytes
+from hcp_compile.schemes import SCHEMES
 from hcp_compile.passes.hierarchical_cp import HierarchicalCPPass
 from hcp_compile.passes.match import (
     AttentionCall, AttentionMatch, UnsupportedAttention, find_attention, readable_module_path,
@@ -426,7 +428,8 @@ def test_rewrite_replaces_every_match_and_checks_each_cu_seqlens_once():
     inputs = placeholders(gm)
     assert [c.args[0] for c in checks] == [inputs["l_cu_"], inputs["l_other_cu_"]]
     assert all(c.kwargs == {"ulysses_group": "ulysses-group", "ring_group": "ring-group",
-                            "placement": "balanced", "agree": True, "recompute_exchange": False}
+                            "placement": "balanced", "agree": True, "recompute_exchange": False,
+                            "scheme": "ring"}
                for c in checks)
     # every call reads the checked layout of its own cu_seqlens
     assert [a.args[4] for a in attention] == [checks[0], checks[0], checks[1]]
@@ -455,30 +458,45 @@ def test_report_table_rows_and_collectives():
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
     assert [row[1] for row in rows] == ["hcp::varlen_attention", "torch_attn::_varlen_attn",
                                         "hcp::varlen_attention"]
-    assert all(row[2:8] == ["4/2", str(HEAD_DIM), "float32", "2 x 2", "balanced", "torch"]
+    assert all(row[2:9] == ["4/2", str(HEAD_DIM), "float32", "2 x 2", "balanced", "torch", "ring"]
                for row in rows)
-    assert [row[8] for row in rows] == ["3 all_to_all, 1 ring, 2 all_reduce (check)",
+    assert [row[9] for row in rows] == ["3 all_to_all, 1 ring, 2 all_reduce (check)",
                                         "4 all_to_all, 1 ring",
                                         "3 all_to_all, 1 ring, 2 all_reduce (check)"]
-    assert all(row[9] == "3 all_to_all, 3 ring" and row[12] == "2" for row in rows)
+    assert all(row[10] == "3 all_to_all, 3 ring" and row[13] == "2" for row in rows)
     assert report.table([], stand_in_groups(2, 2), agree=True) == "no attention node with cu_seqlens was found"
 
 
-@pytest.mark.parametrize("ulysses, ring, heads_kv, groups", [
-    (1, 1, 2, 1), (1, 4, 2, 1), (4, 1, 2, 1), (2, 3, 2, 1),
-    # two KV heads per rank after the exchange: two head groups, each with its own
-    # exchanges and ring (docs/design.md §3.6)
-    (2, 3, 4, 2), (4, 2, 8, 2),
-])
-def test_report_collective_counts(ulysses, ring, heads_kv, groups):
-    _, done = rewritten_three_calls(stand_in_groups(ulysses, ring))
-    node = dataclasses.replace(done[1], heads_q=2 * heads_kv, heads_kv=heads_kv)  # lse used
-    counts = report.collectives(node, stand_in_groups(ulysses, ring), agree=False)
-    exchanges = ulysses > 1
-    assert counts == report.Collectives(
-        forward_all_to_all=4 * groups if exchanges else 0, forward_ring=groups * (ring - 1),
-        forward_all_reduce=0, backward_all_to_all=3 * groups if exchanges else 0,
-        backward_ring=groups * (2 * ring - 1) if ring > 1 else 0)
+REPORT_MEASURED = [pytest.param(mesh, scheme, id=f"{mesh_id(mesh)}-{scheme}")
+                   for mesh in MESHES for scheme in SCHEMES]
+
+
+@pytest.mark.parametrize("mesh, scheme", REPORT_MEASURED)
+def test_report_counts_and_bytes_are_what_the_collectives_send(cp_world, mesh, scheme):
+    """The report's collectives and its bytes "(max)", for a call whose tokens all go through
+    the exchange and round the ring (zigzag "8.8" on every mesh: no pads, the ring section is
+    the whole stream), against what eager CP's collectives were measured sending on every rank
+    (tests/traffic.py); a compiled graph runs the same collectives."""
+    ulysses, ring = mesh
+    groups = stand_in_groups(ulysses, ring)
+    (case,) = [c for c in scheme_cases() if c.docs == "8.8" and c.scheme == scheme]
+    _, done = rewritten_three_calls(groups)
+    for rank, measured in enumerate(cp_world(mesh).values(case.id)):
+        tokens = measured["global_index"].numel()
+        assert (measured["global_index"] >= 0).all(), f"rank {rank}: premise: no pads"
+        node = dataclasses.replace(done[0], heads_q=case.heads_q, heads_kv=case.heads_kv,
+                                   head_dim=case.head_dim, local_tokens=tokens, scheme=scheme)
+        counts = report.collectives(node, groups, agree=False)
+        forward, backward = measured["forward"], measured["backward"]
+        assert (counts.forward_all_to_all, counts.forward_ring, counts.backward_all_to_all,
+                counts.backward_ring) == (forward["ulysses_calls"], forward["ring_calls"],
+                                          backward["ulysses_calls"], backward["ring_calls"]), f"rank {rank}"
+        row = report.row(node, groups, agree=False)
+        assert row[11] == format_bytes(forward["ulysses_bytes"]), f"rank {rank}: {row}, {forward}"
+        assert row[12] == (format_bytes(forward["ring_bytes"]) if ring > 1 else "-"), f"rank {rank}: {row}"
+        moved = report.traffic(node, groups)
+        assert (moved.ulysses.backward_bytes, moved.ring.backward_bytes) == (
+            backward["ulysses_bytes"], backward["ring_bytes"]), f"rank {rank}: {moved}, {backward}"
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, ulysses, message", [
@@ -533,15 +551,16 @@ def test_mark_kernel_overrides_the_backend_kernel():
 def test_pass_uuid_is_stable_and_keyed_by_options_and_marks(mesh):
     groups = resolve_groups(mesh)
 
-    def uuid(kernel="auto", agree=True, placement="balanced"):
-        return HierarchicalCPPass(RewriteConfig(groups, kernel, agree, placement)).uuid()
+    def uuid(kernel="auto", agree=True, placement="balanced", scheme="ring"):
+        return HierarchicalCPPass(RewriteConfig(groups, kernel, agree, placement, scheme=scheme)).uuid()
 
     gc.collect()  # the marks are weakly held: no marked class of another test may vanish now
     gc.disable()
     try:
         first = uuid()
         assert uuid() == first
-        assert len({first, uuid(kernel="torch"), uuid(agree=False), uuid(placement="zigzag")}) == 4
+        assert len({first, uuid(kernel="torch"), uuid(agree=False), uuid(placement="zigzag"),
+                    uuid(scheme="allgather")}) == 5
         newly_marked = hc.attention(type("NewlyMarked", (Plain,), {}))
         assert uuid() != first
         del newly_marked
@@ -563,6 +582,7 @@ def test_backend_entry_point_is_registered():
     ({"kernel": "fast"}, "kernel: expected one of"),
     ({"recompute_exchange": "false"}, "recompute_exchange: expected True or False, got 'false'"),
     ({"agree_across_ranks": 0}, "agree_across_ranks: expected True or False, got 0"),
+    ({"scheme": "tree"}, "scheme: expected one of ['allgather', 'ring'], got 'tree'"),
 ])
 def test_invalid_backend_options_raise(options, message):
     with pytest.raises(hc.InputError) as raised:
@@ -648,6 +668,22 @@ def test_explain_reports_without_running_the_model(mesh):
         torch.compile(model, backend=hc.backend(mesh=mesh, inner="aot_eager"))(
             hc.shard_plan(CU, mesh).shard(x), CU, 7)
     assert 0 not in runs.values(), f"the counting missed a run: {runs}"
+
+
+def test_explain_batch_is_the_plans_summary_for_the_models_heads(mesh):
+    """``Explanation.batch``: the plan's summary for the heads, head size and dtype of the
+    model's attention (4/2 heads of HEAD_DIM in fp32, not the summary's defaults), its one rank
+    holding the batch's 12 real tokens and the plan's pads; printed after the tables."""
+    model = TorchVarlenModel()
+    plan = hc.shard_plan(CU, mesh)
+    x = torch.randn(12, 16)
+    explanation = hc.explain(model, plan.shard(x), CU, 7, mesh=mesh, plan=plan)
+    assert explanation.batch == plan.summary(heads_q=4, heads_kv=2, head_dim=HEAD_DIM, dtype=torch.float32)
+    (row,) = [line for line in explanation.batch.splitlines() if line.startswith("| 0 (0, 0)")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert (int(cells[1]), int(cells[2])) == (12, plan.local_tokens - 12)
+    assert str(explanation).endswith(f"the batch on every rank:\n{explanation.batch}")
+    assert hc.explain(model, plan.shard(x), CU, 7, mesh=mesh).batch is None
 
 
 def test_explain_of_a_model_without_attention(mesh):

@@ -13,8 +13,9 @@ The contract (contract.py, docs/design.md §8): a block is q ``[Tq, Hq, D]``, k 
 
 A kernel is one class in one file implementing :class:`Kernel` (``name``, ``supports``,
 ``forward``, ``backward``), registered in ``KERNELS``. ``kernel="auto"`` takes the fastest
-supporting kernel measured on the device (measured.json; under a sliding window, by the
-windowed measurements), else the first supporting one of ``FALLBACK``.
+supporting kernel measured on the device for the call's composition (measured.json: one
+document, log-uniform or short documents, a window; measured.py), else the first supporting
+one of ``FALLBACK``. A kernel behind an optional package (cudnn) supports nothing without it.
 """
 
 from __future__ import annotations
@@ -24,31 +25,35 @@ from torch import Tensor
 
 from ..validation import InputError
 from .contract import BlockRequest, BlockSpec, Kernel, KeysByValue, new_cache_key
+from .cudnn import CudnnKernel
 from .dense import DenseKernel
 from .flash import FlashKernel
 from .flex import FlexKernel
-from .measured import device_kind, fastest
-from .precision import accumulate_dtype
+from .measured import composition, device_kind, fastest
+from ..precision import accumulate_dtype
 from .torch_kernel import TorchKernel
 
-KERNELS: dict[str, Kernel] = {k.name: k for k in (TorchKernel(), FlashKernel(), FlexKernel(), DenseKernel())}
+KERNELS: dict[str, Kernel] = {
+    k.name: k for k in (TorchKernel(), FlashKernel(), FlexKernel(), DenseKernel(), CudnnKernel())
+}
 KERNEL_CHOICES = ("auto", *KERNELS)
 # "auto" on a device kind without measurements: the first of these that supports the call
 FALLBACK = ("flash", "torch")
 
 
 def resolve_kernel(name: str, request: BlockRequest, how_to_choose: str = "kernel=...") -> str:
-    """The kernel to run ``request`` with. ``"auto"``: the fastest measured supporting kernel
-    of the device (for a windowed call, measured under a window), else the first supporting
-    one of ``FALLBACK``. A named kernel that cannot run it raises :class:`InputError` with its
-    reason and the kernels that can, which the caller passes as ``how_to_choose``."""
+    """The kernel to run ``request`` with. ``"auto"``: the fastest supporting kernel measured
+    on the device for the request's composition (:func:`measured.composition`), else the first
+    supporting one of ``FALLBACK``. A named kernel that cannot run it raises
+    :class:`InputError` with its reason and the kernels that can, which the caller passes as
+    ``how_to_choose``."""
     if name not in KERNEL_CHOICES:
         raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {name!r}")
     reasons = {n: kernel.supports(request) for n, kernel in KERNELS.items()}
     able = [n for n, reason in reasons.items() if reason is None]
     if name == "auto":
-        windowed = request.window != (-1, -1)
-        return fastest(device_kind(request.device), able, windowed) or next(n for n in FALLBACK if n in able)
+        kind_of_call = composition(request.window != (-1, -1), request.segments, request.longest)
+        return fastest(device_kind(request.device), able, kind_of_call) or next(n for n in FALLBACK if n in able)
     if reasons[name] is not None:
         raise InputError(
             f"kernel={name!r} {reasons[name]}; pass 'auto' or one of {able} ({how_to_choose})"

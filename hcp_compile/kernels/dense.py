@@ -43,7 +43,9 @@ from torch import Tensor
 
 from ..merge import accumulate, merge_partials
 from .contract import BlockRequest, BlockSpec, SpecCache
-from .precision import accumulate_dtype
+from .flash import FlashKernel
+from .torch_kernel import TorchKernel
+from ..precision import accumulate_dtype
 
 # a segment with fewer query or key rows runs in the varlen kernel: a dense call has a fixed
 # cost, and short segments are many (docs/design.md §8.6)
@@ -57,7 +59,7 @@ DENSE_SIZE_BITS = 6
 STRIPE_ROWS = 1024
 STRIPE_PARTS = 16
 # the varlen kernel for the short segments, per device type
-SHORT_KERNELS = {"cuda": "flash", "cpu": "torch"}
+SHORT_KERNELS = {"cuda": FlashKernel(), "cpu": TorchKernel()}
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # the cut of each block, kept per BlockSpec.cache_key (the eager schedule's steps, a batch's layers)
@@ -371,10 +373,8 @@ def _all_short(spec: BlockSpec) -> bool:
     return min(spec.max_q, spec.max_k) < MIN_DENSE_ROWS
 
 
-def _short_kernel(q: Tensor):
-    from . import KERNELS  # the registry imports this module
-
-    return KERNELS[SHORT_KERNELS[q.device.type]]
+def _short_kernel(q: Tensor) -> FlashKernel | TorchKernel:
+    return SHORT_KERNELS[q.device.type]
 
 
 def _cached_plan(spec: BlockSpec, q: Tensor, k: Tensor) -> _Plan:

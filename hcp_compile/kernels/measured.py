@@ -1,5 +1,14 @@
 """The measured kernel throughputs (measured.json, written by scripts/measure_kernels.py): what
-``kernel="auto"`` chooses by and what the cost hook turns FLOPs into time with."""
+``kernel="auto"`` chooses by and what the cost hook turns FLOPs into time with.
+
+Each device kind records, per kernel, the throughput on batches of a few compositions (one
+document, log-uniform documents, short documents; and log-uniform documents under a window).
+The batches of a composition other than one document are measured as a stream: every timed
+call on new document lengths, so a kernel that builds something per new batch (the dense
+kernel's cuDNN graphs, flex's block masks) pays for it there as a trainer does. A call is
+judged by the composition its lengths are known to have before anything runs
+(:func:`composition`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +20,11 @@ from statistics import mean
 import torch
 
 MEASURED_FILE = Path(__file__).with_name("measured.json")
+# the compositions measured.json records ("window": log-uniform documents under a window)
+ONE_DOCUMENT, LOG_UNIFORM, SHORT, WINDOW = "one document", "log-uniform documents", "short documents", "window"
+# a call whose longest segment is shorter is judged as short documents (those of the measured
+# batch are 128..2K; the dense kernel runs every shorter segment in its varlen kernel)
+SHORT_DOCUMENT_ROWS = 2048
 
 
 def device_kind(device: torch.device) -> str:
@@ -20,27 +34,51 @@ def device_kind(device: torch.device) -> str:
     return device.type
 
 
+def composition(windowed: bool, segments: int | None, longest: int | None) -> str | None:
+    """The measured composition a call is judged by: under a window, ``WINDOW``; one segment,
+    ``ONE_DOCUMENT``; a longest segment under ``SHORT_DOCUMENT_ROWS``, ``SHORT``; otherwise
+    ``LOG_UNIFORM``; None when the segments are unknown (the mean over the compositions)."""
+    if windowed:
+        return WINDOW
+    if segments is None:
+        return None
+    if segments <= 1:
+        return ONE_DOCUMENT
+    if longest is not None and longest < SHORT_DOCUMENT_ROWS:
+        return SHORT
+    return LOG_UNIFORM
+
+
 @functools.cache
-def throughputs(windowed: bool = False) -> dict[str, dict[str, float]]:
-    """Device kind -> kernel -> FLOP/s: the mean over the batches measured without a window
-    (``"tflops"``), or with ``windowed`` over those measured under a sliding window
-    (``"tflops_window"``; a device without them: its unwindowed means)."""
-    recorded = json.loads(MEASURED_FILE.read_text())["devices"]
+def recorded() -> dict[str, dict[str, dict[str, float]]]:
+    """Device kind -> composition -> kernel -> FLOP/s."""
+    devices = json.loads(MEASURED_FILE.read_text())["devices"]
+    return {device: {kind: {kernel: tflops * 1e12 for kernel, tflops in row.items()}
+                     for kind, row in entry["tflops"].items()}
+            for device, entry in devices.items()}
+
+
+def throughputs(kind_of_call: str | None = None) -> dict[str, dict[str, float]]:
+    """Device kind -> kernel -> FLOP/s on the composition ``kind_of_call``; None (or a
+    composition a device did not record): the mean over the device's unwindowed ones."""
     result: dict[str, dict[str, float]] = {}
-    for device, entry in recorded.items():
-        batches = entry.get("tflops_window") if windowed else None
+    for device, kinds in recorded().items():
+        if kind_of_call in kinds:
+            result[device] = dict(kinds[kind_of_call])
+            continue
         per_kernel: dict[str, list[float]] = {}
-        for batch in (batches or entry["tflops"]).values():
-            for kernel, tflops in batch.items():
-                per_kernel.setdefault(kernel, []).append(tflops * 1e12)
+        for kind, row in kinds.items():
+            if kind != WINDOW:
+                for kernel, flops in row.items():
+                    per_kernel.setdefault(kernel, []).append(flops)
         result[device] = {kernel: mean(values) for kernel, values in per_kernel.items()}
     return result
 
 
-def fastest(kind: str, kernels: list[str], windowed: bool = False) -> str | None:
-    """The fastest of ``kernels`` measured on ``kind`` (under a window, with ``windowed``);
-    None when none of them was."""
-    measured = throughputs(windowed).get(kind, {})
+def fastest(kind: str, kernels: list[str], kind_of_call: str | None = None) -> str | None:
+    """The fastest of ``kernels`` measured on device ``kind`` for calls of composition
+    ``kind_of_call`` (see :func:`throughputs`); None when none of them was measured."""
+    measured = throughputs(kind_of_call).get(kind, {})
     candidates = [k for k in kernels if k in measured]
     return max(candidates, key=measured.__getitem__) if candidates else None
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .contract import BlockRequest, BlockSpec
-from .precision import accumulate_dtype
+from ..precision import accumulate_dtype
 
 QUERY_BLOCK = 1024
 

@@ -1,0 +1,331 @@
+"""cuDNN's ragged (THD) attention through the optional ``nvidia-cudnn-frontend`` package
+(docs/design.md §8.8).
+
+cuDNN takes a packed batch as ``entries`` padded sequences of at most ``s_max`` rows whose
+rows lie at ragged offsets of the packed tensors, with one length per entry. A graph is built
+for those bounds, not for the lengths: the lengths and offsets are tensors it reads when it
+runs. The bounds come from the block's shapes, not its lengths (``s_max`` the power of two
+that holds every row, the entries a power of two of at least 64, the row counts to 4
+significant bits for the backward's workspace), so one forward and one backward graph serve
+every batch of a size in a stream of new batches, where the dense kernel builds a graph per
+new call size. Unused entries and rows cost nothing measurable (docs/design.md §8.8).
+
+Note [rows that see no key]
+cuDNN's padding mask with a bottom-right diagonal does not support a segment with more
+queries than keys (its first queries see no key), and a segment without keys has no softmax.
+The contract wants ``out = 0``, ``lse = -inf`` and no gradient for such rows. So each
+segment's query rows are trimmed on the device to those that see a key, before cuDNN sees
+them:
+
+    keys   k k k                 (3 keys, bottom-right: query j sees keys up to j - 2)
+    rows   q q q q q      ->     q q | q q q     the first 2 rows leave the segment
+                                 ^^^ out 0, lse -inf (written before the call)
+
+and the results start out as 0 (-inf for the lse), which is what the rows outside every
+trimmed segment keep. No host sync: the trimmed lengths and offsets are tensor ops on
+``cu_q``/``cu_k``, and every bound the graph needs comes from shapes and ``max_q``/``max_k``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .contract import BlockRequest, BlockSpec
+
+# the name nvidia-cudnn-frontend installs its module under
+FRONTEND_MODULE = "cudnn"
+INSTALL_HINT = "pip install 'hcp_compile[cudnn]' (the nvidia-cudnn-frontend package)"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 128
+# the smallest bucket of entries: batches of up to this many documents share a graph
+MIN_ENTRIES = 64
+# the smallest s_max: cuDNN's graphs for fewer rows take other paths (a 1-row graph failed the
+# reference checks on the H200), and a bound costs nothing where no entry reaches it
+MIN_SEGMENT_ROWS = 128
+# the backward's row-count bound kept to this many significant bits (at most 1/8 more
+# workspace than the call needs, 8 buckets per octave of rows)
+ROW_BOUND_BITS = 4
+# graphs kept per process; each is a few MiB of host memory and its plan
+MAX_GRAPHS = 64
+_NO_WINDOW_BY_POSITION = (
+    "cannot apply a sliding window under context parallelism (its masks are local to a "
+    "block; the window needs positions inside the document)"
+)
+
+
+@functools.cache
+def frontend() -> tuple[Any | None, str | None]:
+    """``(the cudnn module, None)``, or ``(None, why not)`` when the package is not installed
+    or does not load."""
+    if importlib.util.find_spec(FRONTEND_MODULE) is None:
+        return None, f"needs the nvidia-cudnn-frontend package: {INSTALL_HINT}"
+    try:
+        module = importlib.import_module(FRONTEND_MODULE)
+        module.backend_version()
+    except Exception as error:  # a broken install must not break the other kernels
+        return None, f"needs a working nvidia-cudnn-frontend package (importing it raised {error!r})"
+    return module, None
+
+
+def bucket(count: int, floor: int) -> int:
+    """The power of two at least ``count`` and ``floor``."""
+    return max(floor, 1 << max(count - 1, 0).bit_length())
+
+
+def row_bound(rows: int, bits: int = ROW_BOUND_BITS) -> int:
+    """``rows`` rounded up to ``bits`` significant bits (at least 1)."""
+    rows = max(rows, 1)
+    step = 1 << max(rows.bit_length() - bits, 0)
+    return -(-rows // step) * step
+
+
+def mask_bounds(spec: BlockSpec) -> tuple[int | None, int | None]:
+    """cuDNN's ``(left, right)`` diagonal band, aligned bottom-right: ``left`` keys up to and
+    including the diagonal, ``right`` keys after it; None: unbounded. Flash's window counts
+    the keys before the diagonal, so its left size is one less."""
+    right = 0 if spec.causal else (spec.window_right if spec.window_right >= 0 else None)
+    left = spec.window_left + 1 if spec.window_left >= 0 else None
+    return left, right
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """One block as cuDNN's ragged entries: per entry its trimmed query rows and its keys
+    (lengths ``[entries, 1, 1, 1]`` int32) and where they start (in rows, ``[entries + 1]``
+    int64; unused entries empty at the end)."""
+
+    q_lengths: Tensor
+    k_lengths: Tensor
+    q_starts: Tensor
+    k_starts: Tensor
+
+
+def ragged(spec: BlockSpec, entries: int) -> Ragged:
+    """The block's segments as ``entries`` ragged entries, each segment's rows trimmed to
+    those that see a key (Note [rows that see no key]); tensor ops only."""
+    cu_q, cu_k = spec.cu_q.long(), spec.cu_k.long()
+    lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
+    _, right = mask_bounds(spec)
+    if right is None:  # every row of a segment with keys sees them all or a window of them
+        blind = torch.where(lengths_k == 0, lengths_q, torch.zeros_like(lengths_q))
+    else:  # bottom-right: row j sees keys up to j - (Lq - Lk) + right
+        blind = (lengths_q - lengths_k - right).clamp(min=0)
+        blind = torch.where(lengths_k == 0, lengths_q, blind.minimum(lengths_q))
+    unused = entries - lengths_q.shape[0]
+    q_starts = torch.cat([cu_q[:-1] + blind, cu_q[-1:].expand(unused + 1)])
+    k_starts = torch.cat([cu_k[:-1], cu_k[-1:].expand(unused + 1)])
+    q_lengths = torch.nn.functional.pad(lengths_q - blind, (0, unused))
+    k_lengths = torch.nn.functional.pad(lengths_k, (0, unused))
+    as_entries = lambda t: t.to(torch.int32).view(entries, 1, 1, 1)  # noqa: E731
+    return Ragged(as_entries(q_lengths), as_entries(k_lengths), q_starts, k_starts)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a graph is built for: everything but the lengths and offsets."""
+
+    device: int
+    dtype: torch.dtype
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    entries: int
+    segment_rows: int
+    rows_q: int
+    rows_k: int
+    left: int | None
+    right: int | None
+    scale: float
+    # the diagonal aligned bottom-right, which segments with fewer queries than keys need;
+    # top-left (the same for segments of equal lengths) runs 1.8x faster (docs/design.md §8.8)
+    bottom_right: bool
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, spec: BlockSpec) -> "Shape":
+        segments = spec.cu_q.shape[0] - 1
+        return cls(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2],
+                   bucket(segments, MIN_ENTRIES), bucket(max(q.shape[0], k.shape[0]), MIN_SEGMENT_ROWS),
+                   row_bound(q.shape[0]), row_bound(k.shape[0]), *mask_bounds(spec), float(spec.scale),
+                   bottom_right=not same_segments(spec.cu_q, spec.cu_k))
+
+
+def same_segments(cu_q: Tensor, cu_k: Tensor) -> bool:
+    """Whether ``cu_q`` and ``cu_k`` are one tensor (self-attention of whole documents), so
+    every segment has as many queries as keys; known without reading the values."""
+    return (cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape and cu_q.stride() == cu_k.stride()
+            and cu_q.dtype == cu_k.dtype)
+
+
+class _Graphs:
+    """The built graphs by :class:`Shape` (forward and backward apart), least recently used
+    dropped past ``MAX_GRAPHS``, and one cuDNN handle per device."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[bool, Shape], "_Graph"] = {}
+        self._handles: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, shape: Shape, backward: bool) -> "_Graph":
+        with self._lock:
+            key = (backward, shape)
+            graph = self._graphs.pop(key, None)
+            if graph is None:
+                graph = _Graph(shape, backward, self._handle(shape.device))
+            self._graphs[key] = graph  # most recently used last
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+            return graph
+
+    def _handle(self, device: int) -> Any:
+        if device not in self._handles:
+            with torch.cuda.device(device):
+                self._handles[device] = frontend()[0].create_handle()
+        return self._handles[device]
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._graphs.clear()
+
+
+GRAPHS = _Graphs()
+
+
+class _Graph:
+    """One built forward or backward graph and its named tensors."""
+
+    def __init__(self, shape: Shape, backward: bool, handle: Any) -> None:
+        cudnn = frontend()[0]
+        self.handle = handle
+        io_type = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16}[shape.dtype]
+        graph = cudnn.pygraph(io_data_type=io_type, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        b, s, d = shape.entries, shape.segment_rows, shape.head_dim
+
+        def offsets(name: str) -> Any:
+            return graph.tensor(name=name, dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+                                data_type=cudnn.data_type.INT64)
+
+        def lengths(name: str) -> Any:
+            return graph.tensor(name=name, dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+
+        def rows(name: str, heads: int, width: int, offset: Any, data_type: Any = None) -> Any:
+            # [entries, heads, s_max, width] over the packed [rows, heads, width] tensor
+            tensor = graph.tensor(name=name, dim=[b, heads, s, width],
+                                  stride=[s * heads * width, width, heads * width, 1], data_type=data_type or io_type)
+            tensor.set_ragged_offset(offset)
+            return tensor
+
+        def mark_output(tensor: Any, like: Any, offset: Any, data_type: Any = None) -> None:
+            tensor.set_output(True).set_dim(list(like.dim)).set_stride(list(like.stride)).set_ragged_offset(offset)
+            if data_type is not None:
+                tensor.set_data_type(data_type)
+
+        hq, hk = shape.heads_q, shape.heads_kv
+        self.names = names = {n: offsets(n) for n in ("q_offsets", "k_offsets", "stats_offsets")}
+        names["q_lengths"], names["k_lengths"] = lengths("q_lengths"), lengths("k_lengths")
+        names["q"] = rows("q", hq, d, names["q_offsets"])
+        names["k"] = rows("k", hk, d, names["k_offsets"])
+        names["v"] = rows("v", hk, d, names["k_offsets"])
+        mask = dict(use_padding_mask=True, seq_len_q=names["q_lengths"], seq_len_kv=names["k_lengths"],
+                    diagonal_alignment=(cudnn.diagonal_alignment.BOTTOM_RIGHT if shape.bottom_right
+                                        else cudnn.diagonal_alignment.TOP_LEFT),
+                    diagonal_band_left_bound=shape.left, diagonal_band_right_bound=shape.right,
+                    attn_scale=shape.scale)
+        stats_like = dict(dim=[b, hq, s, 1], stride=[s * hq, 1, hq, 1])
+        if not backward:
+            out, stats = graph.sdpa(name="forward", q=names["q"], k=names["k"], v=names["v"], generate_stats=True,
+                                    **mask)
+            mark_output(out, names["q"], names["q_offsets"])
+            stats.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(stats_like["dim"]).set_stride(
+                stats_like["stride"]).set_ragged_offset(names["stats_offsets"])
+            names["out"], names["stats"] = out, stats
+        else:
+            names["out"] = rows("out", hq, d, names["q_offsets"])
+            names["dout"] = rows("dout", hq, d, names["q_offsets"])
+            names["stats"] = rows("stats", hq, 1, names["stats_offsets"], cudnn.data_type.FLOAT)
+            dq, dk, dv = graph.sdpa_backward(
+                name="backward", q=names["q"], k=names["k"], v=names["v"], o=names["out"], dO=names["dout"],
+                stats=names["stats"], max_total_seq_len_q=shape.rows_q, max_total_seq_len_kv=shape.rows_k, **mask)
+            for grad, like, offset in ((dq, "q", "q_offsets"), (dk, "k", "k_offsets"), (dv, "v", "k_offsets")):
+                mark_output(grad, names[like], names[offset])
+            names["dq"], names["dk"], names["dv"] = dq, dk, dv
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self.graph = graph
+        self.workspace_bytes = graph.get_workspace_size()
+
+    def run(self, device: torch.device, tensors: dict[str, Tensor]) -> None:
+        cudnn = frontend()[0]
+        cudnn.set_stream(self.handle, torch.cuda.current_stream(device).cuda_stream)
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+        self.graph.execute({self.names[n]: t for n, t in tensors.items()}, workspace, handle=self.handle)
+
+
+def _bound_tensors(q: Tensor, k: Tensor, spec: BlockSpec, shape: Shape) -> dict[str, Tensor]:
+    """The lengths and element offsets of the block's ragged entries."""
+    entries = ragged(spec, shape.entries)
+    heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    return {
+        "q_lengths": entries.q_lengths, "k_lengths": entries.k_lengths,
+        "q_offsets": (entries.q_starts * (heads_q * dim)).view(-1, 1, 1, 1),
+        "k_offsets": (entries.k_starts * (heads_kv * dim)).view(-1, 1, 1, 1),
+        "stats_offsets": (entries.q_starts * heads_q).view(-1, 1, 1, 1),
+    }
+
+
+class CudnnKernel:
+    name = "cudnn"
+
+    def supports(self, request: BlockRequest) -> str | None:
+        _, missing = frontend()
+        if missing is not None:
+            return missing
+        if not (request.device.type == "cuda" and request.dtype in SUPPORTED_DTYPES
+                and request.head_dim % 16 == 0 and request.head_dim <= MAX_HEAD_DIM):
+            return (f"needs CUDA tensors in fp16/bf16 with head_dim a multiple of 16 and at most {MAX_HEAD_DIM}; "
+                    f"got {request.dtype} on {request.device} with head_dim {request.head_dim}")
+        if request.window_by_position:
+            return _NO_WINDOW_BY_POSITION
+        left, right = request.window
+        if left >= 0 and right != 0:
+            return ("cannot apply a window with keys on both sides of the diagonal (cuDNN's left bound "
+                    "needs a causal mask)")
+        return None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
+        out = torch.zeros_like(q)
+        stats = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)  # [rows, heads]
+        if q.shape[0] and k.shape[0]:
+            shape = Shape.of(q, k, spec)
+            GRAPHS.get(shape, backward=False).run(q.device, {
+                **_bound_tensors(q, k, spec, shape), "q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
+                "out": out, "stats": stats})
+        return out, stats.t().contiguous()
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        spec: BlockSpec,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if q.shape[0] and k.shape[0]:
+            shape = Shape.of(q, k, spec)
+            # rows outside every trimmed segment are not read; a row whose merged lse is -inf
+            # (no key in any block) is outside them (Note [rows that see no key])
+            stats = lse.t().float().contiguous()
+            GRAPHS.get(shape, backward=True).run(q.device, {
+                **_bound_tensors(q, k, spec, shape), "q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
+                "out": out.contiguous(), "dout": dout.contiguous(), "stats": stats, "dq": dq, "dk": dk, "dv": dv})
+        return dq, dk, dv

@@ -1,0 +1,104 @@
+"""``scheme="allgather"``: every ring section in one all-gather, and the gradients back in one
+all-to-all, instead of ``R - 1`` (forward) and ``2R - 1`` (backward) hops.
+
+Better when the ring steps are short: each hop is a collective whose latency (tens of
+microseconds on NCCL, more across nodes) is paid in series with the steps, and a step whose
+blocks are small cannot hide it; one collective pays it once, and it travels while the own
+step computes. The price is memory, ``R`` sections of KV at once instead of two, and the
+overlap of later steps (they all wait for the one transfer). It also sends one section fewer
+in the backward: each gradient goes straight to its owner, where the ring's accumulator makes
+a last hop home. Each gradient travels rounded once to the input dtype and is summed on
+arrival in the accumulation dtype (the ring rounds its running sum once, on the last hop)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..collectives import arrived, gather_sections, send_pieces
+from ..mesh import CPGroups
+from ..precision import accumulate_dtype
+from .protocol import GroupShape, GroupTraffic
+
+
+class AllGatherKV:
+    """One all-gather of the ring sections, issued before the own step computes::
+
+        forward:   all-gather [section_0 | section_1 | ... | section_{R-1}]
+                   step s reads section (r - s) mod R
+        backward:  the same all-gather (each section with one element of the backward's
+                   input), then one all-to-all: row j of the send buffer is the gradient of
+                   ring rank j's section (step (r - j) mod R), the own row stays home
+    """
+
+    name = "allgather"
+
+    def forward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups) -> _Gathered:
+        return _Gathered(kv, width, steps, groups, carried=None)
+
+    def backward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
+                 carried: Tensor) -> _GatheredWithGrads:
+        return _GatheredWithGrads(kv, width, steps, groups, carried)
+
+    def traffic(self, shape: GroupShape) -> GroupTraffic:
+        """Forward: the section to each other ring rank; backward: the section and the
+        carried element to each, then to each the gradient of its section."""
+        if shape.steps == 1:
+            return GroupTraffic()
+        others, section, item = shape.ring - 1, shape.section, shape.itemsize
+        return GroupTraffic(
+            forward_calls=1, backward_calls=2, forward_bytes=others * section * item,
+            backward_bytes=others * (section + 1) * item + others * section * item,
+        )
+
+
+class _Gathered:
+    def __init__(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
+                 carried: Tensor | None):
+        self._kv, self._steps, self._groups, self._carried = kv, steps, groups, carried
+        self._section = (width, *kv.shape[1:])
+        self._pending = self._all = None
+        if steps > 1:
+            own = kv.split([width, kv.shape[0] - width])[0]
+            self._size = own.numel()
+            message = own.reshape(-1) if carried is None else torch.cat(
+                [own.reshape(-1), carried.to(kv.dtype)])
+            self._row = message.numel()
+            self._pending = gather_sections(message, groups.ring_group, groups.ring_size)
+
+    def kv(self, step: int) -> Tensor:
+        if step == 0:
+            return self._kv
+        if self._all is None:  # waited where a section is first read: after the own step
+            self._all = arrived(self._pending, (self._groups.ring_size, self._row))
+        source = self._all[(self._groups.ring_rank - step) % self._groups.ring_size]
+        if self._carried is None:
+            return source.view(self._section)
+        return source[: self._size].view(self._section)
+
+
+class _GatheredWithGrads(_Gathered):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._grads: dict[int, Tensor | None] = {}
+
+    def add(self, step: int, dkv: Tensor | None) -> None:
+        self._grads[step] = dkv
+
+    def result(self) -> Tensor:
+        kv, groups = self._kv, self._groups
+        own = self._grads[0]
+        if self._steps == 1:
+            return own.to(kv.dtype)
+        ring, rank = groups.ring_size, groups.ring_rank
+        rows = []
+        for j in range(ring):  # ring rank j's section was the keys of step (rank - j) mod R
+            if j != rank:
+                dkv = self._grads[(rank - j) % ring]
+                rows.append(torch.zeros(self._section, dtype=kv.dtype, device=kv.device)
+                            if dkv is None else dkv.to(kv.dtype).reshape(self._section))
+        sent = torch.cat([row.reshape(-1) for row in rows])
+        pending = send_pieces(sent, self._size, groups.ring_group, rank, ring)
+        received = arrived(pending, (ring - 1, *self._section))
+        summed = received.sum(0, dtype=accumulate_dtype(kv.dtype)) + own
+        return summed.to(kv.dtype)

@@ -1,0 +1,111 @@
+"""``scheme="ring"``: the zigzag ring of KV transfers (docs/design.md §3.3, §4): ``R - 1`` hops
+of the ring section forward, and in the backward the same hops with a dKV accumulator that
+follows the keys round the ring, ``R`` hops, back to their owner."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..collectives import arrived, ring_shift
+from ..merge import accumulate
+from ..mesh import CPGroups
+from ..precision import accumulate_dtype
+from .protocol import GroupShape, GroupTraffic
+
+
+class ZigzagRing:
+    """Point-to-point hops, each issued before the step that it overlaps: the transfer for
+    step ``s + 1`` travels while step ``s`` computes. Holds two sections of KV at a time."""
+
+    name = "ring"
+
+    def forward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups) -> _Hops:
+        return _Hops(kv, width, steps, groups, carried=None)
+
+    def backward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
+                 carried: Tensor) -> _HopsWithGrads:
+        return _HopsWithGrads(kv, width, steps, groups, carried)
+
+    def traffic(self, shape: GroupShape) -> GroupTraffic:
+        """Forward ``S - 1`` hops of a section; backward ``S - 1`` hops of a section and the
+        carried element, and ``S`` hops of the dKV accumulator: the first a block's own
+        gradient and the last the finished sum in the input dtype, those between sums in
+        the accumulation dtype."""
+        steps, section, item = shape.steps, shape.section, shape.itemsize
+        if steps == 1:
+            return GroupTraffic()
+        gradients = section * (2 * item + (steps - 2) * shape.accumulate_itemsize)
+        return GroupTraffic(
+            forward_calls=steps - 1, backward_calls=2 * steps - 1,
+            forward_bytes=(steps - 1) * section * item,
+            backward_bytes=(steps - 1) * (section + 1) * item + gradients,
+        )
+
+
+class _Hops:
+    """The keys of each step, each received section sent on to the next ring rank.
+
+    ::
+
+        step 0: kv = own stream    issue hop of own section -->  r+1
+        step 1: wait  <-- r-1      issue hop of what arrived -->  r+1
+        ...
+        step S-1: wait <-- r-S+1   (no further hop)
+    """
+
+    def __init__(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
+                 carried: Tensor | None):
+        self._kv, self._steps, self._groups, self._carried = kv, steps, groups, carried
+        self._section = (width, *kv.shape[1:])
+        self._message = self._incoming = None
+        if steps > 1:
+            own = kv.split([width, kv.shape[0] - width])[0]
+            self._size = own.numel()
+            # the backward's message carries one element of its input along (docs/design.md §4)
+            self._message = own.reshape(-1) if carried is None else torch.cat(
+                [own.reshape(-1), carried.to(kv.dtype)])
+
+    def kv(self, step: int) -> Tensor:
+        if step > 0:
+            self._message = arrived(self._incoming, self._message.shape)
+        if step + 1 < self._steps:  # issued before this step computes, so the two overlap
+            self._incoming = ring_shift(self._message, self._groups.ring_group,
+                                        self._groups.ring_rank, self._groups.ring_size)
+        if step == 0:
+            return self._kv
+        if self._carried is None:
+            return self._message.view(self._section)
+        return self._message[: self._size].view(self._section)
+
+
+class _HopsWithGrads(_Hops):
+    """Also a dKV accumulator of the section in hand, sent on after each step: after ``S``
+    hops it is back at the owner of the keys, holding every ring rank's share. Sums of several
+    blocks are kept in the accumulation dtype; a block's own gradient and the finished sum
+    travel in the input dtype, which rounds nothing that the result would not."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._travelling: Tensor | None = None
+
+    def add(self, step: int, dkv: Tensor | None) -> None:
+        kv, groups, last = self._kv, self._groups, step == self._steps - 1
+        if self._travelling is not None:
+            received = arrived(self._travelling, self._section)
+            if dkv is None:  # every rank sends the same dtype at each step
+                dkv = received.to(accumulate_dtype(kv.dtype))
+            else:  # the last hop sends the finished sum in kv's dtype: written so at once
+                dkv = accumulate(received, dkv, out_dtype=kv.dtype if last else None)
+        if dkv is None:
+            dkv = torch.zeros(self._section, dtype=kv.dtype, device=kv.device)
+        if self._steps == 1:
+            self._travelling = dkv
+            return
+        self._travelling = ring_shift(dkv.to(kv.dtype) if last else dkv, groups.ring_group,
+                                      groups.ring_rank, groups.ring_size)
+
+    def result(self) -> Tensor:
+        if self._steps == 1:
+            return self._travelling.to(self._kv.dtype)
+        return arrived(self._travelling, self._section).to(self._kv.dtype)

@@ -1,0 +1,52 @@
+"""What one attention call sends, per rank, from the scheme's own counts: for the report of the
+``hcp`` backend, ``ShardPlan.summary`` and the tests that check both against measured bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import RankSizes
+from ..precision import accumulate_dtype
+from ..schedule import head_groups, kv_head_repeat, rank_kv_heads, schedule_steps
+from . import scheme_named
+from .protocol import GroupShape, Traffic
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """The attention call: its heads (before the exchange), head size, dtype and options."""
+
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    returns_lse: bool = False
+    recompute_exchange: bool = False
+
+
+def call_traffic(scheme: str, sizes: RankSizes, call: CallShape, ulysses: int, ring: int,
+                 steps: int | None = None) -> Traffic:
+    """The collectives and bytes of one forward and backward on the rank with ``sizes``, under
+    the collective scheme named ``scheme``; ``steps``: the ring steps (default: as an eager
+    schedule of ``sizes`` has them; a compiled graph always has ``ring``)."""
+    repeat = kv_head_repeat(call.heads_kv, ulysses)
+    parts = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
+    shape = GroupShape(
+        counts=tuple(sizes.exchange), rank=sizes.ulysses_rank, ring=ring,
+        ring_width=sizes.ring_width,
+        steps=schedule_steps(sizes, ring) if steps is None else steps,
+        heads_q=call.heads_q // (ulysses * parts),
+        heads_kv=call.heads_kv * repeat // (ulysses * parts), head_dim=call.head_dim,
+        itemsize=call.dtype.itemsize, accumulate_itemsize=accumulate_dtype(call.dtype).itemsize,
+        returns_lse=call.returns_lse, recompute_exchange=call.recompute_exchange,
+    )
+    chosen = scheme_named(scheme)
+    return Traffic(chosen.heads.traffic(shape).times(parts), chosen.ring.traffic(shape).times(parts))
+
+
+def whole_exchange_sizes(tokens: int, ulysses: int, ring: int) -> RankSizes:
+    """The sizes of a rank whose ``tokens`` all go through the exchange and round the ring, as
+    every rank of its ring rank's: the most a call of that many tokens per rank can send."""
+    return RankSizes(tokens, 0, (tokens,) * ulysses, tokens * ulysses, 0, 0, (0,) * ring)

@@ -1,0 +1,329 @@
+"""The mesh advisor (hcp_compile/advise.py, issue 26): each part of the cost model and the
+chooser against values computed by hand from the layout rules (docs/design.md §2, §3.3, §3.6,
+§4), the bytes of schemes/ulysses.py and schemes/ring.py, and kernels/measured.json read
+directly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hcp_compile import advise, layout
+from hcp_compile.advise import HopTimes, Links, Option
+from hcp_compile.packing import log_uniform_lengths
+from hcp_compile.placements import placement_rule
+from hcp_compile.prepared import prepare_batch
+from hcp_compile.schemes.traffic import CallShape
+from hcp_compile.validation import InputError
+
+MEASURED = json.loads((Path(advise.__file__).parent / "kernels" / "measured.json").read_text())
+H200 = MEASURED["devices"]["NVIDIA H200"]["tflops"]
+LINKS = Links()  # 440 / 290 / 50 GB/s, 10 / 25 us
+BF16 = 2  # bytes
+D = 128
+FLOPS_PER_PAIR = 14 * D * 32  # 7 products of 2 D FLOPs, 32 query heads
+
+
+def tflops(composition: str) -> float:
+    return H200[composition]["dense"] * 1e12
+
+
+def seconds_at(pairs: float, composition: str) -> float:
+    return pairs * FLOPS_PER_PAIR / tflops(composition)
+
+
+def nvlink_a2a(count: float) -> float:
+    return count / 440e9 + 10e-6
+
+
+def options_of(advice: advise.Advice) -> list[tuple[int, int, str]]:
+    return [(p.ulysses, p.ring, p.placement) for p in advice.predictions]
+
+
+def prediction(advice: advise.Advice, ulysses: int, ring: int, placement: str) -> advise.Prediction:
+    return next(p for p in advice.predictions if (p.ulysses, p.ring, p.placement) == (ulysses, ring, placement))
+
+
+# --------------------------------------------------------------------------------------------
+# the chooser on hand-computed cases
+# --------------------------------------------------------------------------------------------
+
+def test_one_long_document_on_two_nodes():
+    """One 32K document on 2 nodes of 8 (heads 32/8). On 8 x 2 (zigzag: the document round the
+    ring) chunk c = 32768 / 4 = 8192; every ring rank holds two chunks: its own step is
+    c(c+1) + c^2 pairs, its other step 2c^2 (docs/design.md §3.3), each over 1/8 of the heads.
+    One KV head per rank: one head group. A section is W = 2c tokens of k and v, 8 MiB, over
+    the network; the exchange region is 2048 tokens per rank, 14336 on the others."""
+    c = 8192
+    own_pairs, ring_pairs = (c * (c + 1) + c * c) / 8, 2 * c * c / 8
+    own, ring = seconds_at(own_pairs, "one document"), seconds_at(ring_pairs, "one document")
+    section = 2 * c * 2 * 1 * D * BF16
+
+    def network(count: float) -> float:
+        return count / 50e9 + 25e-6
+
+    ring_f = max(own * 2 / 7, network(section)) + ring * 2 / 7
+    # backward: step 0 with the KV hop (+ one carried element), step 1 with the first dKV hop
+    # (a block's own gradient, bf16), then the last dKV hop home (bf16)
+    ring_b = (max(own * 5 / 7, network(section + BF16)) + max(ring * 5 / 7, network(section))
+              + network(section))
+    exchange = [2048 * (4 + 2) * D * 7 * BF16, 14336 * 4 * D * BF16,  # q, kv in; out back
+                2048 * 4 * D * 7 * BF16, 14336 * (4 + 2) * D * BF16]  # dout in; dq, dkv back
+    # one head group and no local region: every all-to-all waits in line with the ring
+    step = sum(nvlink_a2a(b) for b in exchange) + ring_f + ring_b
+    advice = advise.advise(advise.cu_seqlens_of([32768]), world=16, gpus_per_node=8, heads_q=32,
+                           heads_kv=8, head_dim=D, kernel="dense")
+    got = prediction(advice, 8, 2, "zigzag")
+    assert got.compute_s == pytest.approx(own + ring, rel=1e-9)
+    assert got.exposed_ring_s == pytest.approx(ring_f + ring_b - own - ring, rel=1e-9)
+    assert got.step_s == pytest.approx(step, rel=1e-9)
+    assert got.ring_link == "network" and got.head_groups == 1
+    assert got.all_to_all_bytes == sum(exchange)
+    # 1 x 16 cuts the document into chunks of 1024: its 15 other steps are blocks of short
+    # segments, which run at the short documents' speed; their compute alone exceeds 8 x 2's step
+    c = 1024
+    alone = seconds_at(2 * c * c + c, "one document") + seconds_at(15 * 2 * c * c, "short documents")
+    last = prediction(advice, 1, 16, "balanced")
+    assert last.compute_s == pytest.approx(alone, rel=1e-9)
+    assert alone > step
+    assert options_of(advice)[-2:] == [(1, 16, "balanced"), (1, 16, "zigzag")]
+    assert advice.best.ring > 1  # across the two nodes: a ring, never one Ulysses group of 16
+
+
+def test_many_short_documents_stay_whole_and_move_nothing():
+    """1024 documents of 256 tokens on 16 GPUs: 64 per rank, each at most 1/8 of a rank's
+    tokens, so the balanced rule keeps them all whole on one rank (docs/design.md §2.2):
+    no byte moves, every mesh takes 64 * 256 * 257 / 2 pairs at the short documents' speed.
+    Zigzag sends them all round the ring and exchanges them."""
+    alone = seconds_at(64 * 256 * 257 / 2, "short documents")
+    advice = advise.advise(advise.cu_seqlens_of([256] * 1024), world=16, gpus_per_node=8,
+                           heads_q=32, heads_kv=8, head_dim=D, kernel="dense")
+    assert advice.best.placement == "balanced"
+    balanced = [p for p in advice.predictions if p.placement == "balanced"]
+    assert [(p.ulysses, p.ring) for p in balanced] == [(1, 16), (2, 8), (4, 4), (8, 2)]
+    for p in balanced:
+        assert p.step_s == pytest.approx(alone, rel=1e-9)
+        assert p.exposed_s == 0 and p.all_to_all_bytes == 0 and p.ring_bytes == 0
+    assert all(p.step_s > alone and p.ring_bytes > 0 for p in advice.predictions if p.placement == "zigzag")
+
+
+def test_gqa_with_fewer_kv_heads_than_a_node_repeats_them_and_prefers_the_ring():
+    """32/4 heads on one node of 8, one 64K document. ulysses 8 repeats each KV head twice
+    (one per rank, one head group, docs/design.md §3.2); with R = 1 the document is one
+    GROUP spread over the node, no local region: all four all-to-all phases wait. ring 8 over
+    NVLink: chunks of 4096, every step's compute hides its hops, only the last dKV hop (a
+    section of 8192 tokens x 4 KV heads, bf16) is exposed."""
+    length = 65536
+    advice = advise.advise(advise.cu_seqlens_of([length]), world=8, gpus_per_node=8, heads_q=32,
+                           heads_kv=4, head_dim=D, kernel="dense")
+    assert {(p.ulysses, p.ring) for p in advice.predictions} == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    whole = seconds_at(length * (length + 1) / 2 / 8, "one document")
+    exchange = [8192 * (4 + 2 * 1) * D * 7 * BF16, 57344 * 4 * D * BF16,
+                8192 * 4 * D * 7 * BF16, 57344 * (4 + 2 * 1) * D * BF16]
+    ulysses = prediction(advice, 8, 1, "balanced")
+    assert ulysses.all_to_all_bytes == sum(exchange)
+    assert ulysses.step_s == pytest.approx(whole + sum(nvlink_a2a(b) for b in exchange), rel=1e-9)
+    c = length // 16
+    ring_compute = seconds_at(c * (c + 1) + c * c + 7 * 2 * c * c, "one document")
+    last_hop = 2 * c * 2 * 4 * D * BF16 / 290e9 + 10e-6
+    assert (advice.best.ulysses, advice.best.ring) == (1, 8)
+    assert advice.best.ring_link == "nvlink"
+    assert advice.best.step_s == pytest.approx(ring_compute + last_hop, rel=1e-9)
+    assert advice.best.exposed_ring_s == pytest.approx(last_hop, rel=1e-9)
+    assert ulysses.step_s > advice.best.step_s
+
+
+# --------------------------------------------------------------------------------------------
+# the parts
+# --------------------------------------------------------------------------------------------
+
+def test_the_slowest_member_of_an_all_to_all_sets_its_time():
+    """One 1001-token document on ulysses 2: exchange regions of 501 and 500 tokens. Rank 0
+    sends more before the attention (its own 501 tokens), rank 1 more after it (the other's
+    501): each phase waits for its busier member. Heads 4/2 of 8: per rank 2 q heads and 1 KV
+    head (one head group), no local region, no ring: every phase is exposed."""
+    call = CallShape(4, 2, 8, torch.bfloat16)
+    links = Links(all_to_all_bytes_per_s=1e6, nvlink_latency_s=0.0)
+    got = advise.predict([advise.cu_seqlens_of([1001])], Option(2, 1, "balanced"), 8, call,
+                         "dense", "NVIDIA H200", links)
+    phases = [501 * (2 + 2) * 8 * 2, 501 * 2 * 8 * 2, 501 * 2 * 8 * 2, 501 * (2 + 2) * 8 * 2]
+    assert got.exposed_all_to_all_s == pytest.approx(sum(phases) / 1e6, rel=1e-9)
+    assert got.exposed_ring_s == 0
+
+
+def test_compute_splits_forward_and_backward_as_two_products_of_seven():
+    work = advise.BlockWork(torch.tensor([[7e6]], dtype=torch.float64),
+                            torch.tensor([[14e6, 0.0]], dtype=torch.float64),
+                            [["short documents"]], [["one document", None]])
+    got = advise.compute_times(work, 0, 0, CallShape(32, 8, D, torch.bfloat16), "dense", "NVIDIA H200")
+    local, step = seconds_at(7e6, "short documents"), seconds_at(14e6, "one document")
+    assert got.local_forward == pytest.approx(local * 2 / 7, rel=1e-12)
+    assert got.local_backward == pytest.approx(local * 5 / 7, rel=1e-12)
+    assert got.step_forward == pytest.approx((step * 2 / 7, 0.0), rel=1e-12)
+    assert got.step_backward == pytest.approx((step * 5 / 7, 0.0), rel=1e-12)
+
+
+def test_exposed_ring_counts_every_head_groups_ring():
+    """Two head groups, each with half of every step: forward steps 0.5, 0.5 behind hops of
+    3 (ring 3.5 per group); backward steps 1, 1: the KV hop 3, then no dKV cost, the last hop
+    1 (ring 5 per group). No exchange time: the call is 2 x 3.5 + 2 x 5 = 17, of which the
+    compute is 6 and the rest (11) the ring's."""
+    compute = advise.ComputeTimes(0.0, 0.0, (1.0, 1.0), (2.0, 2.0))
+    hops = HopTimes(forward=3.0, backward_kv=3.0, backward_dkv=0.0, last_dkv=1.0)
+    assert advise.predict_rank(compute, advise.ExchangeTimes(), hops, groups=2) == (17.0, 0.0, 11.0)
+
+
+def test_auto_is_the_best_mean_over_the_unwindowed_compositions():
+    means = {kernel: sum(H200[c][kernel] for c in ("one document", "log-uniform documents", "short documents")) / 3
+             for kernel in H200["one document"]}
+    assert advise.cuda_kernel("NVIDIA H200") == max(means, key=means.__getitem__)
+
+
+def test_valid_meshes_keep_ulysses_in_a_node_and_split_the_heads():
+    assert [(o.ulysses, o.ring) for o in advise.mesh_options(16, 8, 32, 4, ["balanced"])] == [
+        (1, 16), (2, 8), (4, 4), (8, 2)]  # 4 KV heads over 8 ranks: repeated
+    assert [(o.ulysses, o.ring) for o in advise.mesh_options(16, 8, 24, 3, ["zigzag"])] == [(1, 16)]
+    assert [(o.ulysses, o.ring) for o in advise.mesh_options(12, 4, 32, 8, ["balanced"])] == [
+        (1, 12), (2, 6), (4, 3)]  # not 3 (heads) nor 6, 12 (beyond a node of 4)
+    # 24/6 heads split over 3 and 6, but a group of 3 or 6 would straddle nodes of 8
+    assert [(o.ulysses, o.ring) for o in advise.mesh_options(12, 8, 24, 6, ["balanced"])] == [(1, 12), (2, 6)]
+    assert [o.placement for o in advise.mesh_options(2, 8, 32, 8)] == ["balanced", "zigzag", "balanced", "zigzag"]
+
+
+def test_block_pairs_sum_to_each_ranks_causal_work():
+    """The per-step pairs, summed, equal layout.attention_work (written independently)."""
+    lengths = log_uniform_lengths(40000, 16, 9000, seed=3) + [0, 1, 7]
+    cu = advise.cu_seqlens_of(lengths)
+    for ulysses, ring, placement in [(2, 2, "balanced"), (1, 4, "zigzag"), (2, 3, "balanced"), (4, 1, "zigzag")]:
+        batch = layout.batch_layout(cu, ulysses, ring, placement_rule(placement))
+        work = advise.block_work(batch)
+        total = work.local + work.steps.sum(1, keepdim=True)
+        # attention_work divides by A in float32: equal to its precision
+        torch.testing.assert_close(total, layout.attention_work(batch).double(), rtol=2e-7, atol=0)
+
+
+def test_rank_sizes_match_the_prepared_batch():
+    cu = advise.cu_seqlens_of(log_uniform_lengths(30000, 16, 6000, seed=5))
+    for ulysses, ring, placement in [(2, 2, "balanced"), (1, 3, "zigzag"), (3, 2, "balanced")]:
+        prepared = prepare_batch(cu, ulysses=ulysses, ring=ring, placement=placement, rank=0)
+        for r in range(ring):
+            for a in range(ulysses):
+                assert advise.rank_sizes(prepared.layout, r, a) == prepared.rank_sizes(r, a)
+
+
+def test_block_composition_judges_short_segments_short_first():
+    assert advise.block_composition(0, 0) is None
+    assert advise.block_composition(1, 2047) == "short documents"
+    assert advise.block_composition(1, 2048) == "one document"
+    assert advise.block_composition(5, 2048) == "log-uniform documents"
+    assert advise.block_composition(5, 100) == "short documents"
+
+
+def test_ring_forward_hides_each_hop_behind_the_step_before():
+    # steps 3, 1, 2 with hops of 2: max(3, 2) + max(1, 2) + 2
+    assert advise.ring_forward([3.0, 1.0, 2.0], 2.0) == 7.0
+    assert advise.ring_forward([3.0], 2.0) == 3.0
+
+
+def test_ring_backward_carries_kv_and_dkv_and_exposes_the_last_hop():
+    hops = HopTimes(backward_kv=1.0, backward_dkv=1.5, last_dkv=0.5)
+    # step 0: the KV hop (1); step 1: KV + dKV (2.5); step 2: the dKV hop (1.5); + last 0.5
+    assert advise.ring_backward([3.0, 1.0, 2.0], hops) == 3.0 + 2.5 + 2.0 + 0.5
+    assert advise.ring_backward([3.0], hops) == 3.0
+
+
+def test_pipeline_hides_the_next_groups_exchange_behind_a_ring():
+    # group 0 in: 0..2 (local 0..1); group 1 in: 2..4; ring 0: 2..5; out 0: 5..6;
+    # ring 1: 5..8; out 1: 8..9
+    assert advise.pipeline(1.0, 2.0, [3.0, 3.0], 1.0) == 9.0
+    # one group: in 0..2, ring 2..5, out 5..6
+    assert advise.pipeline(1.0, 2.0, [3.0], 1.0) == 6.0
+    # a local region longer than the exchange hides it
+    assert advise.pipeline(4.0, 2.0, [3.0], 1.0) == 8.0
+    # group 0 in 0..1 under the local region 0..3; group 1 in issued at 3: 3..4; ring 0
+    # 3..3.5; out 0 waits for the link: 4..5; ring 1 waits for its exchange: 4..4.5; out 1 5..6
+    assert advise.pipeline(3.0, 1.0, [0.5, 0.5], 1.0) == 6.0
+
+
+def test_exchange_bytes_split_what_goes_before_and_after_the_ring():
+    sizes = layout.RankSizes(100, 10, (50, 70, 30), 0, 1, 0, (0,))
+    call = CallShape(12, 6, 8, torch.bfloat16)  # per rank 4 q and 2 kv heads, one group: 2 KV
+    forward_in, forward_out, backward_in, backward_out = advise.exchange_bytes(sizes, call, 3, 1)
+    assert forward_in == 70 * (4 + 4) * 8 * 2 * 2  # own tokens, the other 2 ranks' heads
+    assert forward_out == (50 + 30) * 4 * 8 * 2
+    assert backward_in == 70 * 4 * 8 * 2 * 2
+    assert backward_out == (50 + 30) * (4 + 4) * 8 * 2
+
+
+def test_hop_times_from_the_ring_schemes_bytes():
+    """4 ring steps, a section of 10 tokens x 2 KV heads x 8 in bf16 (320 bytes), two head
+    groups of one KV head each: a group's forward hop 160 bytes, its middle dKV hops fp32."""
+    sizes = layout.RankSizes(10, 0, (10, 10), 20, 0, 0, (1, 1, 1, 1))
+    call = CallShape(4, 4, 8, torch.bfloat16)
+    links = Links(network_bytes_per_s=100.0, network_latency_s=1.0)
+    hops = advise.hop_times(sizes, call, 2, 4, "network", links, groups=2)
+    section = 20 * 2 * 1 * 8  # elements of one group's section (W = 20 tokens)
+    assert hops.forward == section * 2 / 100 + 1
+    assert hops.backward_kv == (section + 1) * 2 / 100 + 1
+    # dKV hops 0..2: a block's own gradient (bf16), then two sums (fp32); hop 3 home in bf16
+    assert hops.backward_dkv == pytest.approx((section * 2 + 2 * section * 4) / 3 / 100 + 1)
+    assert hops.last_dkv == section * 2 / 100 + 1
+
+
+def test_ring_link_is_the_network_once_the_mesh_spans_nodes():
+    assert advise.ring_link(2, 4, 8) == "nvlink"
+    assert advise.ring_link(1, 16, 8) == "network"
+    assert advise.ring_link(8, 1, 8) == "-"
+
+
+# --------------------------------------------------------------------------------------------
+# the command and its errors
+# --------------------------------------------------------------------------------------------
+
+def test_command_prints_the_table_and_the_mesh_to_make(tmp_path):
+    batch_file = tmp_path / "lengths.txt"
+    batch_file.write_text("32768\n16384 16384\n")
+    out = advise.main(["--world", "16", "--lengths", str(batch_file), "--kernel", "dense"])
+    expected = advise.advise([advise.cu_seqlens_of([32768]), advise.cu_seqlens_of([16384, 16384])],
+                             world=16, gpus_per_node=8, heads_q=32, heads_kv=8, head_dim=D,
+                             kernel="dense")
+    best = expected.best
+    assert f"make_mesh(ulysses={best.ulysses}, ring={best.ring})" in out
+    assert f"{best.step_s * 1e3:.2f}" in out.splitlines()[2]  # the first row is the best
+    assert "2 batch(es)" in out
+    assert len([line for line in out.splitlines() if line.startswith("| ")]) == 1 + 8
+
+
+def test_loguniform_batches_are_seeded_draws_of_the_tokens():
+    cus = advise.batches_from("loguniform:256:32768", 131072, 2, seed=0)
+    assert len(cus) == 2 and all(int(cu[-1]) == 131072 for cu in cus)
+    lengths = cus[0].diff()
+    assert int(lengths.min()) >= 1 and int(lengths[:-1].min()) >= 256 and int(lengths.max()) <= 32768
+    assert not torch.equal(cus[0], cus[1])
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"world": 0}, "world: expected a positive int"),
+    ({"heads_kv": 5}, "heads: 32 query heads are not a multiple of 5"),
+    ({"kernel": "nope"}, "kernel: 'nope' was not measured"),
+    ({"device_kind": "TPU"}, "device_kind: no measurements for 'TPU'"),
+    ({"placements": ["ring"]}, "placements: expected names of"),
+    ({"batches": []}, "batches: expected a cu_seqlens"),
+    ({"batches": torch.tensor([1, 4], dtype=torch.int32)}, "batches[0]: expected a 1-D cu_seqlens"),
+])
+def test_errors_name_the_bad_argument(kwargs, argument):
+    call = {"batches": advise.cu_seqlens_of([100]), "world": 4, "gpus_per_node": 8,
+            "heads_q": 32, "heads_kv": 8, "head_dim": D, **kwargs}
+    with pytest.raises(InputError) as error:
+        advise.advise(call.pop("batches"), **call)
+    assert str(error.value).startswith(argument)
+
+
+def test_command_errors_name_the_argument():
+    with pytest.raises(InputError, match="^lengths: expected 'one'"):
+        advise.main(["--world", "4", "--lengths", "/no/such/file"])
+    with pytest.raises(InputError, match="^heads: expected HQ/HKV"):
+        advise.main(["--world", "4", "--heads", "32"])

@@ -1,0 +1,195 @@
+"""The cuDNN ragged kernel (kernels/cudnn.py): its trimming of rows that see no key and its
+buckets on any machine; without the nvidia-cudnn-frontend package, that it is never chosen
+and says what to install; with it, on CUDA, against the float64 reference in bf16 (edge
+batches, GQA, windows, blocks with more keys than queries or more queries than keys, the
+backward given merged results) and that one graph pair serves batches of a bucket."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import hcp_compile as hc
+from attention_reference import reference_with_grads
+from checks import assert_matches
+from cp_cases import cu_seqlens, seeded
+from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, resolve_kernel, run_backward, \
+    run_forward
+from test_dense_kernel import check_second_halves
+
+HAS_FRONTEND = cudnn.frontend()[0] is not None
+needs_cudnn = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_FRONTEND),
+                                 reason="needs a CUDA device and the nvidia-cudnn-frontend package")
+
+
+def visible_rows(len_q: int, len_k: int, causal: bool, window: tuple[int, int]) -> list[bool]:
+    """Per query row of a segment, whether it sees a key (bottom-right alignment), by brute
+    force over the keys."""
+    left, right = window
+    if causal:
+        right = 0
+    seen = []
+    for j in range(len_q):
+        diagonal = j + len_k - len_q
+        seen.append(any((right < 0 or key <= diagonal + right) and (left < 0 or key >= diagonal - left)
+                        for key in range(len_k)))
+    return seen
+
+
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, 0)), (False, (-1, 2))])
+def test_entries_keep_exactly_the_rows_that_see_a_key(causal, window):
+    rng = random.Random(f"{causal}{window}")
+    for _ in range(50):
+        len_q = [rng.choice([0, 1, 2, 5, 9]) for _ in range(rng.randint(1, 6))]
+        len_k = [rng.choice([0, 1, 3, 5, 9]) for _ in len_q]
+        cu_q, cu_k = cu_seqlens(tuple(len_q)), cu_seqlens(tuple(len_k))
+        spec = BlockSpec(cu_q, cu_k, max(len_q), max(len_k), causal, 1.0, *window)
+        entries = cudnn.bucket(len(len_q), 8)
+        got = cudnn.ragged(spec, entries)
+        kept = torch.zeros(int(cu_q[-1]), dtype=torch.bool)
+        for i in range(entries):
+            start, length = int(got.q_starts[i]), int(got.q_lengths[i])
+            assert int(got.k_starts[i]) == (int(cu_k[i]) if i < len(len_q) else int(cu_k[-1]))
+            assert int(got.k_lengths[i]) == (len_k[i] if i < len(len_q) else 0)
+            if i >= len(len_q):
+                assert length == 0
+                continue
+            # the kept rows are the segment's last ones
+            assert start + length == int(cu_q[i + 1])
+            kept[start:start + length] = True
+        expected = [seen for lq, lk in zip(len_q, len_k) for seen in visible_rows(lq, lk, causal, window)]
+        assert kept.tolist() == expected, (len_q, len_k)
+        assert got.q_starts.tolist() == sorted(got.q_starts.tolist())
+
+
+def test_buckets_cover_the_counts_with_bounded_waste():
+    assert [cudnn.bucket(n, 64) for n in (0, 1, 64, 65, 179)] == [64, 64, 64, 128, 256]
+    for rows in (1, 7, 8, 9, 1000, 131_071, 131_072, 131_073):
+        bound = cudnn.row_bound(rows)
+        assert rows <= bound <= rows * 1.125 + 1
+    assert len({cudnn.row_bound(rows) for rows in range(65_537, 131_073)}) == 8
+
+
+def test_mask_bounds_count_the_diagonal_in_the_left_bound():
+    spec = lambda causal, window: BlockSpec(torch.zeros(2), torch.zeros(2), 1, 1, causal, 1.0, *window)  # noqa: E731
+    assert cudnn.mask_bounds(spec(True, (-1, -1))) == (None, 0)
+    assert cudnn.mask_bounds(spec(False, (-1, -1))) == (None, None)
+    assert cudnn.mask_bounds(spec(True, (4096, 0))) == (4097, 0)
+
+
+def cuda_request(window=(-1, -1), cp=False, head_dim=128) -> BlockRequest:
+    q = torch.empty(1, 4, head_dim, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2, head_dim, dtype=torch.bfloat16, device="meta")
+    return dataclasses.replace(BlockRequest.of(q, k, window, context_parallel=cp), device=torch.device("cuda"))
+
+
+@pytest.fixture
+def cudnn_fastest(monkeypatch):
+    """Measurements that rank cudnn first on a device kind "NVIDIA X"."""
+    recorded = {"NVIDIA X": {"cudnn": 500e12, "dense": 480e12, "flash": 300e12}}
+    monkeypatch.setattr(measured, "throughputs", lambda kind_of_call=None: recorded)
+    monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "NVIDIA X")
+
+
+def test_without_the_package_auto_never_takes_it_and_naming_it_says_what_to_install(monkeypatch, cudnn_fastest):
+    monkeypatch.setattr(cudnn, "frontend", lambda: (None, "needs the nvidia-cudnn-frontend package: pip install x"))
+    assert resolve_kernel("auto", cuda_request()) == "dense"
+    with pytest.raises(hc.InputError, match="kernel='cudnn' needs the nvidia-cudnn-frontend package: pip install x"):
+        resolve_kernel("cudnn", cuda_request())
+
+
+def test_with_the_package_auto_takes_it_where_it_was_measured_fastest(monkeypatch, cudnn_fastest):
+    monkeypatch.setattr(cudnn, "frontend", lambda: (object(), None))
+    assert resolve_kernel("auto", cuda_request()) == "cudnn"
+    # what it cannot run goes elsewhere
+    assert resolve_kernel("auto", cuda_request(head_dim=256)) != "cudnn"
+    assert resolve_kernel("auto", cuda_request(window=(8, 0), cp=True)) != "cudnn"
+    assert KERNELS["cudnn"].supports(cuda_request(window=(8, 3))).startswith("cannot apply a window")
+
+
+# --------------------------------------------------------------------------------------------
+# on CUDA with the package
+# --------------------------------------------------------------------------------------------
+
+EDGE_DOCS = [(700, 1, 300, 0, 129, 128, 1000, 5), (40, 1, 0, 40), (1, 1, 0, 1), (1, 0), (0, 0, 3), (2048, 2049)]
+MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (100, 0))]
+
+
+def bf16_inputs(name: str, tokens: int, heads_q: int, heads_kv: int, dim: int = 64) -> dict:
+    return {n: seeded(f"{name}/{n}", tokens, h, dim).bfloat16()
+            for n, h in (("q", heads_q), ("k", heads_kv), ("v", heads_kv), ("dout", heads_q))}
+
+
+@needs_cudnn
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", EDGE_DOCS, ids=str)
+@pytest.mark.parametrize("causal, window", MASKS, ids=str)
+@pytest.mark.parametrize("heads_kv", [8, 2], ids=["mha", "gqa"])
+def test_cudnn_matches_reference_in_bf16(lengths, causal, window, heads_kv):
+    x = bf16_inputs(f"cudnn-{lengths}-{causal}-{window}", sum(lengths), 8, heads_kv)
+    cu = cu_seqlens(lengths)
+    leaves = [x[n].cuda().requires_grad_() for n in "qkv"]
+    longest = max(lengths)
+    out, lse = torch.ops.hcp.varlen_attention(*leaves, cu.cuda(), cu.cuda(), longest, longest, causal, 64 ** -0.5,
+                                              *window, "cudnn")
+    out.backward(x["dout"].cuda())
+    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(), causal=causal,
+                                    window=window)
+    got = {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+    for name in ("out", "dq", "dk", "dv"):
+        assert_matches(got[name].cpu(), expected[name], name, atol=3.5e-2, rtol=3.5e-2)
+    assert torch.isfinite(lse).all()  # every row sees at least itself
+
+
+@needs_cudnn
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["one-block", "two-blocks-merged"])
+def test_cudnn_more_keys_than_queries_and_merged_backward_in_bf16(split):
+    check_second_halves((700, 1, 300, 0, 129, 128, 1000, 5), split, torch.device("cuda"), torch.bfloat16,
+                        kernel="cudnn", atol=3.5e-2, rtol=3.5e-2)
+
+
+@needs_cudnn
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cudnn_more_queries_than_keys_matches_the_torch_kernel(causal):
+    """Segments with more queries than keys (bottom-right: the first queries see none) and
+    segments without keys, against the plain-PyTorch kernel in fp32 on the same values."""
+    len_q, len_k = (9, 300, 5, 0, 40), (3, 100, 0, 7, 40)
+    cu_q, cu_k = cu_seqlens(len_q).cuda(), cu_seqlens(len_k).cuda()
+    q, dout = (seeded(f"more-queries/{n}", sum(len_q), 8, 64).bfloat16().cuda() for n in ("q", "dout"))
+    k, v = (seeded(f"more-queries/{n}", sum(len_k), 2, 64).bfloat16().cuda() for n in ("k", "v"))
+    spec = BlockSpec(cu_q, cu_k, max(len_q), max(len_k), causal, 0.125)
+    out, lse = run_forward("cudnn", q, k, v, spec)
+    grads = run_backward("cudnn", dout, q, k, v, out, lse, spec)
+    wide = [t.float() for t in (q, k, v, dout)]
+    out_ref, lse_ref = run_forward("torch", *wide[:3], spec)
+    grads_ref = run_backward("torch", wide[3], *wide[:3], out.float(), lse, spec)
+    assert_matches(out.float().cpu(), out_ref.cpu(), "out", atol=2e-2, rtol=2e-2)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-2, rtol=2e-2)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_matches(got.float().cpu(), ref.cpu(), name, atol=2e-2, rtol=2e-2)
+
+
+@needs_cudnn
+@pytest.mark.gpu
+def test_one_graph_pair_serves_new_batches_of_a_bucket():
+    cudnn.GRAPHS.clear()
+    rng = random.Random(0)
+    for step in range(4):
+        lengths = []
+        while sum(lengths) < 8192 - 1024:  # up to 64 documents: one bucket
+            lengths.append(rng.randint(128, 1024))
+        lengths.append(8192 - sum(lengths))
+        cu = cu_seqlens(tuple(lengths)).cuda()
+        x = bf16_inputs(f"bucket-{step}", 8192, 8, 2)
+        leaves = [x[n].cuda().requires_grad_() for n in "qkv"]
+        longest = max(lengths)
+        out, _ = torch.ops.hcp.varlen_attention(*leaves, cu, cu, longest, longest, True, 0.125, -1, -1, "cudnn")
+        out.backward(x["dout"].cuda())
+    assert len(cudnn.GRAPHS) == 2

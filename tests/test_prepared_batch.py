@@ -1,0 +1,256 @@
+"""A batch prepared ahead of time (``prepare_batch`` in a DataLoader worker, no process group)
+is pickled to the training process and taken as it is by ``shard_plan``, eager CP and the
+compiled graph, which derive nothing again and give the results of the on-the-fly path
+(docs/design.md §2, §9; issue 24's per-batch host work off the critical path). Also: the
+fingerprint the ranks agree on tells any number of placements apart, and ``check`` flags
+exactly the broken rules.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import hcp_compile as hc
+from attention_reference import reference_with_grads
+from checks import assert_matches, assert_raised, local_rows
+from compile_cases import VarlenAttention, fresh_dynamo
+from cp_cases import World, cu_seqlens, seeded
+from hcp_compile import batch_check, layout, prepared, schedule
+from hcp_compile.placements import PLACEMENTS
+from hcp_compile.prepared import BatchValues, MeshShape, PreparedBatch, prepare_batch
+
+MESH = (2, 2)  # (ulysses, ring)
+SUITE = "test_prepared_batch:suite"
+# short documents and two long ones: local, group and ring placements on 2 x 2
+DOCS = (3, 2, 4, 1, 2, 3, 5, 2, 1, 3, 2, 4, 6, 2, 3, 44, 1, 2, 5, 3, 2, 4, 1, 3, 30)
+HEADS, HEAD_DIM = (4, 2), 8
+MASK = {"causal": True, "window": (5, 0)}  # a window: the steps it skips are derived too
+
+
+def global_inputs() -> dict[str, torch.Tensor]:
+    tokens = sum(DOCS)
+    return {name: seeded(f"prepared/{name}", tokens, heads, HEAD_DIM)
+            for name, heads in (("q", HEADS[0]), ("k", HEADS[1]), ("v", HEADS[1]), ("dout", HEADS[0]))}
+
+
+class _PreparedBatches(Dataset):
+    """What a trainer's loader yields: the batch, prepared in the worker for this rank."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> tuple[int, PreparedBatch]:
+        batch = prepare_batch(cu_seqlens(DOCS), ulysses=MESH[0], ring=MESH[1], rank=self.rank,
+                              causal=MASK["causal"], window=MASK["window"])
+        return os.getpid(), batch
+
+
+# what preparing a batch derives; the prepared path must call none of it again
+_DERIVATIONS = ((layout, "batch_layout"), (layout, "rank_size_values"), (layout, "rank_tokens"),
+                (layout, "step_sees_any_key"), (prepared, "schedule_tables"))
+
+
+@contextmanager
+def counting_derivations() -> Iterator[dict[str, int]]:
+    calls = {name: 0 for _, name in _DERIVATIONS}
+    originals = [(module, name, getattr(module, name)) for module, name in _DERIVATIONS]
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return call
+
+    for module, name, original in originals:
+        setattr(module, name, counted(name, original))
+    try:
+        yield calls
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+def attend(plan: hc.ShardPlan, world: World, cu: torch.Tensor, compiled: bool) -> dict:
+    """Forward and backward of the batch's attention on this rank's shards, eager or compiled."""
+    x = global_inputs()
+    q, k, v = (plan.shard(x[n]).requires_grad_() for n in "qkv")
+    if compiled:
+        fresh_dynamo()
+        model = VarlenAttention(MASK["causal"], None, MASK["window"])
+        out = torch.compile(model, backend=hc.backend(mesh=world.mesh, inner="aot_eager"),
+                            fullgraph=True)(q, k, v, cu, max(DOCS))
+    else:
+        with hc.context_parallel(world.mesh):
+            out = hc.varlen_attention(q, k, v, cu, cu, max(DOCS), max(DOCS), causal=MASK["causal"],
+                                      window_size=MASK["window"])
+    out.backward(plan.shard(x["dout"]))
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@dataclass(frozen=True)
+class AheadOfTimeCase:
+    """The batch prepared in a DataLoader worker, then the same batch prepared on the fly."""
+
+    id: str = "prepared-in-a-worker-then-on-the-fly"
+
+    def run(self, world: World) -> dict:
+        loader = DataLoader(_PreparedBatches(world.rank), batch_size=None, num_workers=1,
+                            multiprocessing_context="fork")
+        (worker, batch), = list(loader)
+        cu = cu_seqlens(DOCS)
+        with counting_derivations() as calls:
+            plan = hc.shard_plan(batch, world.mesh)
+            ahead = {"eager": attend(plan, world, cu, compiled=False),
+                     "compiled": attend(plan, world, cu, compiled=True)}
+        prepared._PREPARED.clear()  # forget it: the on-the-fly path derives everything again
+        with counting_derivations() as on_the_fly_calls:
+            fly_plan = hc.shard_plan(cu, world.mesh)
+            on_the_fly = {"eager": attend(fly_plan, world, cu, compiled=False),
+                          "compiled": attend(fly_plan, world, cu, compiled=True)}
+        return {"worker": worker, "pid": os.getpid(), "calls": calls,
+                "on_the_fly_calls": on_the_fly_calls, "ahead": ahead, "on_the_fly": on_the_fly,
+                "global_index": plan.global_index, "fly_global_index": fly_plan.global_index}
+
+
+@dataclass(frozen=True)
+class OtherShapeCase:
+    """A batch prepared for another placement than the plan's is refused, naming it."""
+
+    id: str = "prepared-for-another-placement"
+
+    def run(self, world: World) -> dict:
+        batch = prepare_batch(cu_seqlens(DOCS), ulysses=MESH[0], ring=MESH[1], placement="zigzag")
+        hc.shard_plan(batch, world.mesh)
+        return {}
+
+
+AHEAD, OTHER_SHAPE = AheadOfTimeCase(), OtherShapeCase()
+
+
+def suite(mesh: tuple[int, int]) -> list:
+    return [AHEAD, OTHER_SHAPE]
+
+
+@pytest.fixture(scope="module")
+def world(cp_world):
+    return cp_world(MESH, suite=SUITE)
+
+
+def test_batch_prepared_in_a_worker_is_taken_as_it_is_and_matches_the_reference(world):
+    x = global_inputs()
+    cu = cu_seqlens(DOCS).tolist()
+    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu, cu, **MASK)
+    for rank, result in enumerate(world.values(AHEAD.id)):
+        assert result["worker"] != result["pid"], f"rank {rank}: not prepared in another process"
+        assert not any(result["calls"].values()), f"rank {rank}: derived again: {result['calls']}"
+        # the counters see a derivation: the on-the-fly path makes them
+        assert result["on_the_fly_calls"]["batch_layout"] >= 1, f"rank {rank}: {result['on_the_fly_calls']}"
+        assert torch.equal(result["global_index"], result["fly_global_index"]), f"rank {rank}: plans differ"
+        index = result["global_index"]
+        for path in ("eager", "compiled"):
+            for name in ("out", "dq", "dk", "dv"):
+                got = result["ahead"][path][name]
+                assert_matches(got, local_rows(expected[name], index), f"rank {rank} {path} {name}")
+                assert torch.equal(got, result["on_the_fly"][path][name]), (
+                    f"rank {rank} {path} {name}: prepared ahead differs from on the fly"
+                )
+
+
+def test_batch_prepared_for_another_placement_is_refused_naming_it(world):
+    for rank, record in enumerate(world.per_rank(OTHER_SHAPE.id)):
+        assert_raised(record, hc.InputError, "cu_seqlens: a PreparedBatch for ulysses=2 x ring=2 with "
+                      "placement='zigzag', but shard_plan lays out for ulysses=2 x ring=2 with "
+                      "placement='balanced'", f"rank {rank}")
+
+
+# --------------------------------------------------------------------------------------------
+# one process
+# --------------------------------------------------------------------------------------------
+
+FINGERPRINT_CODE = """
+import torch
+from hcp_compile.prepared import BatchValues, MeshShape, PreparedBatch
+values = BatchValues.of(torch.tensor({cu}))
+print(PreparedBatch(values, MeshShape(2, 2, "balanced")).fingerprint(True))
+"""
+
+
+def test_fingerprint_tells_apart_any_number_of_placements_and_flags():
+    """The old salt (2 * index + recompute_exchange, below 8) fitted four placements: nine
+    more names than there are placements must still give distinct fingerprints."""
+    values = BatchValues.of(cu_seqlens(DOCS).long())
+    names = [*PLACEMENTS, *(f"rule{i}" for i in range(9))]
+    prints = {(name, flag): PreparedBatch(values, MeshShape(2, 2, name)).fingerprint(flag)
+              for name in names for flag in (False, True)}
+    assert len(set(prints.values())) == len(prints)
+    # its negation must fit an int64 too: the ranks all-reduce the max of both
+    assert all(0 <= p < 2**62 for p in prints.values())
+    other_batch = BatchValues.of(cu_seqlens(tuple(reversed(DOCS))).long())
+    assert PreparedBatch(other_batch, MeshShape(2, 2, "balanced")).fingerprint(False) != prints["balanced", False]
+
+
+def test_fingerprint_is_the_same_in_another_process():
+    """Ranks are processes: a per-process hash (Python's) would tell equal batches apart."""
+    cu = cu_seqlens(DOCS).tolist()
+    here = PreparedBatch(BatchValues.of(torch.tensor(cu)), MeshShape(2, 2, "balanced")).fingerprint(True)
+    there = subprocess.run([sys.executable, "-c", FINGERPRINT_CODE.format(cu=cu)], capture_output=True,
+                           text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "random"})
+    assert int(there.stdout) == here
+
+
+def test_check_flags_exactly_the_broken_rules():
+    batch = prepare_batch(cu_seqlens(DOCS), ulysses=2, ring=1, rank=0)
+    others = BatchValues.of(cu_seqlens(tuple(reversed(DOCS))).long())
+    call = batch_check.BatchCall(
+        {"q": 10**6, "k": 10**6, "v": 10**6}, {"max_seqlen_q": max(DOCS) - 1, "max_seqlen_k": max(DOCS)},
+        keys=others, rank=(0, 1), planned=MeshShape(2, 1, "zigzag"),
+    )
+    failures = batch_check.check(batch, call)
+    # BATCH_RULES: starts at 0, non-decreasing, shard tokens, same documents, max_seqlen, planned
+    assert batch_check.flags(failures) == [False, False, True, True, True, True]
+    assert [f.message.split(":")[0] for f in failures] == [
+        "cu_seqlens_k", "max_seqlen_q", "cu_seqlens", "q", "k", "v"]
+    fine = batch_check.BatchCall({n: sum(DOCS) for n in "qkv"}, {"max_seqlen_q": max(DOCS), "max_seqlen_k": max(DOCS)})
+    assert batch_check.check(prepared.prepare(batch.batch, None), fine) == ()  # a single device
+
+
+def test_pickled_batch_holds_what_the_host_derives():
+    """Layout, sizes, tokens and tables survive pickling, equal to a fresh derivation."""
+    cu = cu_seqlens(DOCS)
+    batch = pickle.loads(pickle.dumps(prepare_batch(cu, ulysses=2, ring=2, rank=3, causal=True)))
+    fresh = layout.batch_layout(cu, 2, 2, PLACEMENTS["balanced"])
+    for f in fields(fresh):
+        got, want = getattr(batch.layout, f.name), getattr(fresh, f.name)
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, f.name
+    sizes = layout.rank_sizes(layout.rank_size_values(fresh, 1, 1).tolist(), 1, 2)
+    assert batch.rank_sizes(1, 1) == sizes
+    assert torch.equal(batch.tokens(1, 1).global_index, layout.rank_tokens(fresh, sizes, 1).global_index)
+    want = schedule.schedule_tables(fresh, sizes, 1, 2, causal=True, windowed=False).flat()
+    for got, expected in zip(batch.tables(1, 1, 2, True, False).flat(), want):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arguments, match", [
+    ({"cu_seqlens": cu_seqlens(DOCS).long()}, "cu_seqlens: expected dtype torch.int32"),
+    ({"cu_seqlens": cu_seqlens(DOCS) + 1}, "cu_seqlens: must start at 0"),
+    ({"ulysses": 0}, "ulysses: expected a positive int"),
+    ({"rank": 4}, "rank: expected a rank of the context-parallel mesh, 0 <= rank < 4"),
+    ({"placement": "round"}, "placement: expected one of"),
+    ({"window": (-2, 0)}, "window_size"),
+])
+def test_prepare_batch_rejects_bad_arguments_naming_them(arguments, match):
+    with pytest.raises(hc.InputError, match=match):
+        prepare_batch(**{"cu_seqlens": cu_seqlens(DOCS), "ulysses": 2, "ring": 2, **arguments})

@@ -1,0 +1,96 @@
+"""Collective schemes (hcp_compile/schemes, docs/extending.md "A collective scheme"): eager CP
+under each scheme equals the float64 single-device reference (output and q/k/v gradients,
+pads exactly zero), and what each scheme says it sends (``schemes.traffic.call_traffic``,
+collectives and bytes per group, forward and backward) is what the collectives were measured
+sending (tests/traffic.py) on every rank of every mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checks import assert_matches, expected_for, local_rows
+from cp_cases import MESHES, mesh_id, scheme_cases
+from hcp_compile import layout
+from hcp_compile.plan import format_bytes
+from hcp_compile.schemes import SCHEMES
+from hcp_compile.schemes.traffic import CallShape, call_traffic
+
+CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
+         for mesh in MESHES for case in scheme_cases()]
+BF16_GQA = {"atol": 3.5e-2, "rtol": 3.5e-2}  # README tolerances
+
+
+def test_every_scheme_is_tested():
+    assert {case.scheme for case in scheme_cases()} == set(SCHEMES)
+
+
+@pytest.mark.parametrize("mesh, case", CASES)
+def test_scheme_matches_single_device_reference(cp_world, mesh, case):
+    dtype = getattr(torch, case.dtype)
+    reference = expected_for(case, dtype)
+    tolerance = BF16_GQA if dtype == torch.bfloat16 else {}
+    for rank, result in enumerate(cp_world(mesh).values(case.id)):
+        index = result["global_index"]
+        for name in ("out", "dq", "dk", "dv"):
+            got = result[name]
+            assert got.dtype == dtype, f"rank {rank} {name}: {got.dtype}"
+            assert_matches(got, local_rows(reference[name], index), f"rank {rank} {name}", **tolerance)
+            assert (got[index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
+
+
+@pytest.mark.parametrize("mesh, case", CASES)
+def test_scheme_traffic_is_what_the_collectives_send(cp_world, mesh, case):
+    ulysses, ring = mesh
+    call = CallShape(case.heads_q, case.heads_kv, case.head_dim, getattr(torch, case.dtype),
+                     recompute_exchange=case.recompute_exchange)
+    for rank, result in enumerate(cp_world(mesh).values(case.id)):
+        sizes = layout.rank_sizes(result["sizes"], result["ulysses_rank"], ulysses)
+        said = call_traffic(case.scheme, sizes, call, ulysses, ring)
+        for direction in ("forward", "backward"):
+            expected = {f"{group}_{what}": getattr(getattr(said, group), f"{direction}_{what}")
+                        for group in ("ulysses", "ring") for what in ("calls", "bytes")}
+            assert result[direction] == expected, f"rank {rank} {direction}: measured {result[direction]}"
+
+
+def test_allgather_sends_fewer_ring_collectives_and_bytes_than_the_ring(cp_world):
+    """On 1 x 4 (three hops per direction): the all-gather issues one collective forward and two
+    backward where the ring issues 3 and 7, and its backward sends one section fewer (each
+    gradient goes straight to its owner)."""
+    world = cp_world((1, 4))
+    ring, gathered = (world.values(f"scheme-{s}-long-h4.2-causal-w4.0")[0] for s in ("ring", "allgather"))
+    assert (ring["forward"]["ring_calls"], ring["backward"]["ring_calls"]) == (3, 7)
+    assert (gathered["forward"]["ring_calls"], gathered["backward"]["ring_calls"]) == (1, 2)
+    assert gathered["forward"]["ring_bytes"] == ring["forward"]["ring_bytes"]
+    assert gathered["backward"]["ring_bytes"] < ring["backward"]["ring_bytes"]
+
+
+def summary_rows(table: str) -> list[dict[str, str]]:
+    """The rows of ``ShardPlan.summary``'s markdown table, by header."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[2:]]
+
+
+SUMMARY_CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
+                 for mesh in MESHES for case in scheme_cases() if not case.recompute_exchange]
+
+
+@pytest.mark.parametrize("mesh, case", SUMMARY_CASES)
+def test_shard_plan_summary_is_what_a_call_sends(cp_world, mesh, case):
+    """``ShardPlan.summary`` (of the case's scheme) against what each rank was measured to hold
+    and send: real tokens and pads from the rank's ``global_index``, the documents per
+    placement from ``document_placement``, the bytes of one call (forward and backward) on
+    each group from tests/traffic.py."""
+    results = cp_world(mesh).values(case.id)
+    for rank, result in enumerate(results):
+        row = summary_rows(result["summary"])[rank]
+        index = result["global_index"]
+        assert row["rank (ring, ulysses)"].startswith(f"{rank} "), row
+        assert (int(row["real tokens"]), int(row["pads"])) == (int((index >= 0).sum()), int((index < 0).sum()))
+        placed = result["document_placement"]
+        assert int(row["docs local/group/ring"].split("/")[2]) == placed.count("ring"), row
+        sent = {group: result["forward"][f"{group}_bytes"] + result["backward"][f"{group}_bytes"]
+                for group in ("ulysses", "ring")}
+        assert (row["all-to-all bytes/call"], row["ring bytes/call"]) == (
+            format_bytes(sent["ulysses"]), format_bytes(sent["ring"])), f"rank {rank}: {row}, measured {sent}"
