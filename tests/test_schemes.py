@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from checks import assert_matches, expected_for, local_rows
-from cp_cases import MESHES, mesh_id, scheme_cases
-from hcp_compile import layout
+from cp_cases import MESHES, cu_seqlens, mesh_id, scheme_cases
+from hcp_compile import advise, layout
+from hcp_compile.placements import placement_rule
 from hcp_compile.plan import format_bytes
 from hcp_compile.schemes import SCHEMES
 from hcp_compile.schemes.traffic import CallShape, call_traffic
@@ -94,3 +95,33 @@ def test_shard_plan_summary_is_what_a_call_sends(cp_world, mesh, case):
                 for group in ("ulysses", "ring")}
         assert (row["all-to-all bytes/call"], row["ring bytes/call"]) == (
             format_bytes(sent["ulysses"]), format_bytes(sent["ring"])), f"rank {rank}: {row}, measured {sent}"
+
+
+ADVISED_CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
+                 for mesh in MESHES for case in scheme_cases()
+                 if case.scheme == advise.SCHEME and not case.recompute_exchange]
+
+
+@pytest.mark.parametrize("mesh, case", ADVISED_CASES)
+def test_advisor_bytes_are_what_a_call_sends(cp_world, mesh, case):
+    """The advisor's inputs to its communication part (hcp_compile/advise.py, issue 26)
+    against measurement: the sizes it reads off the layout without the prepared batch's tables
+    are each rank's measured sizes, and its all-to-all bytes, split into what travels before
+    the ring (the rank's own region: none when it has none) and after it (the others'), add up
+    to what the rank was measured sending, per direction. (Its ring hops are call_traffic's,
+    which test_scheme_traffic_is_what_the_collectives_send checks.)"""
+    ulysses, ring = mesh
+    call = CallShape(case.heads_q, case.heads_kv, case.head_dim, getattr(torch, case.dtype))
+    batch = layout.batch_layout(cu_seqlens(case.lengths), ulysses, ring, placement_rule(case.placement))
+    for rank, result in enumerate(cp_world(mesh).values(case.id)):
+        ring_rank, ulysses_rank = divmod(rank, ulysses)
+        sizes = advise.rank_sizes(batch, ring_rank, ulysses_rank)
+        assert sizes == layout.rank_sizes(result["sizes"], result["ulysses_rank"], ulysses), f"rank {rank}"
+        forward_in, forward_out, backward_in, backward_out = advise.exchange_bytes(sizes, call, ulysses, ring)
+        measured = result["forward"], result["backward"]
+        assert (forward_in + forward_out, backward_in + backward_out) == tuple(
+            m["ulysses_bytes"] for m in measured), f"rank {rank}"
+        # what a rank sends before the ring is its own exchange region's q and KV (dout), what it
+        # sends after is the others' results: each share is zero exactly when its regions are
+        own, others = sizes.exchange[ulysses_rank], sum(sizes.exchange) - sizes.exchange[ulysses_rank]
+        assert (forward_in == 0) == (own == 0 or ulysses == 1) and (forward_out == 0) == (others == 0 or ulysses == 1)
