@@ -1,4 +1,4 @@
-"""The mesh advisor (hcp_compile/advise.py, issue 26): each part of the cost model and the
+"""The mesh advisor (hcp_compile/advise/, issue 26): each part of the cost model and the
 chooser against values computed by hand from the layout rules (docs/design.md §2, §3.3, §3.6,
 §4), the bytes of schemes/ulysses.py and schemes/ring.py, and kernels/measured.json read
 directly."""
@@ -6,20 +6,20 @@ directly."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from hcp_compile import advise, layout
 from hcp_compile.advise import HopTimes, Links, Option
+from hcp_compile.kernels import measured
 from hcp_compile.packing import log_uniform_lengths
 from hcp_compile.placements import placement_rule
 from hcp_compile.prepared import prepare_batch
 from hcp_compile.schemes.traffic import CallShape
 from hcp_compile.validation import InputError
 
-MEASURED = json.loads((Path(advise.__file__).parent / "kernels" / "measured.json").read_text())
+MEASURED = json.loads(measured.MEASURED_FILE.read_text())
 H200 = MEASURED["devices"]["NVIDIA H200"]["tflops"]
 LINKS = Links()  # 440 / 290 / 50 GB/s, 10 / 25 us
 BF16 = 2  # bytes

@@ -104,7 +104,7 @@ ADVISED_CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
 
 @pytest.mark.parametrize("mesh, case", ADVISED_CASES)
 def test_advisor_bytes_are_what_a_call_sends(cp_world, mesh, case):
-    """The advisor's inputs to its communication part (hcp_compile/advise.py, issue 26)
+    """The advisor's inputs to its communication part (hcp_compile/advise/, issue 26)
     against measurement: the sizes it reads off the layout without the prepared batch's tables
     are each rank's measured sizes, and its all-to-all bytes, split into what travels before
     the ring (the rank's own region: none when it has none) and after it (the others'), add up

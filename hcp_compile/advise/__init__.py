@@ -1,0 +1,83 @@
+"""Which ``ulysses x ring`` mesh and placement for a user's batches (issue 26): a cost model
+from measured parts and a chooser over the valid meshes.
+
+    python -m hcp_compile.advise --world 64 --gpus-per-node 8 --heads 32/8 --head-dim 128 \\
+        --lengths loguniform:256:32768 --tokens 1048576
+
+The model predicts one causal forward + backward of one attention call per rank, as the sum of
+explicit parts, each a pure function that a GPU measurement can check on its own (one module
+each: records.py, compute.py, communication.py, overlap.py; chooser.py, report.py, command.py):
+
+- compute (:func:`compute_times`): each block's visible query-key pairs (from the real layout
+  of the placement rule, :mod:`hcp_compile.layout`) times ``14 * head_dim`` FLOPs per pair
+  and query head, at the TF/s that kernels/measured.json records for the kernel on the
+  device kind and the block's composition (one document, log-uniform or short documents);
+  the forward takes 1/3.5 of it (2 of the 7 products, docs/design.md §7);
+- all-to-all (:func:`exchange_times`) and ring (:func:`hop_times`): the bytes that
+  ``schemes.traffic.call_traffic`` counts for the rank, over the link of each level
+  (:class:`Links`), plus a latency per collective;
+- overlap (:func:`ring_forward`, :func:`ring_backward`, :func:`pipeline`): what the code
+  overlaps (docs/design.md §3.3, §3.6, §4): every ring hop travels behind the step before the
+  one that reads it, the backward's dKV hop behind the next step, its last hop exposed; head
+  group ``g + 1``'s exchange behind group ``g``'s ring, group 0's behind the local region.
+
+A step's time is its slowest rank's. Not modelled: per-call host work and launches (which
+dominate batches of short documents on few ranks, docs/benchmarks.md), contention between an
+all-to-all and ring hops on one NVLink domain, windows (only causal attention is measured for
+every kernel).
+"""
+
+from __future__ import annotations
+
+from .records import (
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, FLOPS_PER_PAIR_HEAD_DIM,
+    FORWARD_SHARE, HopTimes, Links, Option, Prediction, RankPrediction, SCHEME, TIE,
+)
+from .compute import block_composition, block_work, compute_times, kernel_throughput
+from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
+from .overlap import pipeline, predict_rank, ring_backward, ring_forward
+from .chooser import advise, cuda_kernel, mesh_options, predict, predict_batch
+from .report import format_advice, format_table, reasons
+from .command import batches_from, cu_seqlens_of, main, parse_heads
+
+__all__ = [
+    "Advice",
+    "BlockWork",
+    "ComputeTimes",
+    "DEFAULT_DEVICE",
+    "ExchangeTimes",
+    "FLOPS_PER_PAIR_HEAD_DIM",
+    "FORWARD_SHARE",
+    "HopTimes",
+    "Links",
+    "Option",
+    "Prediction",
+    "RankPrediction",
+    "SCHEME",
+    "TIE",
+    "advise",
+    "batches_from",
+    "block_composition",
+    "block_work",
+    "compute_times",
+    "cu_seqlens_of",
+    "cuda_kernel",
+    "exchange_bytes",
+    "exchange_times",
+    "format_advice",
+    "format_table",
+    "hop_times",
+    "kernel_throughput",
+    "main",
+    "mesh_options",
+    "parse_heads",
+    "pipeline",
+    "predict",
+    "predict_batch",
+    "predict_rank",
+    "rank_sizes",
+    "reasons",
+    "ring_backward",
+    "ring_forward",
+    "ring_link",
+]

@@ -1,0 +1,138 @@
+"""The chooser: the valid meshes and placements, each one's prediction (its slowest rank), the
+recommendation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import layout
+from ..kernels import measured
+from ..placements import PLACEMENTS, placement_rule
+from ..schedule import head_groups, rank_kv_heads
+from ..schemes.traffic import CallShape, call_traffic
+from ..validation import InputError, check_head_split
+from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
+from .compute import block_work, compute_times
+from .overlap import predict_rank
+from .records import Advice, DEFAULT_DEVICE, Links, Option, Prediction, RankPrediction, SCHEME
+
+
+def mesh_options(world: int, gpus_per_node: int, heads_q: int, heads_kv: int,
+                 placements: Sequence[str] = tuple(PLACEMENTS)) -> list[Option]:
+    """Every ``ulysses x ring = world`` whose Ulysses group lies inside one node (``ulysses``
+    divides ``gpus_per_node``: a group is ``ulysses`` consecutive ranks) and can split the
+    heads (:func:`validation.check_head_split`), with every placement."""
+    _check_positive(world=world, gpus_per_node=gpus_per_node, heads_q=heads_q, heads_kv=heads_kv)
+    if heads_q % heads_kv:
+        raise InputError(f"heads: {heads_q} query heads are not a multiple of {heads_kv} "
+                         "key/value heads; pass --heads HQ/HKV with HKV dividing HQ")
+    for name in placements:
+        if name not in PLACEMENTS:
+            raise InputError(f"placements: expected names of {sorted(PLACEMENTS)}, got {name!r}")
+    meshes = []
+    for ulysses in range(1, min(world, gpus_per_node) + 1):
+        if world % ulysses or gpus_per_node % ulysses:
+            continue
+        try:
+            check_head_split(heads_q, heads_kv, ulysses)
+        except InputError:
+            continue
+        meshes.append((ulysses, world // ulysses))
+    return [Option(a, r, p) for a, r in meshes for p in placements]
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name}: expected a positive int, got {value!r}")
+
+
+
+
+
+def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: CallShape,
+                  kernel: str, device_kind: str, links: Links) -> tuple[RankPrediction, float]:
+    """The slowest rank's prediction for one batch, and the mean rank's compute."""
+    ulysses, ring = option.ulysses, option.ring
+    batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(option.placement))
+    work = block_work(batch)
+    groups = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
+    link = ring_link(ulysses, ring, gpus_per_node)
+    ranks = []
+    for r in range(ring):
+        sizes = [rank_sizes(batch, r, a) for a in range(ulysses)]
+        moved = [exchange_bytes(s, call, ulysses, ring) for s in sizes]
+        slowest = tuple(max(column) for column in zip(*moved))
+        exchange = exchange_times(slowest, links, groups)
+        hops = hop_times(sizes[0], call, ulysses, ring, link, links, groups)
+        ring_bytes = call_traffic(SCHEME, sizes[0], call, ulysses, ring).ring
+        for a in range(ulysses):
+            compute = compute_times(work, r, a, call, kernel, device_kind)
+            step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups)
+            ranks.append(RankPrediction(step, compute.total, a2a, exposed_ring, sum(moved[a]),
+                                        ring_bytes.forward_bytes + ring_bytes.backward_bytes))
+    return max(ranks, key=lambda p: p.step), sum(p.compute for p in ranks) / len(ranks)
+
+
+def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call: CallShape,
+            kernel: str, device_kind: str, links: Links) -> Prediction:
+    """``option``'s prediction: the slowest rank of each batch, averaged over ``batches``."""
+    slowest, means = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, device_kind, links)
+                           for b in batches))
+
+    def average(values: Sequence[float]) -> float:
+        return sum(values) / len(values)
+
+    groups = head_groups(rank_kv_heads(call.heads_kv, option.ulysses), option.ulysses)
+    return Prediction(
+        option, groups, ring_link(option.ulysses, option.ring, gpus_per_node),
+        average([p.step for p in slowest]), average([p.compute for p in slowest]), average(means),
+        average([p.exposed_all_to_all for p in slowest]), average([p.exposed_ring for p in slowest]),
+        average([p.all_to_all_bytes for p in slowest]), average([p.ring_bytes for p in slowest]),
+    )
+
+
+def cuda_kernel(device_kind: str) -> str:
+    """The kernel ``kernel="auto"`` takes under CP on ``device_kind`` with every measured
+    kernel installed: the best mean over the unwindowed compositions (docs/design.md §8.2)."""
+    table = measured.throughputs()
+    if device_kind not in table:
+        raise InputError(f"device_kind: no measurements for {device_kind!r} in "
+                         f"kernels/measured.json; expected one of {sorted(table)}")
+    return max(table[device_kind], key=table[device_kind].__getitem__)
+
+
+def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int, heads_q: int,
+           heads_kv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
+           placements: Sequence[str] = tuple(PLACEMENTS), kernel: str = "auto",
+           device_kind: str = DEFAULT_DEVICE, links: Links = Links()) -> Advice:
+    """Predict every valid mesh and placement (:func:`mesh_options`) on ``batches`` (one
+    global int32 ``cu_seqlens`` or a sample of them) and rank them, fastest first:
+    ``advice.best`` has ``ulysses``, ``ring`` and ``placement`` for ``make_mesh`` and
+    ``shard_plan``. ``kernel="auto"``: the one CP's auto takes on ``device_kind``."""
+    started = time.perf_counter()
+    batches = [batches] if isinstance(batches, Tensor) else list(batches)
+    if not batches:
+        raise InputError("batches: expected a cu_seqlens tensor or a non-empty list of them")
+    for i, cu in enumerate(batches):
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 \
+                or bool((cu[1:] < cu[:-1]).any()):
+            raise InputError(f"batches[{i}]: expected a 1-D cu_seqlens starting at 0, "
+                             "non-decreasing, with at least one document; pass the global "
+                             "cumulative document lengths")
+    _check_positive(head_dim=head_dim)
+    kernel = cuda_kernel(device_kind) if kernel == "auto" else kernel
+    call = CallShape(heads_q, heads_kv, head_dim, dtype)
+    options = mesh_options(world, gpus_per_node, heads_q, heads_kv, placements)
+    if not options:
+        raise InputError(f"world: no ulysses x ring = {world} has a Ulysses group inside a node "
+                         f"of {gpus_per_node} GPUs that splits {heads_q}/{heads_kv} heads")
+    predictions = sorted(
+        (predict(batches, o, gpus_per_node, call, kernel, device_kind, links) for o in options),
+        key=lambda p: (p.step_s, p.exposed_s),
+    )
+    return Advice(tuple(predictions), kernel, device_kind, len(batches), time.perf_counter() - started)

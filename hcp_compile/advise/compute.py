@@ -1,0 +1,109 @@
+"""The compute part: each block's visible query-key pairs on each rank, from the real layout, at
+the throughput measured for the block's composition."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels import measured
+from ..layout import BatchLayout, Kind
+from ..schemes.traffic import CallShape
+from ..validation import InputError
+from .records import BlockWork, ComputeTimes, FLOPS_PER_PAIR_HEAD_DIM, FORWARD_SHARE
+
+
+def block_composition(segments: int, longest: int) -> str | None:
+    """The measured composition a block is timed by; None for a block without segments.
+    Unlike ``measured.composition`` (which judges a whole batch), a block whose longest
+    segment is short is short whatever its segment count: a ring step of one document cut
+    into 1K chunks runs at short-segment speed (the dense kernel hands such segments to
+    flash), not at one 131K document's."""
+    if segments == 0:
+        return None
+    if longest < measured.SHORT_DOCUMENT_ROWS:
+        return measured.SHORT
+    return measured.composition(False, segments, longest)
+
+
+def block_work(batch: BatchLayout) -> BlockWork:
+    """The pairs and compositions of every rank's blocks under ``batch``'s layout: the local
+    region, the own ring step (the ring rank's own ring section, causal inside each document,
+    and its GROUP documents) and the ring steps ``s`` against ring rank ``r - s``'s section
+    (docs/design.md §3.3: ``LOWER`` for an earlier source, ``UPPER`` for a later one). Real
+    tokens only: pads see nothing."""
+    lengths, ring, ulysses = batch.lengths, batch.ring, batch.ulysses
+    is_local, is_group, is_ring = (batch.kind == k for k in (Kind.LOCAL, Kind.GROUP, Kind.RING))
+    whole = (lengths * (lengths + 1) // 2).double()
+    slot = torch.where(is_local, batch.ring_rank * ulysses + batch.ulysses_rank, 0)
+    local = torch.zeros(ring * ulysses, dtype=torch.float64).scatter_add(
+        0, slot, torch.where(is_local, whole, 0)).view(ring, ulysses)
+    local_count = torch.zeros(ring * ulysses, dtype=torch.int64).scatter_add(
+        0, slot, is_local.long()).view(ring, ulysses)
+    local_longest = torch.zeros(ring * ulysses, dtype=torch.int64).scatter_reduce(
+        0, slot, torch.where(is_local, lengths, 0), "amax").view(ring, ulysses)
+    group_rank = torch.where(is_group, batch.ring_rank, 0)
+    group = torch.zeros(ring, dtype=torch.float64).scatter_add(0, group_rank, torch.where(is_group, whole, 0))
+    group_count = torch.zeros(ring, dtype=torch.int64).scatter_add(0, group_rank, is_group.long())
+    group_longest = torch.zeros(ring, dtype=torch.int64).scatter_reduce(
+        0, group_rank, torch.where(is_group, lengths, 0), "amax")
+
+    # real tokens of every RING document in each zigzag chunk: first[r] chunk r, second[r]
+    # chunk 2R-1-r (a document's pads sit at the end of its last chunks)
+    chunk = batch.chunk[is_ring]
+    ring_lengths = lengths[is_ring]
+    index = torch.arange(ring)[:, None]
+
+    def real(chunk_index: Tensor) -> Tensor:
+        return (ring_lengths - chunk_index * chunk).clamp(min=0).minimum(chunk).double()
+
+    first, second = real(index), real(2 * ring - 1 - index)  # [R, n_ring]
+    own = (first * (first + 1) / 2 + second * (second + 1) / 2 + first * second).sum(1)
+    lower = (first + second) @ first.T  # [r, src]: every held query, the source's first chunk
+    upper = second @ (first + second).T  # [r, src]: the second chunk's queries, both chunks
+    source = (index - torch.arange(ring)[None, :]) % ring  # [r, s]: step s reads r - s
+    rows = index.expand(ring, ring)
+    steps = torch.where(source < rows, lower[rows, source], upper[rows, source])
+    steps[:, 0] = own + group
+    n_ring, chunk_max = int(is_ring.sum()), int(chunk.max()) if chunk.numel() else 0
+    step_kind = [
+        [block_composition(n_ring + int(group_count[r]), max(2 * chunk_max, int(group_longest[r])))]
+        + [block_composition(n_ring, chunk_max)] * (ring - 1)
+        for r in range(ring)
+    ]
+    local_kind = [[block_composition(int(local_count[r, a]), int(local_longest[r, a]))
+                   for a in range(ulysses)] for r in range(ring)]
+    return BlockWork(local, steps / ulysses, local_kind, step_kind)
+
+
+def kernel_throughput(kernel: str, device_kind: str, composition: str) -> float:
+    """FLOP/s (forward + backward) measured for ``kernel`` on ``device_kind`` for a batch of
+    ``composition`` (kernels/measured.json)."""
+    table = measured.throughputs(composition)
+    if device_kind not in table:
+        raise InputError(f"device_kind: no measurements for {device_kind!r} in "
+                         f"kernels/measured.json; expected one of {sorted(table)} (run "
+                         "scripts/measure_kernels.py on that device to add it)")
+    if kernel not in table[device_kind]:
+        raise InputError(f"kernel: {kernel!r} was not measured on {device_kind!r}; expected "
+                         f"one of {sorted(table[device_kind])}")
+    return table[device_kind][kernel]
+
+
+def compute_times(work: BlockWork, ring_rank: int, ulysses_rank: int, call: CallShape,
+                  kernel: str, device_kind: str) -> ComputeTimes:
+    """Seconds of rank ``(ring_rank, ulysses_rank)``'s blocks: pairs x ``14 D`` FLOPs per
+    query head, at the measured throughput of each block's composition."""
+    flops_per_pair = FLOPS_PER_PAIR_HEAD_DIM * call.head_dim * call.heads_q
+
+    def seconds(pairs: float, composition: str | None) -> float:
+        if composition is None or pairs == 0:
+            return 0.0
+        return pairs * flops_per_pair / kernel_throughput(kernel, device_kind, composition)
+
+    local = seconds(float(work.local[ring_rank, ulysses_rank]), work.local_kind[ring_rank][ulysses_rank])
+    steps = [seconds(float(p), kind) for p, kind in zip(work.steps[ring_rank].tolist(), work.step_kind[ring_rank])]
+    return ComputeTimes(
+        local * FORWARD_SHARE, local * (1 - FORWARD_SHARE),
+        tuple(s * FORWARD_SHARE for s in steps), tuple(s * (1 - FORWARD_SHARE) for s in steps),
+    )

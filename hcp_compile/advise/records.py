@@ -1,0 +1,150 @@
+"""The advisor's records and constants: the links, an option, and the predictions of its parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+# FLOPs of one visible query-key pair per query head and unit of head dim, forward + backward:
+# 7 products of 2 FLOPs (the count measured.json's TF/s are taken with, benchmarks/speed.py)
+FLOPS_PER_PAIR_HEAD_DIM = 14
+FORWARD_SHARE = 2 / 7  # the forward's 2 products (q k^T, p v) of the 7 (docs/design.md §7)
+SCHEME = "ring"  # the collective scheme whose overlap the model describes (schemes/ring.py)
+DEFAULT_DEVICE = "NVIDIA H200"
+# predictions closer than this are called a tie: the parts are measured to a few percent
+TIE = 0.01
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidth (bytes/s, one direction, per GPU) and latency (s per collective) of each level.
+
+    The bandwidths are the issue's H200 figures: ~440 GB/s for an all-to-all of 2 ranks and
+    ~290 GB/s for a ring transfer over NVLink, measured, and 400 Gb/s per GPU across nodes,
+    nominal. The latencies are assumptions to be measured on the GPU machines: they matter
+    only where the steps are short (many ring ranks, small batches)."""
+
+    all_to_all_bytes_per_s: float = 440e9
+    ring_nvlink_bytes_per_s: float = 290e9
+    network_bytes_per_s: float = 50e9
+    nvlink_latency_s: float = 10e-6
+    network_latency_s: float = 25e-6
+
+
+@dataclass(frozen=True)
+class Option:
+    """One mesh and placement: ``make_mesh(ulysses=o.ulysses, ring=o.ring)``,
+    ``shard_plan(..., placement=o.placement)``."""
+
+    ulysses: int
+    ring: int
+    placement: str
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """The causal query-key pairs of every block of every rank, each counted per query head of
+    the block (a stream block runs ``1/A`` of the heads, so its pairs are divided by ``A``),
+    and each block's composition (a key of measured.json, None for an empty block)."""
+
+    local: Tensor  # [R, A] pairs of the local region (all heads)
+    steps: Tensor  # [R, S] pairs of ring step s of ring rank r, per Ulysses rank (1/A heads)
+    local_kind: list[list[str | None]]  # [R][A]
+    step_kind: list[list[str | None]]  # [R][S]
+
+
+@dataclass(frozen=True)
+class ComputeTimes:
+    """Seconds of the compute of one rank: forward and backward of its local region and of
+    each ring step (all head groups together)."""
+
+    local_forward: float
+    local_backward: float
+    step_forward: tuple[float, ...]
+    step_backward: tuple[float, ...]
+
+    @property
+    def total(self) -> float:
+        return self.local_forward + self.local_backward + sum(self.step_forward) + sum(self.step_backward)
+
+
+@dataclass(frozen=True)
+class ExchangeTimes:
+    """Seconds of one head group's all-to-alls: before its ring (q and KV; in the backward
+    dout) and after it (the output; dq and dKV)."""
+
+    forward_in: float = 0.0
+    forward_out: float = 0.0
+    backward_in: float = 0.0
+    backward_out: float = 0.0
+
+
+@dataclass(frozen=True)
+class HopTimes:
+    """Seconds of one head group's ring hops: a forward KV hop, a backward KV hop, a backward
+    dKV hop before the last, the last dKV hop (the finished sum in the input dtype)."""
+
+    forward: float = 0.0
+    backward_kv: float = 0.0
+    backward_dkv: float = 0.0
+    last_dkv: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankPrediction:
+    """One rank's predicted forward + backward of one attention call, in seconds."""
+
+    step: float
+    compute: float
+    exposed_all_to_all: float
+    exposed_ring: float
+    all_to_all_bytes: int
+    ring_bytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """An option's prediction: the slowest rank's parts, averaged over the batches."""
+
+    option: Option
+    head_groups: int
+    ring_link: str  # "nvlink", "network" or "-" (no ring)
+    step_s: float
+    compute_s: float
+    mean_compute_s: float  # the mean rank's compute: step_s against it shows the imbalance
+    exposed_all_to_all_s: float
+    exposed_ring_s: float
+    all_to_all_bytes: float  # per rank and call, the slowest rank's
+    ring_bytes: float
+
+    @property
+    def ulysses(self) -> int:
+        return self.option.ulysses
+
+    @property
+    def ring(self) -> int:
+        return self.option.ring
+
+    @property
+    def placement(self) -> str:
+        return self.option.placement
+
+    @property
+    def exposed_s(self) -> float:
+        return self.exposed_all_to_all_s + self.exposed_ring_s
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The predictions, fastest first; ``best`` is the first."""
+
+    predictions: tuple[Prediction, ...]
+    kernel: str
+    device_kind: str
+    batches: int
+    seconds: float  # how long the advice took
+
+    @property
+    def best(self) -> Prediction:
+        return self.predictions[0]
