@@ -130,11 +130,17 @@ def _pack(blocks: list[Tensor], after: Tensor | None = None) -> Tensor:
     return buffer
 
 
+def _staged_on_host(x: Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether an all-gather of ``x`` over ``group`` goes through the host: gloo's all-gather
+    of CUDA tensors crashed the process (SIGSEGV, torch 2.11, two ranks sharing one H200),
+    while its all-to-all and all-reduce stage them fine."""
+    return x.device.type == "cuda" and dist.get_backend(group) == "gloo"
+
+
 def gather_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """All-gather along dim 0 in group-rank order (waited). Over gloo a CUDA tensor goes
-    through the host: gloo's all-gather of CUDA tensors crashed the process (SIGSEGV, torch
-    2.11, two ranks sharing one H200), while its all-to-all and all-reduce stage them fine."""
-    staged = x.device.type == "cuda" and dist.get_backend(group) == "gloo"
+    """All-gather along dim 0 in group-rank order (waited); over gloo a CUDA tensor goes
+    through the host (:func:`_staged_on_host`)."""
+    staged = _staged_on_host(x, group)
     gathered = funcol.wait_tensor(_all_gather((x.cpu() if staged else x).contiguous(), 0, group))
     return gathered.to(x.device) if staged else gathered
 
@@ -161,9 +167,10 @@ def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Ten
 def gather_sections(flat: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
     """Issue an all-gather of a 1-D tensor over the ring group: the result, ``[size *
     flat.numel()]`` in ring-rank order, is not yet waited for (read it through
-    :func:`arrived`). Gloo stages no CUDA tensor here (see :func:`gather_tokens`): a scheme
-    that uses it needs NCCL on GPUs."""
-    return torch.ops._c10d_functional.all_gather_into_tensor(flat, size, group.group_name)
+    :func:`arrived`). Over gloo a CUDA tensor goes through the host (:func:`_staged_on_host`):
+    the result is then on the CPU, for the caller to move back."""
+    staged = flat.cpu() if _staged_on_host(flat, group) else flat
+    return torch.ops._c10d_functional.all_gather_into_tensor(staged, size, group.group_name)
 
 
 def send_pieces(flat: Tensor, piece: int | torch.SymInt, group: dist.ProcessGroup, rank: int,
@@ -177,7 +184,8 @@ def send_pieces(flat: Tensor, piece: int | torch.SymInt, group: dist.ProcessGrou
 
 
 def arrived(x: Tensor, shape: torch.Size) -> Tensor:
-    """Wait for a transfer issued by :func:`ring_shift` and view it as ``shape``."""
+    """Wait for a transfer issued here (:func:`ring_shift`, :func:`gather_sections`,
+    :func:`send_pieces`) and view it as ``shape``."""
     return _wait(x).view(shape)
 
 

@@ -25,7 +25,7 @@ values (prepared.py), once per batch and mesh shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Callable
 
@@ -76,10 +76,6 @@ class BatchLayout:
     def ring_width(self) -> Tensor:
         """``W``: tokens of the ring section of every ring rank's exchange stream."""
         return 2 * self.chunk.sum()
-
-    def to(self, device: torch.device) -> "BatchLayout":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return BatchLayout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
 
     def is_local_on(self, ring_rank: int, ulysses_rank: int) -> Tensor:
         return (

@@ -9,7 +9,7 @@ from torch import Tensor
 from . import validation
 from .batch_check import BatchCall, check
 from .context import active_context
-from .prepared import host_values, prepare
+from .prepared import PreparedBatch, host_values
 from .kernels import KERNELS, BlockRequest, BlockSpec, KeysByValue, resolve_kernel
 from .precision import accumulate_dtype
 
@@ -156,6 +156,6 @@ def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
         {"max_seqlen_q": max_q, "max_seqlen_k": max_k},
         keys=None if cu_k is cu_q else host_values(cu_k),
     )
-    failures = check(prepare(queries, None), call)
+    failures = check(PreparedBatch(queries, None), call)  # nothing to lay out: not cached
     if failures:
         raise failures[0].error()

@@ -80,10 +80,14 @@ def log_uniform_lengths(tokens: int, low: int, high: int, seed: int) -> list[int
     """Document lengths drawn log-uniformly from [low, high] (seeded) until they hold
     ``tokens``, the last one cut: the synthetic batches of the benchmarks (seed 0 and 128K
     tokens of 256..32K give W2) and of ``python -m hcp_compile.advise``."""
+    if not (tokens >= 1 and 1 <= low <= high):
+        raise InputError(f"tokens, low, high: expected tokens >= 1 and 1 <= low <= high, got {tokens}, {low}, {high}")
     gen = torch.Generator().manual_seed(seed)
     lengths: list[int] = []
-    while sum(lengths) < tokens:
+    total = 0
+    while total < tokens:
         u = float(torch.rand((), generator=gen))
         lengths.append(int(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
-    lengths[-1] -= sum(lengths) - tokens
+        total += lengths[-1]
+    lengths[-1] -= total - tokens
     return [n for n in lengths if n > 0]

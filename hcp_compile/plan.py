@@ -116,7 +116,7 @@ class ShardPlan:
                 rows.append([
                     f"{r * ulysses + a} ({r}, {a})", real, sizes.tokens - real,
                     f"{float(work[r, a]):.4g}", f"{local_docs}/{group_docs}/{ring_docs}",
-                    format_bytes(all_to_all), format_bytes(ring_bytes if ring > 1 else 0),
+                    format_bytes(all_to_all), format_bytes(ring_bytes),
                 ])
         headers = ["rank (ring, ulysses)", "real tokens", "pads", "causal work (pairs)",
                    "docs local/group/ring", "all-to-all bytes/call", "ring bytes/call"]

@@ -25,6 +25,7 @@ from . import layout, validation
 from .layout import BatchLayout, RankSizes, StreamTokens
 from .placements import DEFAULT_PLACEMENT, check_placement, placement_rule
 from .schedule import ScheduleTables, schedule_steps, schedule_tables
+from .schemes import DEFAULT_SCHEME
 from .validation import CU_NON_DECREASING, CU_STARTS_AT_0, Failure
 
 
@@ -149,7 +150,7 @@ class PreparedBatch:
         values = self.rank_size_values(ring_rank, ulysses_rank).tolist()
         return layout.rank_sizes(values, ulysses_rank, self.layout.ulysses)
 
-    def fingerprint(self, recompute_exchange: bool, scheme: str = "ring") -> int:
+    def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME) -> int:
         """A hash of the values, the mesh shape, the placement, ``recompute_exchange`` and the
         collective scheme (the options every rank must share: ranks that differ in them would
         exchange buffers of different layouts or sizes), below 2**62 so that its negation fits
@@ -289,8 +290,8 @@ def _build(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
 
 _CAPACITY = 8  # batches kept: a training step's, the next one's from the loader, a few more
 _PREPARED: OrderedDict[tuple[bytes, MeshShape | None], PreparedBatch] = OrderedDict()
-# digest -> the mesh shapes shard_plan laid those values out for, most recent last
-_PLANNED: OrderedDict[bytes, tuple[MeshShape, ...]] = OrderedDict()
+# digest -> the mesh shape shard_plan last laid those values out for
+_PLANNED: OrderedDict[bytes, MeshShape] = OrderedDict()
 _PLANNED_CAPACITY = 64
 _LOCK = threading.Lock()
 
@@ -351,9 +352,11 @@ def prepare_batch(
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise validation.InputError(f"{name}: expected a positive int (the mesh's size), got {size!r}")
     window = validation.check_window(window)
+    if not isinstance(causal, bool):
+        raise validation.InputError(f"causal: expected True or False, got {causal!r}")
     batch = BatchValues.of(cu_seqlens.detach().to("cpu", torch.int64))
     failed = batch.failures("cu_seqlens")
     if failed:
         raise failed[0].error()
     prepared = _build(batch, MeshShape(ulysses, ring, check_placement(placement)))
-    return prepared.warm(None if rank is None else [rank], causal=bool(causal), window=window)
+    return prepared.warm(None if rank is None else [rank], causal=causal, window=window)

@@ -99,8 +99,8 @@ SAME_BATCH = Rule(
 )
 
 BATCHES_DIFFER = (
-    "another cu_seqlens, placement or recompute_exchange on some rank (the ranks were given "
-    "different batches or options)"
+    "another cu_seqlens, mesh shape, placement, recompute_exchange or scheme on some rank (the "
+    "ranks were given different batches or options)"
 )
 
 # the rules of a batch under context parallelism, in the order of the compiled path's flags

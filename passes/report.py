@@ -44,10 +44,10 @@ def traffic(node: Rewritten, groups: CPGroups) -> Traffic:
     return call_traffic(node.scheme, sizes, call, ulysses, ring, steps=ring)
 
 
-def collectives(node: Rewritten, groups: CPGroups, agree: bool) -> Collectives:
-    """The scheme's collectives of the node, and the batch check's all-reduces: once per
-    cu_seqlens, one per mesh dimension of more than one rank."""
-    moved = traffic(node, groups)
+def collectives(node: Rewritten, groups: CPGroups, agree: bool, moved: Traffic | None = None) -> Collectives:
+    """The scheme's collectives of the node (its :func:`traffic`, unless given), and the batch
+    check's all-reduces: once per cu_seqlens, one per mesh dimension of more than one rank."""
+    moved = moved or traffic(node, groups)
     checks = int(groups.ulysses_size > 1) + int(groups.ring_size > 1)
     return Collectives(
         forward_all_to_all=moved.ulysses.forward_calls, forward_ring=moved.ring.forward_calls,
@@ -58,7 +58,7 @@ def collectives(node: Rewritten, groups: CPGroups, agree: bool) -> Collectives:
 
 def row(node: Rewritten, groups: CPGroups, agree: bool) -> list[str]:
     moved = traffic(node, groups)
-    count = collectives(node, groups, agree)
+    count = collectives(node, groups, agree, moved)
     forward = [f"{count.forward_all_to_all} all_to_all", f"{count.forward_ring} ring"]
     if count.forward_all_reduce:
         forward.append(f"{count.forward_all_reduce} all_reduce (check)")

@@ -56,7 +56,7 @@ class Rewritten:
     returns_lse: bool
     checked: bool  # this node carries the batch check and size read of its cu_seqlens
     placement: str
-    scheme: str = DEFAULT_SCHEME
+    scheme: str
 
 
 def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: RewriteConfig) -> list[Rewritten]:

@@ -30,15 +30,15 @@ every kernel).
 from __future__ import annotations
 
 from .records import (
-    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, FLOPS_PER_PAIR_HEAD_DIM,
-    FORWARD_SHARE, HopTimes, Links, Option, Prediction, RankPrediction, SCHEME, TIE,
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes,
+    Links, Option, Prediction, SCHEME,
 )
-from .compute import block_composition, block_work, compute_times, kernel_throughput
+from .compute import block_composition, block_work, compute_times
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
-from .chooser import advise, cuda_kernel, mesh_options, predict, predict_batch
-from .report import format_advice, format_table, reasons
-from .command import batches_from, cu_seqlens_of, main, parse_heads
+from .chooser import advise, cuda_kernel, mesh_options, predict
+from .report import format_advice
+from .command import batches_from, cu_seqlens_of, main
 
 __all__ = [
     "Advice",
@@ -46,15 +46,11 @@ __all__ = [
     "ComputeTimes",
     "DEFAULT_DEVICE",
     "ExchangeTimes",
-    "FLOPS_PER_PAIR_HEAD_DIM",
-    "FORWARD_SHARE",
     "HopTimes",
     "Links",
     "Option",
     "Prediction",
-    "RankPrediction",
     "SCHEME",
-    "TIE",
     "advise",
     "batches_from",
     "block_composition",
@@ -65,18 +61,13 @@ __all__ = [
     "exchange_bytes",
     "exchange_times",
     "format_advice",
-    "format_table",
     "hop_times",
-    "kernel_throughput",
     "main",
     "mesh_options",
-    "parse_heads",
     "pipeline",
     "predict",
-    "predict_batch",
     "predict_rank",
     "rank_sizes",
-    "reasons",
     "ring_backward",
     "ring_forward",
     "ring_link",

@@ -27,6 +27,9 @@ def mesh_options(world: int, gpus_per_node: int, heads_q: int, heads_kv: int,
     divides ``gpus_per_node``: a group is ``ulysses`` consecutive ranks) and can split the
     heads (:func:`validation.check_head_split`), with every placement."""
     _check_positive(world=world, gpus_per_node=gpus_per_node, heads_q=heads_q, heads_kv=heads_kv)
+    if isinstance(placements, str) or not placements:
+        raise InputError(f"placements: expected a non-empty list of names of {sorted(PLACEMENTS)}, "
+                         f"got {placements!r}")
     if heads_q % heads_kv:
         raise InputError(f"heads: {heads_q} query heads are not a multiple of {heads_kv} "
                          "key/value heads; pass --heads HQ/HKV with HKV dividing HQ")
@@ -49,9 +52,6 @@ def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name}: expected a positive int, got {value!r}")
-
-
-
 
 
 def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: CallShape,
@@ -125,6 +125,8 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
                              "non-decreasing, with at least one document; pass the global "
                              "cumulative document lengths")
     _check_positive(head_dim=head_dim)
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"dtype: expected a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     kernel = cuda_kernel(device_kind) if kernel == "auto" else kernel
     call = CallShape(heads_q, heads_kv, head_dim, dtype)
     options = mesh_options(world, gpus_per_node, heads_q, heads_kv, placements)

@@ -33,7 +33,8 @@ def block_work(batch: BatchLayout) -> BlockWork:
     (docs/design.md §3.3: ``LOWER`` for an earlier source, ``UPPER`` for a later one). Real
     tokens only: pads see nothing."""
     lengths, ring, ulysses = batch.lengths, batch.ring, batch.ulysses
-    is_local, is_group, is_ring = (batch.kind == k for k in (Kind.LOCAL, Kind.GROUP, Kind.RING))
+    # empty documents are no segments of any block (communication.rank_sizes drops them too)
+    is_local, is_group, is_ring = ((batch.kind == k) & (lengths > 0) for k in (Kind.LOCAL, Kind.GROUP, Kind.RING))
     whole = (lengths * (lengths + 1) // 2).double()
     slot = torch.where(is_local, batch.ring_rank * ulysses + batch.ulysses_rank, 0)
     local = torch.zeros(ring * ulysses, dtype=torch.float64).scatter_add(

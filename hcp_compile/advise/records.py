@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from torch import Tensor
+
+from ..validation import InputError
 
 # FLOPs of one visible query-key pair per query head and unit of head dim, forward + backward:
 # 7 products of 2 FLOPs (the count measured.json's TF/s are taken with, benchmarks/speed.py)
@@ -30,6 +32,12 @@ class Links:
     network_bytes_per_s: float = 50e9
     nvlink_latency_s: float = 10e-6
     network_latency_s: float = 25e-6
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, least = getattr(self, f.name), "> 0" if f.name.endswith("bytes_per_s") else ">= 0"
+            if not isinstance(value, (int, float)) or not (value > 0 if least == "> 0" else value >= 0):
+                raise InputError(f"links.{f.name}: expected a number {least}, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..precision import accumulate_dtype
 from ..validation import InputError
 from .contract import BlockRequest, BlockSpec, Kernel, KeysByValue, new_cache_key
 from .cudnn import CudnnKernel
@@ -30,7 +31,6 @@ from .dense import DenseKernel
 from .flash import FlashKernel
 from .flex import FlexKernel
 from .measured import composition, device_kind, fastest
-from ..precision import accumulate_dtype
 from .torch_kernel import TorchKernel
 
 KERNELS: dict[str, Kernel] = {

@@ -225,10 +225,8 @@ class _Graph:
             tensor.set_ragged_offset(offset)
             return tensor
 
-        def mark_output(tensor: Any, like: Any, offset: Any, data_type: Any = None) -> None:
+        def mark_output(tensor: Any, like: Any, offset: Any) -> None:
             tensor.set_output(True).set_dim(list(like.dim)).set_stride(list(like.stride)).set_ragged_offset(offset)
-            if data_type is not None:
-                tensor.set_data_type(data_type)
 
         hq, hk = shape.heads_q, shape.heads_kv
         self.names = names = {n: offsets(n) for n in ("q_offsets", "k_offsets", "stats_offsets")}

@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 
 from ..merge import accumulate, merge_partials
+from ..precision import accumulate_dtype
 from .contract import BlockRequest, BlockSpec, SpecCache
 from .flash import FlashKernel
 from .torch_kernel import TorchKernel
-from ..precision import accumulate_dtype
 
 # a segment with fewer query or key rows runs in the varlen kernel: a dense call has a fixed
 # cost, and short segments are many (docs/design.md §8.6)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contract import BlockRequest, BlockSpec
 from ..precision import accumulate_dtype
+from .contract import BlockRequest, BlockSpec
 
 QUERY_BLOCK = 1024
 

@@ -19,7 +19,7 @@ DEFAULT_SCHEME = "ring"
 
 def check_scheme(name: str) -> str:
     """``name`` if it names a scheme of :data:`SCHEMES`, else :class:`InputError`."""
-    if name not in SCHEMES:
+    if not isinstance(name, str) or name not in SCHEMES:
         raise InputError(f"scheme: expected one of {sorted(SCHEMES)}, got {name!r}")
     return name
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..collectives import arrived, gather_sections, send_pieces
+from ..merge import accumulate
 from ..mesh import CPGroups
 from ..precision import accumulate_dtype
 from .protocol import GroupShape, GroupTraffic
@@ -70,7 +71,8 @@ class _Gathered:
         if step == 0:
             return self._kv
         if self._all is None:  # waited where a section is first read: after the own step
-            self._all = arrived(self._pending, (self._groups.ring_size, self._row))
+            # (on the CPU when gloo staged a CUDA gather: gather_sections)
+            self._all = arrived(self._pending, (self._groups.ring_size, self._row)).to(self._kv.device)
         source = self._all[(self._groups.ring_rank - step) % self._groups.ring_size]
         if self._carried is None:
             return source.view(self._section)
@@ -100,5 +102,4 @@ class _GatheredWithGrads(_Gathered):
         sent = torch.cat([row.reshape(-1) for row in rows])
         pending = send_pieces(sent, self._size, groups.ring_group, rank, ring)
         received = arrived(pending, (ring - 1, *self._section))
-        summed = received.sum(0, dtype=accumulate_dtype(kv.dtype)) + own
-        return summed.to(kv.dtype)
+        return accumulate(received.sum(0, dtype=accumulate_dtype(kv.dtype)), own, kv.dtype)
