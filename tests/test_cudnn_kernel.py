@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from unittest import mock
 
 import pytest
 import torch
 
 import hcp_compile as hc
 from attention_reference import reference_with_grads
-from checks import assert_matches
-from cp_cases import cu_seqlens, seeded
+from checks import assert_matches, expected_for, local_rows
+from cp_cases import AttentionCase, World, cu_seqlens, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, resolve_kernel, run_backward, \
     run_forward
 from test_dense_kernel import check_second_halves
@@ -144,36 +145,156 @@ def test_cudnn_matches_reference_in_bf16(lengths, causal, window, heads_kv):
     assert torch.isfinite(lse).all()  # every row sees at least itself
 
 
-@needs_cudnn
-@pytest.mark.gpu
+# --------------------------------------------------------------------------------------------
+# on CPU through a stand-in for cuDNN's ragged calls, and on CUDA with the package
+# --------------------------------------------------------------------------------------------
+
+class RaggedStandIn:
+    """In place of ``cudnn.GRAPHS``: each call computes what cuDNN's ragged SDPA computes, per
+    entry in float64 (the entry's rows at their offsets, its mask aligned top-left or
+    bottom-right; the backward from the given out and stats), and refuses what cuDNN cannot
+    take: a row of an entry that sees no key, a bottom-right entry with more queries than keys,
+    entries whose rows overlap. ``calls`` records each call's mask and direction."""
+
+    def __init__(self):
+        self.calls: list[tuple[cudnn.Mask, bool]] = []
+
+    def get(self, shape: cudnn.Shape, backward: bool) -> "RaggedStandIn.Call":
+        self.calls.append((shape.mask, backward))
+        return self.Call(shape, backward)
+
+    class Call:
+        def __init__(self, shape: cudnn.Shape, backward: bool):
+            self.shape, self.backward = shape, backward
+
+        def run(self, device: torch.device, t: dict[str, torch.Tensor]) -> None:
+            shape, mask = self.shape, self.shape.mask
+            hq, hk, d = shape.heads_q, shape.heads_kv, shape.head_dim
+            q_starts = (t["q_offsets"].flatten() // (hq * d)).tolist()
+            k_starts = (t["k_offsets"].flatten() // (hk * d)).tolist()
+            assert (t["stats_offsets"].flatten() // hq).tolist() == q_starts
+            q_lengths, k_lengths = t["q_lengths"].flatten().tolist(), t["k_lengths"].flatten().tolist()
+            assert len(q_lengths) == shape.entries and q_starts == sorted(q_starts)
+            for i in range(shape.entries):
+                assert q_starts[i] + q_lengths[i] <= q_starts[i + 1] and k_starts[i] + k_lengths[i] <= k_starts[i + 1]
+                if q_lengths[i]:
+                    self.entry(t, slice(q_starts[i], q_starts[i] + q_lengths[i]),
+                               slice(k_starts[i], k_starts[i] + k_lengths[i]), mask, hq // hk)
+
+        def entry(self, t: dict, rows: slice, keys: slice, mask: cudnn.Mask, group: int) -> None:
+            lq, lk = rows.stop - rows.start, keys.stop - keys.start
+            assert not (mask.bottom_right and lq > lk), "bottom-right with more queries than keys"
+            offset = lk - lq if mask.bottom_right else 0
+            j, i = torch.arange(lq)[:, None] + offset, torch.arange(lk)[None, :]
+            visible = torch.ones(lq, lk, dtype=torch.bool)
+            if mask.right is not None:
+                visible &= i <= j + mask.right
+            if mask.left is not None:
+                visible &= i > j - mask.left
+            assert visible.any(1).all(), "a row of an entry sees no key"
+            q = t["q"][rows].double().transpose(0, 1)
+            k, v = (t[n][keys].double().repeat_interleave(group, 1).transpose(0, 1) for n in ("k", "v"))
+            scores = (q @ k.transpose(1, 2) * self.shape.scale).masked_fill(~visible, float("-inf"))
+            if not self.backward:
+                lse = scores.logsumexp(-1)
+                t["out"][rows] = (torch.softmax(scores, -1) @ v).transpose(0, 1).to(t["out"].dtype)
+                t["stats"][rows] = lse.t().float()
+                return
+            lse = t["stats"][rows].t().double()[..., None]
+            probs = torch.exp(scores - lse)
+            dout, out = (t[n][rows].double().transpose(0, 1) for n in ("dout", "out"))
+            dscores = probs * (dout @ v.transpose(1, 2) - (dout * out).sum(-1, keepdim=True))
+            heads_kv = lambda g: g.unflatten(0, (-1, group)).sum(1).transpose(0, 1)  # noqa: E731
+            t["dq"][rows] = (dscores @ k * self.shape.scale).transpose(0, 1).to(t["dq"].dtype)
+            t["dk"][keys] = heads_kv(dscores.transpose(1, 2) @ q * self.shape.scale).to(t["dk"].dtype)
+            t["dv"][keys] = heads_kv(probs.transpose(1, 2) @ dout).to(t["dv"].dtype)
+
+
+@pytest.fixture
+def stand_in(monkeypatch) -> RaggedStandIn:
+    graphs = RaggedStandIn()
+    monkeypatch.setattr(cudnn, "GRAPHS", graphs)
+    return graphs
+
+
+DEVICES = [pytest.param("cpu", id="cpu-stand-in"),
+           pytest.param("cuda", id="cuda", marks=[needs_cudnn, pytest.mark.gpu])]
+
+
+def on(device: str, request: pytest.FixtureRequest) -> tuple[torch.device, torch.dtype, dict]:
+    """The device, input dtype and tolerance of a test on ``device`` (CPU: the stand-in)."""
+    if device == "cpu":
+        request.getfixturevalue("stand_in")
+        return torch.device("cpu"), torch.float32, {"atol": 1e-4, "rtol": 1e-4}
+    return torch.device("cuda"), torch.bfloat16, {"atol": 3.5e-2, "rtol": 3.5e-2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split", [False, True], ids=["one-block", "two-blocks-merged"])
-def test_cudnn_more_keys_than_queries_and_merged_backward_in_bf16(split):
-    check_second_halves((700, 1, 300, 0, 129, 128, 1000, 5), split, torch.device("cuda"), torch.bfloat16,
-                        kernel="cudnn", atol=3.5e-2, rtol=3.5e-2)
+def test_more_keys_than_queries_and_merged_backward(device, split, request):
+    """The ring's causal shape (queries of each document's second half against all its keys:
+    a full rectangle and a causal square), as one block or as two merged blocks."""
+    where, dtype, tolerance = on(device, request)
+    check_second_halves((700, 1, 300, 0, 129, 128, 1000, 5), split, where, dtype, kernel="cudnn", **tolerance)
 
 
-@needs_cudnn
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_cudnn_more_queries_than_keys_matches_the_torch_kernel(causal):
+def test_more_queries_than_keys_matches_the_torch_kernel(device, causal, request):
     """Segments with more queries than keys (bottom-right: the first queries see none) and
     segments without keys, against the plain-PyTorch kernel in fp32 on the same values."""
+    where, dtype, tolerance = on(device, request)
     len_q, len_k = (9, 300, 5, 0, 40), (3, 100, 0, 7, 40)
-    cu_q, cu_k = cu_seqlens(len_q).cuda(), cu_seqlens(len_k).cuda()
-    q, dout = (seeded(f"more-queries/{n}", sum(len_q), 8, 64).bfloat16().cuda() for n in ("q", "dout"))
-    k, v = (seeded(f"more-queries/{n}", sum(len_k), 2, 64).bfloat16().cuda() for n in ("k", "v"))
+    cu_q, cu_k = cu_seqlens(len_q).to(where), cu_seqlens(len_k).to(where)
+    q, dout = (seeded(f"more-queries/{n}", sum(len_q), 8, 64).to(where, dtype) for n in ("q", "dout"))
+    k, v = (seeded(f"more-queries/{n}", sum(len_k), 2, 64).to(where, dtype) for n in ("k", "v"))
     spec = BlockSpec(cu_q, cu_k, max(len_q), max(len_k), causal, 0.125)
     out, lse = run_forward("cudnn", q, k, v, spec)
     grads = run_backward("cudnn", dout, q, k, v, out, lse, spec)
     wide = [t.float() for t in (q, k, v, dout)]
     out_ref, lse_ref = run_forward("torch", *wide[:3], spec)
     grads_ref = run_backward("torch", wide[3], *wide[:3], out.float(), lse, spec)
-    assert_matches(out.float().cpu(), out_ref.cpu(), "out", atol=2e-2, rtol=2e-2)
+    assert_matches(out.float().cpu(), out_ref.cpu(), "out", **tolerance)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
     finite = torch.isfinite(lse_ref)
-    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], **tolerance)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, grads_ref):
-        assert_matches(got.float().cpu(), ref.cpu(), name, atol=2e-2, rtol=2e-2)
+        assert_matches(got.float().cpu(), ref.cpu(), name, **tolerance)
+
+
+@pytest.mark.parametrize("lengths", EDGE_DOCS, ids=str)
+@pytest.mark.parametrize("causal, window", MASKS, ids=str)
+def test_stand_in_calls_match_reference(stand_in, lengths, causal, window):
+    """The edge batches on CPU: one top-left call per block (cu_q is cu_k), every row of every
+    entry seeing a key (the stand-in refuses any other), against the float64 reference."""
+    x = {n: t.float() for n, t in bf16_inputs(f"stand-in-{lengths}-{causal}-{window}", sum(lengths), 8, 2).items()}
+    cu = cu_seqlens(lengths)
+    spec = BlockSpec(cu, cu, max(lengths), max(lengths), causal, 64 ** -0.5, *window)
+    kernel = KERNELS["cudnn"]
+    out, lse = kernel.forward(x["q"], x["k"], x["v"], spec)
+    dq, dk, dv = kernel.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, spec)
+    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(), causal=causal,
+                                    window=window)
+    for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_matches(got, expected[name], name, atol=1e-4, rtol=1e-4)
+    assert {mask for mask, _ in stand_in.calls} == {cudnn.Mask(*cudnn.mask_bounds(spec), False)}
+
+
+def test_a_causal_block_with_its_own_key_segments_runs_two_top_left_calls(stand_in):
+    """cuDNN's top-left diagonal skips masked tiles (the bottom-right one did not): a causal
+    block whose keys are not its queries' ranges runs a full call and a top-left causal one;
+    under a window it stays one bottom-right call; cu_q is cu_k: one top-left call."""
+    cu_q, cu_k = cu_seqlens((3, 5)), cu_seqlens((6, 5))
+    x = bf16_inputs("two-calls", 11, 4, 2)
+    k, v = x["k"].float(), x["v"].float()
+    for spec, expected in (
+            (BlockSpec(cu_q, cu_k, 5, 6, True, 0.125), {cudnn.Mask(None, None, False), cudnn.Mask(None, 0, False)}),
+            (BlockSpec(cu_q, cu_k, 5, 6, True, 0.125, 2, 0), {cudnn.Mask(3, 0, True)}),
+            (BlockSpec(cu_k, cu_k, 6, 6, True, 0.125), {cudnn.Mask(None, 0, False)}),
+            (BlockSpec(cu_q, cu_k, 5, 6, False, 0.125), {cudnn.Mask(None, None, False)})):
+        stand_in.calls.clear()
+        KERNELS["cudnn"].forward(x["q"][:int(spec.cu_q[-1])].float(), k, v, spec)
+        assert {mask for mask, _ in stand_in.calls} == expected, spec
 
 
 @needs_cudnn
@@ -193,3 +314,47 @@ def test_one_graph_pair_serves_new_batches_of_a_bucket():
         out, _ = torch.ops.hcp.varlen_attention(*leaves, cu, cu, longest, longest, True, 0.125, -1, -1, "cudnn")
         out.backward(x["dout"].cuda())
     assert len(cudnn.GRAPHS) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# under eager CP on CPU, through the stand-in
+# --------------------------------------------------------------------------------------------
+
+CP_MESH = (2, 2)
+SUITE = "test_cudnn_kernel:suite"
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInCase(AttentionCase):
+    """The attention under eager CP with every block on the cudnn kernel, its cuDNN calls run
+    by :class:`RaggedStandIn` (in the world's processes, which the test's monkeypatch does
+    not reach; the kernel's CUDA-only ``supports`` is waived there)."""
+
+    @property
+    def id(self) -> str:
+        return f"cudnn-stand-in-{super().id}"
+
+    def run(self, world: World) -> dict:
+        with mock.patch.object(cudnn, "GRAPHS", RaggedStandIn()), \
+                mock.patch.object(cudnn.CudnnKernel, "supports", lambda kernel, request: None), \
+                hc.context_parallel(world.mesh, placement=self.placement, kernel="cudnn"):
+            return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
+
+
+CP_CASES = [StandInCase("many", 4, 2, True), StandInCase("mixed", 4, 1, True), StandInCase("long", 4, 4, False),
+            StandInCase("mixed", 4, 2, True, placement="zigzag")]
+
+
+def suite(mesh: tuple[int, int]) -> list:
+    return CP_CASES
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
+def test_under_context_parallelism_matches_reference(cp_world, case):
+    """Every ring step's blocks (causal ones with more keys than queries, run as two top-left
+    calls; full ones) and the local region through the kernel's calls, on 2 x 2."""
+    reference = expected_for(case)
+    for rank, result in enumerate(cp_world(CP_MESH, suite=SUITE).values(case.id)):
+        index = result["global_index"]
+        for name in ("out", "dq", "dk", "dv"):
+            assert_matches(result[name], local_rows(reference[name], index), f"rank {rank} {name}")
