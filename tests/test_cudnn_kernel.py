@@ -153,7 +153,7 @@ class RaggedStandIn:
     """In place of ``cudnn.GRAPHS``: each call computes what cuDNN's ragged SDPA computes, per
     entry in float64 (the entry's rows at their offsets, its mask aligned top-left or
     bottom-right; the backward from the given out and stats), and refuses what cuDNN cannot
-    take: a row of an entry that sees no key, a bottom-right entry with more queries than keys,
+    take: a row of an entry that sees no key, a bottom-right band over more queries than keys,
     entries whose rows overlap. ``calls`` records each call's mask and direction."""
 
     def __init__(self):
@@ -183,7 +183,8 @@ class RaggedStandIn:
 
         def entry(self, t: dict, rows: slice, keys: slice, mask: cudnn.Mask, group: int) -> None:
             lq, lk = rows.stop - rows.start, keys.stop - keys.start
-            assert not (mask.bottom_right and lq > lk), "bottom-right with more queries than keys"
+            banded = mask.left is not None or mask.right is not None
+            assert not (mask.bottom_right and banded and lq > lk), "a bottom-right band with more queries than keys"
             offset = lk - lq if mask.bottom_right else 0
             j, i = torch.arange(lq)[:, None] + offset, torch.arange(lk)[None, :]
             visible = torch.ones(lq, lk, dtype=torch.bool)
