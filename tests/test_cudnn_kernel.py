@@ -154,14 +154,13 @@ class RaggedStandIn:
     entry in float64 (the entry's rows at their offsets, its mask aligned top-left or
     bottom-right; the backward from the given out and stats), and refuses what cuDNN cannot
     take: a row of an entry that sees no key, a bottom-right band over more queries than keys,
-    entries whose rows overlap. ``calls`` records each call's ``(left, right, bottom_right)``
-    and direction."""
+    entries whose rows overlap. ``calls`` records each call's mask and direction."""
 
     def __init__(self):
-        self.calls: list[tuple[tuple[int | None, int | None, bool], bool]] = []
+        self.calls: list[tuple[cudnn.Mask, bool]] = []
 
     def get(self, shape: cudnn.Shape, backward: bool) -> "RaggedStandIn.Call":
-        self.calls.append(((shape.left, shape.right, shape.bottom_right), backward))
+        self.calls.append((shape.mask, backward))
         return self.Call(shape, backward)
 
     class Call:
@@ -169,7 +168,7 @@ class RaggedStandIn:
             self.shape, self.backward = shape, backward
 
         def run(self, device: torch.device, t: dict[str, torch.Tensor]) -> None:
-            shape = self.shape
+            shape, mask = self.shape, self.shape.mask
             hq, hk, d = shape.heads_q, shape.heads_kv, shape.head_dim
             q_starts = (t["q_offsets"].flatten() // (hq * d)).tolist()
             k_starts = (t["k_offsets"].flatten() // (hk * d)).tolist()
@@ -180,20 +179,19 @@ class RaggedStandIn:
                 assert q_starts[i] + q_lengths[i] <= q_starts[i + 1] and k_starts[i] + k_lengths[i] <= k_starts[i + 1]
                 if q_lengths[i]:
                     self.entry(t, slice(q_starts[i], q_starts[i] + q_lengths[i]),
-                               slice(k_starts[i], k_starts[i] + k_lengths[i]), hq // hk)
+                               slice(k_starts[i], k_starts[i] + k_lengths[i]), mask, hq // hk)
 
-        def entry(self, t: dict, rows: slice, keys: slice, group: int) -> None:
-            shape = self.shape
+        def entry(self, t: dict, rows: slice, keys: slice, mask: cudnn.Mask, group: int) -> None:
             lq, lk = rows.stop - rows.start, keys.stop - keys.start
-            banded = shape.left is not None or shape.right is not None
-            assert not (shape.bottom_right and banded and lq > lk), "a bottom-right band with more queries than keys"
-            offset = lk - lq if shape.bottom_right else 0
+            banded = mask.left is not None or mask.right is not None
+            assert not (mask.bottom_right and banded and lq > lk), "a bottom-right band with more queries than keys"
+            offset = lk - lq if mask.bottom_right else 0
             j, i = torch.arange(lq)[:, None] + offset, torch.arange(lk)[None, :]
             visible = torch.ones(lq, lk, dtype=torch.bool)
-            if shape.right is not None:
-                visible &= i <= j + shape.right
-            if shape.left is not None:
-                visible &= i > j - shape.left
+            if mask.right is not None:
+                visible &= i <= j + mask.right
+            if mask.left is not None:
+                visible &= i > j - mask.left
             assert visible.any(1).all(), "a row of an entry sees no key"
             q = t["q"][rows].double().transpose(0, 1)
             k, v = (t[n][keys].double().repeat_interleave(group, 1).transpose(0, 1) for n in ("k", "v"))
@@ -268,7 +266,7 @@ def test_more_queries_than_keys_matches_the_torch_kernel(device, causal, request
 @pytest.mark.parametrize("lengths", EDGE_DOCS, ids=str)
 @pytest.mark.parametrize("causal, window", MASKS, ids=str)
 def test_stand_in_calls_match_reference(stand_in, lengths, causal, window):
-    """The edge batches on CPU: a top-left call per direction (cu_q is cu_k), every row of every
+    """The edge batches on CPU: one top-left call per block (cu_q is cu_k), every row of every
     entry seeing a key (the stand-in refuses any other), against the float64 reference."""
     x = {n: t.float() for n, t in bf16_inputs(f"stand-in-{lengths}-{causal}-{window}", sum(lengths), 8, 2).items()}
     cu = cu_seqlens(lengths)
@@ -280,21 +278,24 @@ def test_stand_in_calls_match_reference(stand_in, lengths, causal, window):
                                     window=window)
     for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert_matches(got, expected[name], name, atol=1e-4, rtol=1e-4)
-    assert {mask for mask, _ in stand_in.calls} == {(*cudnn.mask_bounds(spec), False)}
+    assert {mask for mask, _ in stand_in.calls} == {cudnn.Mask(*cudnn.mask_bounds(spec), False)}
 
 
-def test_blocks_with_their_own_key_segments_align_the_diagonal_bottom_right(stand_in):
-    """A block whose keys are not its queries' ranges (a ring step) runs bottom-right, which
-    segments with more keys than queries need; cu_q is cu_k: top-left, the same mask there."""
+def test_a_causal_block_with_its_own_key_segments_runs_two_top_left_calls(stand_in):
+    """cuDNN's top-left diagonal skips masked tiles (the bottom-right one did not): a causal
+    block whose keys are not its queries' ranges runs a full call and a top-left causal one;
+    under a window it stays one bottom-right call; cu_q is cu_k: one top-left call."""
     cu_q, cu_k = cu_seqlens((3, 5)), cu_seqlens((6, 5))
-    x = bf16_inputs("alignment", 11, 4, 2)
+    x = bf16_inputs("two-calls", 11, 4, 2)
     k, v = x["k"].float(), x["v"].float()
-    for spec, expected in ((BlockSpec(cu_q, cu_k, 5, 6, True, 0.125), (None, 0, True)),
-                           (BlockSpec(cu_q, cu_k, 5, 6, True, 0.125, 2, 0), (3, 0, True)),
-                           (BlockSpec(cu_k, cu_k, 6, 6, True, 0.125), (None, 0, False))):
+    for spec, expected in (
+            (BlockSpec(cu_q, cu_k, 5, 6, True, 0.125), {cudnn.Mask(None, None, False), cudnn.Mask(None, 0, False)}),
+            (BlockSpec(cu_q, cu_k, 5, 6, True, 0.125, 2, 0), {cudnn.Mask(3, 0, True)}),
+            (BlockSpec(cu_k, cu_k, 6, 6, True, 0.125), {cudnn.Mask(None, 0, False)}),
+            (BlockSpec(cu_q, cu_k, 5, 6, False, 0.125), {cudnn.Mask(None, None, False)})):
         stand_in.calls.clear()
         KERNELS["cudnn"].forward(x["q"][:int(spec.cu_q[-1])].float(), k, v, spec)
-        assert [mask for mask, _ in stand_in.calls] == [expected], spec
+        assert {mask for mask, _ in stand_in.calls} == expected, spec
 
 
 @needs_cudnn
@@ -351,8 +352,8 @@ def suite(mesh: tuple[int, int]) -> list:
 
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
 def test_under_context_parallelism_matches_reference(cp_world, case):
-    """Every ring step's blocks (causal and full, bottom-right) and the local region (top-left)
-    through the kernel's calls, on 2 x 2."""
+    """Every ring step's blocks (causal ones with more keys than queries, run as two top-left
+    calls; full ones) and the local region through the kernel's calls, on 2 x 2."""
     reference = expected_for(case)
     for rank, result in enumerate(cp_world(CP_MESH, suite=SUITE).values(case.id)):
         index = result["global_index"]

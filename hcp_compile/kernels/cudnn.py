@@ -23,7 +23,20 @@ them:
 
 and the results start out as 0 (-inf for the lse), which is what the rows outside every
 trimmed segment keep. No host sync: the trimmed lengths and offsets are tensor ops on
-``cu_q``/``cu_k``, and every bound the graph needs comes from shapes and ``max_q``/``max_k``.
+``cu_q``/``cu_k``, and every bound the graph needs comes from shapes.
+
+Note [a bottom-right diagonal as two top-left calls]
+cuDNN skips the masked tiles of a causal block only with its diagonal aligned top-left
+(bottom-right ran 1.8x slower on an H200). A causal segment whose queries and keys are one
+range (single device, the local region) is the same either way. A ring step's causal
+segments can have more keys than queries; each is cut where its diagonal starts, into a
+full rectangle and a top-left causal square, one call each over all segments, merged by lse:
+
+    keys   k k k k k k          (6 keys, 3 trimmed queries)
+    rows   q q q      ->  A: q q q x k k k   full          B: q q q x k k k   causal, top-left
+                             (the first 3 keys)               (the last 3 keys)
+
+A segment without a rectangle has no keys in A, so its rows leave A (its lse -inf there).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..merge import accumulate, merge_partials
 from .contract import BlockRequest, BlockSpec
 
 # the name nvidia-cudnn-frontend installs its module under
@@ -86,6 +100,15 @@ def row_bound(rows: int, bits: int = ROW_BOUND_BITS) -> int:
     return -(-rows // step) * step
 
 
+@dataclass(frozen=True)
+class Mask:
+    """One call's mask: cuDNN's diagonal band (see :func:`mask_bounds`) and its alignment."""
+
+    left: int | None
+    right: int | None
+    bottom_right: bool
+
+
 def mask_bounds(spec: BlockSpec) -> tuple[int | None, int | None]:
     """cuDNN's ``(left, right)`` diagonal band, aligned bottom-right: ``left`` keys up to and
     including the diagonal, ``right`` keys after it; None: unbounded. Flash's window counts
@@ -108,23 +131,61 @@ class Ragged:
 
 
 def ragged(spec: BlockSpec, entries: int) -> Ragged:
-    """The block's segments as ``entries`` ragged entries, each segment's rows trimmed to
-    those that see a key (Note [rows that see no key]); tensor ops only."""
+    """The block's segments as ``entries`` ragged entries under one bottom-right mask, each
+    segment's rows trimmed to those that see a key (Note [rows that see no key]); tensor ops
+    only."""
     cu_q, cu_k = spec.cu_q.long(), spec.cu_k.long()
     lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
-    _, right = mask_bounds(spec)
+    blind = _blind_rows(lengths_q, lengths_k, mask_bounds(spec)[1])
+    return _entries(cu_q[:-1] + blind, lengths_q - blind, cu_k[:-1], lengths_k, cu_q[-1:], cu_k[-1:], entries)
+
+
+def split_causal(spec: BlockSpec, entries: int) -> tuple[Ragged, Ragged]:
+    """A causal block's segments as two sets of entries, each segment's trimmed rows against
+    the keys before its diagonal (a full rectangle) and against the rest (a causal square,
+    top-left): Note [a bottom-right diagonal as two top-left calls]."""
+    cu_q, cu_k = spec.cu_q.long(), spec.cu_k.long()
+    lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
+    blind = _blind_rows(lengths_q, lengths_k, 0)
+    rows, starts = lengths_q - blind, cu_q[:-1] + blind  # rows <= keys: each sees the first key
+    before = lengths_k - rows  # keys before the diagonal
+    ends = cu_q[-1:], cu_k[-1:]
+    rectangle = _entries(starts, torch.where(before > 0, rows, 0), cu_k[:-1], before, *ends, entries)
+    square = _entries(starts, rows, cu_k[:-1] + before, rows, *ends, entries)
+    return rectangle, square
+
+
+def _blind_rows(lengths_q: Tensor, lengths_k: Tensor, right: int | None) -> Tensor:
+    """Per segment, its first rows that see no key, bottom-right (row ``j`` sees keys up to
+    ``j - (Lq - Lk) + right``)."""
     if right is None:  # every row of a segment with keys sees them all or a window of them
-        blind = torch.where(lengths_k == 0, lengths_q, torch.zeros_like(lengths_q))
-    else:  # bottom-right: row j sees keys up to j - (Lq - Lk) + right
-        blind = (lengths_q - lengths_k - right).clamp(min=0)
-        blind = torch.where(lengths_k == 0, lengths_q, blind.minimum(lengths_q))
-    unused = entries - lengths_q.shape[0]
-    q_starts = torch.cat([cu_q[:-1] + blind, cu_q[-1:].expand(unused + 1)])
-    k_starts = torch.cat([cu_k[:-1], cu_k[-1:].expand(unused + 1)])
-    q_lengths = torch.nn.functional.pad(lengths_q - blind, (0, unused))
-    k_lengths = torch.nn.functional.pad(lengths_k, (0, unused))
-    as_entries = lambda t: t.to(torch.int32).view(entries, 1, 1, 1)  # noqa: E731
-    return Ragged(as_entries(q_lengths), as_entries(k_lengths), q_starts, k_starts)
+        return torch.where(lengths_k == 0, lengths_q, torch.zeros_like(lengths_q))
+    blind = (lengths_q - lengths_k - right).clamp(min=0)
+    return torch.where(lengths_k == 0, lengths_q, blind.minimum(lengths_q))
+
+
+def _entries(q_starts: Tensor, q_lengths: Tensor, k_starts: Tensor, k_lengths: Tensor, q_end: Tensor,
+             k_end: Tensor, entries: int) -> Ragged:
+    """Segments as ``entries`` ragged entries, the unused ones empty at the ends."""
+    unused = entries - q_lengths.shape[0]
+    as_entries = lambda t: torch.nn.functional.pad(t, (0, unused)).to(torch.int32).view(entries, 1, 1, 1)  # noqa: E731
+    return Ragged(as_entries(q_lengths), as_entries(k_lengths), torch.cat([q_starts, q_end.expand(unused + 1)]),
+                  torch.cat([k_starts, k_end.expand(unused + 1)]))
+
+
+def block_calls(spec: BlockSpec, entries: int) -> list[tuple[Mask, Ragged]]:
+    """The cuDNN calls of a block, merged by lse when several: one, top-left where every
+    segment's queries and keys are one range; a causal block without a window otherwise two
+    top-left calls (Note [a bottom-right diagonal as two top-left calls]); any other block one
+    bottom-right call (a window on the diagonal; without a band the alignment does not
+    matter)."""
+    left, right = mask_bounds(spec)
+    if same_segments(spec.cu_q, spec.cu_k) or right is None:
+        return [(Mask(left, right, False), ragged(spec, entries))]
+    if right == 0 and left is None:
+        rectangle, square = split_causal(spec, entries)
+        return [(Mask(None, None, False), rectangle), (Mask(None, 0, False), square)]
+    return [(Mask(left, right, True), ragged(spec, entries))]
 
 
 @dataclass(frozen=True)
@@ -140,20 +201,19 @@ class Shape:
     segment_rows: int
     rows_q: int
     rows_k: int
-    left: int | None
-    right: int | None
+    mask: Mask
     scale: float
-    # the diagonal aligned bottom-right, which segments with fewer queries than keys need;
-    # top-left (the same for segments of equal lengths) runs 1.8x faster (docs/design.md §8.8)
-    bottom_right: bool
 
     @classmethod
-    def of(cls, q: Tensor, k: Tensor, spec: BlockSpec) -> "Shape":
-        segments = spec.cu_q.shape[0] - 1
-        return cls(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2],
-                   bucket(segments, MIN_ENTRIES), bucket(max(q.shape[0], k.shape[0]), MIN_SEGMENT_ROWS),
-                   row_bound(q.shape[0]), row_bound(k.shape[0]), *mask_bounds(spec), float(spec.scale),
-                   bottom_right=not same_segments(spec.cu_q, spec.cu_k))
+    def of(cls, q: Tensor, k: Tensor, spec: BlockSpec, mask: Mask) -> "Shape":
+        return cls(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2], entries_for(spec),
+                   bucket(max(q.shape[0], k.shape[0]), MIN_SEGMENT_ROWS), row_bound(q.shape[0]),
+                   row_bound(k.shape[0]), mask, float(spec.scale))
+
+
+def entries_for(spec: BlockSpec) -> int:
+    """The entries of a block's graphs: its segment count's bucket."""
+    return bucket(spec.cu_q.shape[0] - 1, MIN_ENTRIES)
 
 
 def same_segments(cu_q: Tensor, cu_k: Tensor) -> bool:
@@ -235,9 +295,9 @@ class _Graph:
         names["k"] = rows("k", hk, d, names["k_offsets"])
         names["v"] = rows("v", hk, d, names["k_offsets"])
         mask = dict(use_padding_mask=True, seq_len_q=names["q_lengths"], seq_len_kv=names["k_lengths"],
-                    diagonal_alignment=(cudnn.diagonal_alignment.BOTTOM_RIGHT if shape.bottom_right
+                    diagonal_alignment=(cudnn.diagonal_alignment.BOTTOM_RIGHT if shape.mask.bottom_right
                                         else cudnn.diagonal_alignment.TOP_LEFT),
-                    diagonal_band_left_bound=shape.left, diagonal_band_right_bound=shape.right,
+                    diagonal_band_left_bound=shape.mask.left, diagonal_band_right_bound=shape.mask.right,
                     attn_scale=shape.scale)
         stats_like = dict(dim=[b, hq, s, 1], stride=[s * hq, 1, hq, 1])
         if not backward:
@@ -272,9 +332,8 @@ class _Graph:
         self.graph.execute({self.names[n]: t for n, t in tensors.items()}, workspace, handle=self.handle)
 
 
-def _bound_tensors(q: Tensor, k: Tensor, spec: BlockSpec, shape: Shape) -> dict[str, Tensor]:
-    """The lengths and element offsets of the block's ragged entries."""
-    entries = ragged(spec, shape.entries)
+def _bound_tensors(q: Tensor, k: Tensor, entries: Ragged) -> dict[str, Tensor]:
+    """The lengths and element offsets of a call's ragged entries."""
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     return {
         "q_lengths": entries.q_lengths, "k_lengths": entries.k_lengths,
@@ -304,26 +363,35 @@ class CudnnKernel:
         return None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
-        out = torch.zeros_like(q)
-        stats = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)  # [rows, heads]
-        if q.shape[0] and k.shape[0]:
-            shape = Shape.of(q, k, spec)
-            GRAPHS.get(shape, backward=False).run(q.device, {
-                **_bound_tensors(q, k, spec, shape), "q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
-                "out": out, "stats": stats})
-        return out, stats.t().contiguous()
+        if not (q.shape[0] and k.shape[0]):
+            return torch.zeros_like(q), q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = lse = None
+        for mask, entries in block_calls(spec, entries_for(spec)):
+            part_out = torch.zeros_like(q)
+            stats = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)  # [rows, heads]
+            GRAPHS.get(Shape.of(q, k, spec, mask), backward=False).run(q.device, {
+                **_bound_tensors(q, k, entries), "q": q, "k": k, "v": v, "out": part_out, "stats": stats})
+            out, lse = merge_partials(out, lse, part_out, stats.t(), q.dtype)
+        return out.contiguous(), lse.contiguous()
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         spec: BlockSpec,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        if q.shape[0] and k.shape[0]:
-            shape = Shape.of(q, k, spec)
-            # rows outside every trimmed segment are not read; a row whose merged lse is -inf
-            # (no key in any block) is outside them (Note [rows that see no key])
-            stats = lse.t().float().contiguous()
-            GRAPHS.get(shape, backward=True).run(q.device, {
-                **_bound_tensors(q, k, spec, shape), "q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
-                "out": out.contiguous(), "dout": dout.contiguous(), "stats": stats, "dq": dq, "dk": dk, "dv": dv})
+        if not (q.shape[0] and k.shape[0]):
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+        # rows outside every call's entries are not read; a row whose merged lse is -inf (no
+        # key in any block) is outside them (Note [rows that see no key])
+        stats = lse.t().float().contiguous()
+        dq = dk = dv = None
+        for mask, entries in block_calls(spec, entries_for(spec)):
+            grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            GRAPHS.get(Shape.of(q, k, spec, mask), backward=True).run(q.device, {
+                **_bound_tensors(q, k, entries), "q": q, "k": k, "v": v, "out": out, "dout": dout, "stats": stats,
+                "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+            # the calls' keys are disjoint (exact sums); their rows are not, summed in fp32
+            dq = accumulate(dq, grads[0], q.dtype)
+            dk, dv = (grads[1], grads[2]) if dk is None else (dk + grads[1], dv + grads[2])
         return dq, dk, dv
