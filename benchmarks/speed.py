@@ -393,7 +393,10 @@ def exposed_communication(
     if not alone:
         dist.barrier()
     with profile(activities=activities) as prof:
-        fn(*inputs).sum().backward()
+        # a gradient tensor as the timed steps pass, not .sum().backward(): the first reduction
+        # of a process loads its kernel, which the trace then counts (20 ms on an H200)
+        out = fn(*inputs)
+        out.backward(torch.ones_like(out))
         torch.cuda.synchronize()
     rank = setup.rank
     with tempfile.TemporaryDirectory() as scratch:
@@ -623,7 +626,9 @@ def hcp_kernel(workload: Workload, heads: str, setup: Setup, cp: bool = True) ->
     none can (the mode then fails and its row says why)."""
     kernel = setup.args.kernel
     q, k = (torch.empty(0, h, setup.args.head_dim, device=setup.device, dtype=setup.dtype) for h in HEADS[heads])
-    request = BlockRequest.of(q, k, workload.window, context_parallel=cp)
+    # one device judges each call by its batch's composition (the op passes it); CP by the mean
+    composition = {} if cp else {"segments": len(workload.lengths), "longest": max(workload.lengths)}
+    request = BlockRequest.of(q, k, workload.window, context_parallel=cp, **composition)
     try:
         return resolve_kernel(kernel, request)
     except hcp_compile.InputError:

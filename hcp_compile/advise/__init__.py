@@ -21,10 +21,12 @@ each: records.py, compute.py, communication.py, overlap.py; chooser.py, report.p
   one that reads it, the backward's dKV hop behind the next step, its last hop exposed; head
   group ``g + 1``'s exchange behind group ``g``'s ring, group 0's behind the local region.
 
-A step's time is its slowest rank's. Not modelled: per-call host work and launches (which
-dominate batches of short documents on few ranks, docs/benchmarks.md), contention between an
-all-to-all and ring hops on one NVLink domain, windows (only causal attention is measured for
-every kernel).
+A step's time is its slowest rank's. Not modelled: a call's host work and launches (measured
+against one rank alone on an H200, ``benchmarks/advisor_check.py``: the compute part is within
+10 % in 7 of 8 cases at 2 ranks, but an eager rank whose compute falls under about 5 ms is
+host-bound, where the prediction is a floor; docs/benchmarks.md, "Advisor check"), contention
+between an all-to-all and ring hops on one NVLink domain, windows (only causal attention is
+measured for every kernel).
 """
 
 from __future__ import annotations

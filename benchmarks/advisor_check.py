@@ -1,0 +1,165 @@
+"""The advisor's compute part against one rank's measured time (issue 26).
+
+    python -m benchmarks.advisor_check --meshes 2x1,1x2,4x1,2x2,1x4,8x1,2x4,1x8 --kernel cudnn \\
+        --workloads W1-128K,W2-128K,W3-128K --out DIR          # on one GPU: measure, then compare
+    python -m benchmarks.advisor_check --results DIR            # compare again from DIR's JSONs
+
+Each mesh's rank runs alone over torch's fake process group (``benchmarks/speed.py
+--fake-rank``, mode ``hcp-eager``): its kernels, layout copies and merges, no communication.
+That is what the advisor's compute part (:func:`hcp_compile.advise.compute_times`) predicts
+for that rank from kernels/measured.json, so the two are set side by side here: measured ms,
+predicted ms and the prediction's error. The communication part is checked against the bytes
+the code sends by the CPU tests (tests/test_schemes.py, tests/test_advise.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+from hcp_compile import InputError, layout
+from hcp_compile.advise import block_work, compute_times, cu_seqlens_of
+from hcp_compile.placements import placement_rule
+from hcp_compile.schemes.traffic import CallShape
+
+from .speed import HEADS, read_json, workloads
+
+
+@dataclass(frozen=True)
+class Comparison:
+    workload: str
+    mesh: str  # "AxR"
+    rank: int
+    placement: str
+    kernel: str
+    measured_ms: float | None
+    predicted_ms: float | None
+    error: str | None = None  # the run's or the model's error, instead of a time
+
+    @property
+    def error_pct(self) -> float | None:
+        if self.measured_ms is None or self.predicted_ms is None:
+            return None
+        return 100 * (self.predicted_ms - self.measured_ms) / self.measured_ms
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    ulysses, _, ring = text.partition("x")
+    if not (ulysses.isdigit() and ring.isdigit() and int(ulysses) > 0 and int(ring) > 0):
+        raise argparse.ArgumentTypeError(f"expected a mesh ULYSSESxRING such as 2x4, got {text!r}")
+    return int(ulysses), int(ring)
+
+
+def predicted_ms(workload: str, ulysses: int, ring: int, rank: int, placement: str, kernel: str, heads: str,
+                 head_dim: int, device_kind: str, shrink: int = 1) -> float:
+    """The advisor's compute time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses
+    rank ``rank % ulysses``, as ``make_mesh`` numbers them) for the workload's batch."""
+    lengths = workloads(shrink)[workload].lengths
+    batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule(placement))
+    heads_q, heads_kv = HEADS[heads]
+    call = CallShape(heads_q, heads_kv, head_dim, torch.bfloat16)
+    times = compute_times(block_work(batch), rank // ulysses, rank % ulysses, call, kernel, device_kind)
+    return times.total * 1e3
+
+
+def measure(out: Path, ulysses: int, ring: int, rank: int, args: argparse.Namespace) -> Path:
+    """One rank alone (``speed.py --fake-rank``); its JSON's path."""
+    path = out / f"advisor_u{ulysses}r{ring}_rank{rank}.json"
+    command = [sys.executable, "-m", "benchmarks.speed", "--fake-rank", str(rank), "--ulysses", str(ulysses),
+               "--ring", str(ring), "--modes", "hcp-eager", "--workloads", args.workloads, "--heads", args.heads,
+               "--kernel", args.kernel, "--placements", args.placements, "--warmup", str(args.warmup),
+               "--iters", str(args.iters), "--no-profile", "--device", args.device, "--shrink", str(args.shrink),
+               "--out", str(path)]
+    print(" ".join(command), flush=True)
+    subprocess.run(command, check=False)
+    return path
+
+
+def compare(paths: list[Path], device_kind: str | None, kernel: str | None = None) -> list[Comparison]:
+    """Every hcp-eager row of the fake-rank JSONs ``paths`` against its prediction for the
+    kernel the row ran (``kernel``: for this one instead)."""
+    result = []
+    for path in paths:
+        runs, rows = read_json(path)
+        run = runs[0]
+        if run.get("fake_rank") is None:
+            continue
+        options, rank = run["options"], run["fake_rank"]
+        kind = device_kind or run["device"]
+        for row in rows:
+            windowed = workloads(options["shrink"])[row.workload].window_left >= 0
+            if row.mode != "hcp-eager" or row.recompute_exchange or windowed:  # the model has no windows
+                continue
+            ulysses, ring = parse_mesh(row.mesh.split()[0])  # "AxR rank R alone"
+            try:
+                predicted = predicted_ms(row.workload, ulysses, ring, rank, row.placement, kernel or row.kernel,
+                                         row.heads, options["head_dim"], kind, options["shrink"])
+                error = row.error
+            except InputError as model_error:  # a kernel or device the measurements do not cover
+                predicted, error = None, row.error or str(model_error)
+            result.append(Comparison(row.workload, f"{ulysses}x{ring}", rank, row.placement, row.kernel, row.ms,
+                                     predicted, error))
+    return sorted(result, key=lambda c: (c.workload, c.mesh, c.rank, c.placement))
+
+
+def table(comparisons: list[Comparison]) -> str:
+    rows = [(c.workload, c.mesh, c.rank, c.placement, c.kernel,
+             c.error[:60] if c.error else c.measured_ms, None if c.predicted_ms is None else round(c.predicted_ms, 2),
+             None if c.error_pct is None else f"{c.error_pct:+.1f} %") for c in comparisons]
+    return tabulate(rows, headers=["workload", "mesh AxR", "rank", "placement", "kernel", "measured ms",
+                                   "predicted ms", "prediction error"], tablefmt="github")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--meshes", default="2x1,1x2,4x1,2x2,1x4,8x1,2x4,1x8",
+                        help="comma-separated ULYSSESxRING meshes to measure")
+    parser.add_argument("--ranks", default="0", help="comma-separated ranks of each mesh (those beyond it skipped)")
+    parser.add_argument("--workloads", default="W1-128K,W2-128K,W3-128K")
+    parser.add_argument("--heads", default="gqa", choices=sorted(HEADS))
+    parser.add_argument("--kernel", default="cudnn")
+    parser.add_argument("--placements", default="balanced")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--shrink", type=int, default=1, help="speed.py's --shrink (CPU smoke tests)")
+    parser.add_argument("--predict-kernel", help="the measured kernel the predictions use (default: the one each "
+                        "row ran; another for CPU smoke tests, whose kernels were not measured)")
+    parser.add_argument("--device-kind", help="the measured.json device the predictions use (default: the run's)")
+    parser.add_argument("--out", type=Path, help="measure into this folder, then compare")
+    parser.add_argument("--results", type=Path, help="compare the JSONs already in this folder")
+    args = parser.parse_args()
+    if (args.out is None) == (args.results is None):
+        parser.error("pass --out DIR (measure, then compare) or --results DIR (compare only)")
+    args.meshes = [parse_mesh(m) for m in args.meshes.split(",")]
+    args.ranks = [int(r) for r in args.ranks.split(",")]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for ulysses, ring in args.meshes:
+            for rank in args.ranks:
+                if rank < ulysses * ring:
+                    measure(args.out, ulysses, ring, rank, args)
+    folder = args.out or args.results
+    results = [p for p in sorted(folder.glob("*.json")) if p.name != "advisor_check.json"]
+    comparisons = compare(results, args.device_kind, args.predict_kernel)
+    text = table(comparisons)
+    print(text)
+    (folder / "advisor_check.md").write_text(text + "\n")
+    (folder / "advisor_check.json").write_text(json.dumps(
+        [{**c.__dict__, "error_pct": c.error_pct} for c in comparisons], indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""benchmarks.advisor_check on CPU: one rank alone measured through ``speed.py --fake-rank``,
+set against the advisor's compute prediction, which is checked here against the pair count
+of the batch and the throughput kernels/measured.json records."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "NVIDIA H200"
+
+
+def test_one_rank_measured_and_predicted_on_cpu(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.advisor_check", "--device", "cpu", "--shrink", "512",
+               "--meshes", "2x1", "--ranks", "0,5", "--workloads", "W1-128K,W4-128K", "--kernel", "torch",
+               "--warmup", "0", "--iters", "1", "--predict-kernel", "cudnn", "--device-kind", DEVICE,
+               "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # rank 5 is not of a 2-rank mesh: skipped; the windowed W4 is not modelled: left out
+    (comparison,) = json.loads((tmp_path / "advisor_check.json").read_text())
+    assert (comparison["workload"], comparison["mesh"], comparison["rank"]) == ("W1-128K", "2x1", 0)
+    assert comparison["error"] is None and comparison["measured_ms"] > 0
+    # W1 shrunk 512 times: one document of 256 tokens, exchanged over the 2 Ulysses ranks (each
+    # with 16 of the 32 query heads), a document shorter than 2048 rows: cuDNN's "short
+    # documents" throughput
+    tokens, heads_q, head_dim = 256, 32, 128
+    flops = tokens * (tokens + 1) / 2 * (heads_q // 2) * 14 * head_dim
+    recorded = json.loads((ROOT / "hcp_compile/kernels/measured.json").read_text())
+    tflops = recorded["devices"][DEVICE]["tflops"]["short documents"]["cudnn"]
+    assert abs(comparison["predicted_ms"] - flops / (tflops * 1e12) * 1e3) < 1e-9
+    expected_error = 100 * (comparison["predicted_ms"] - comparison["measured_ms"]) / comparison["measured_ms"]
+    assert abs(comparison["error_pct"] - expected_error) < 1e-9
+    assert "W1-128K" in (tmp_path / "advisor_check.md").read_text()
