@@ -69,8 +69,9 @@ def predicted_ms(workload: str, ulysses: int, ring: int, rank: int, placement: s
     return times.total * 1e3
 
 
-def measure(out: Path, ulysses: int, ring: int, rank: int, args: argparse.Namespace) -> Path:
-    """One rank alone (``speed.py --fake-rank``); its JSON's path."""
+def measure(out: Path, ulysses: int, ring: int, rank: int, args: argparse.Namespace) -> None:
+    """One rank alone (``speed.py --fake-rank``), its rows written to ``out`` (none if it fails:
+    the comparison then lacks that rank)."""
     path = out / f"advisor_u{ulysses}r{ring}_rank{rank}.json"
     command = [sys.executable, "-m", "benchmarks.speed", "--fake-rank", str(rank), "--ulysses", str(ulysses),
                "--ring", str(ring), "--modes", "hcp-eager", "--workloads", args.workloads, "--heads", args.heads,
@@ -79,7 +80,6 @@ def measure(out: Path, ulysses: int, ring: int, rank: int, args: argparse.Namesp
                "--out", str(path)]
     print(" ".join(command), flush=True)
     subprocess.run(command, check=False)
-    return path
 
 
 def compare(paths: list[Path], device_kind: str | None, kernel: str | None = None) -> list[Comparison]:
