@@ -4,6 +4,7 @@ mode, against an fp32 per-document reference (issue 23).
     python scripts/gpu_properties.py                         # one H200: 5 minutes, seed 0
     python scripts/gpu_properties.py --minutes 8 --seed 3
     python scripts/gpu_properties.py --replay '<a reproducer line's JSON>'
+    python scripts/gpu_properties.py --kernels cudnn --minutes 3   # one kernel, on cases it claims
     python scripts/gpu_properties.py --device cpu --minutes 1   # the harness on CPU (fp32, bf16)
 
 Each case is a random batch: document lengths from a mixture of 0- and 1-token documents
@@ -117,6 +118,8 @@ FAULT_ULPS = 1000.0
 # CP kernel) of an earlier case of its phase: compiled graphs and flex's and cuDNN's
 # per-configuration builds then serve several batches, and more cases fit in the budget
 REUSE_PROBABILITY = {"single": 0.8, "cp": 0.8}
+# with --kernels: configurations drawn per case until one of the kernels claims one
+CLAIM_ATTEMPTS = 100
 ABORT_EXIT = 3  # a rank's exit code after an exception in a run: its world cannot go on
 COLLECTIVE_TIMEOUT_S = 120  # gloo's timeout: longer than rank 0's reference of one case
 PEER_GRACE_S = 5  # after one rank of a world ended badly, the others are killed
@@ -273,11 +276,12 @@ def claim(kernel: str, config: Config | Case, device: str, context_parallel: boo
     return KERNELS[kernel].supports(kernel_request(config, device, context_parallel))
 
 
-def draw(seed: int, phase: str, index: int, device: str) -> tuple[Case, list[Run]]:
-    """Case ``index`` of ``phase`` and its runs; the same in every process."""
+def draw(seed: int, phase: str, index: int, device: str, kernels: tuple[str, ...] = ()) -> tuple[Case, list[Run]]:
+    """Case ``index`` of ``phase`` and its runs; the same in every process. ``kernels``: only
+    these (and cases one of them claims); empty: every kernel."""
     profile = PROFILES[device]
     ulysses, ring = PHASES[phase]
-    config = _config(seed, phase, index, device)
+    config = _config(seed, phase, index, device, kernels)
     kind = phase_kind(phase)
     max_tokens = min(profile.max_tokens[kind], profile.max_elements[kind] // (config.heads_q * config.head_dim))
     if config.kernel == "torch":
@@ -287,7 +291,7 @@ def draw(seed: int, phase: str, index: int, device: str) -> tuple[Case, list[Run
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(AttentionArgs)}
     case = Case(phase=phase, seed=seed, index=index, lengths=tuple(lengths), **fields)
     if kind == "single":
-        runs = [Run("kernel", name) for name in (*KERNELS, "auto")]
+        runs = [Run("kernel", name) for name in (*KERNELS, "auto") if not kernels or name in kernels]
     else:
         runs = [Run(mode, config.kernel, placement)
                 for placement in PLACEMENTS for mode in ("eager", "compiled")]
@@ -295,11 +299,26 @@ def draw(seed: int, phase: str, index: int, device: str) -> tuple[Case, list[Run
 
 
 @functools.cache
-def _config(seed: int, phase: str, index: int, device: str) -> Config:
-    """A fresh configuration, or (``REUSE_PROBABILITY``) that of an earlier case."""
+def _config(seed: int, phase: str, index: int, device: str, kernels: tuple[str, ...] = ()) -> Config:
+    """A fresh configuration, or (``REUSE_PROBABILITY``) that of an earlier case. With
+    ``kernels``, configurations none of them claims are drawn again (up to ``CLAIM_ATTEMPTS``
+    times), and under CP the kernel is drawn among them."""
     rng = random.Random(f"{seed}/{phase}/{index}/config")
     if index > 0 and rng.random() < REUSE_PROBABILITY[phase_kind(phase)]:
-        return _config(seed, phase, rng.randrange(index), device)
+        return _config(seed, phase, rng.randrange(index), device, kernels)
+    cp = phase != "single"
+    for attempt in range(CLAIM_ATTEMPTS if kernels else 1):
+        # the first draw continues the case's own stream: without --kernels, a seed draws what it did before
+        draws = rng if attempt == 0 else random.Random(f"{seed}/{phase}/{index}/config/{attempt}")
+        config = _fresh_config(draws, phase, device)
+        claiming = [k for k in (kernels or ("auto", *KERNELS)) if claim(k, config, device, context_parallel=cp) is None]
+        if claiming:
+            return config if not cp else dataclasses.replace(config, kernel=draws.choice(claiming))
+    raise ValueError(f"--kernels: none of {list(kernels)} claims any of {CLAIM_ATTEMPTS} cases drawn for phase "
+                     f"{phase} on {device}; name kernels that run there (e.g. torch or flex on cpu)")
+
+
+def _fresh_config(rng: random.Random, phase: str, device: str) -> Config:
     profile = PROFILES[device]
     heads_q, heads_kv = _heads(rng, profile, PHASES[phase][0])
     head_dim = rng.choice(profile.head_dims)
@@ -313,12 +332,8 @@ def _config(seed: int, phase: str, index: int, device: str) -> Config:
     else:
         window = (-1, -1)
     scale = rng.choice((None, None, 0.5, 2.0))
-    config = Config(heads_q, heads_kv, head_dim, rng.choice(profile.dtypes), kind.startswith("causal"),
-                    window, None if scale is None else scale * head_dim ** -0.5, "")
-    if phase == "single":
-        return config
-    kernels = [k for k in ("auto", *KERNELS) if claim(k, config, device, context_parallel=True) is None]
-    return dataclasses.replace(config, kernel=rng.choice(kernels))
+    return Config(heads_q, heads_kv, head_dim, rng.choice(profile.dtypes), kind.startswith("causal"),
+                  window, None if scale is None else scale * head_dim ** -0.5, "")
 
 
 def _heads(rng: random.Random, profile: Profile, ulysses: int) -> tuple[int, int]:
@@ -692,6 +707,7 @@ class WorldConfig:
     port: int
     inject_fault: bool = False
     replay: str = ""  # a check's JSON: run that alone
+    kernels: tuple[str, ...] = ()  # --kernels (empty: all)
 
     @property
     def world_size(self) -> int:
@@ -742,7 +758,7 @@ class Rank:
         while self.agree(started == 0 or (
                 time.time() < self.config.deadline
                 and (self.config.max_cases is None or started < self.config.max_cases))):
-            case, runs = draw(self.config.seed, self.config.phase, index, self.config.device)
+            case, runs = draw(self.config.seed, self.config.phase, index, self.config.device, self.config.kernels)
             yield case, runs, position
             index, position, started = index + 1, 0, started + 1
 
@@ -983,7 +999,7 @@ def run_phase(phase: str, args: argparse.Namespace, soft_deadline: float, hard_d
             done = len({line["index"] for line in lines}) - (start[1] > 0)
             config = WorldConfig(phase, args.device, args.seed, args.inner, soft_deadline,
                                  None if args.cases is None else args.cases - done, start, tmp,
-                                 free_port(), args.inject_fault, args.replay)
+                                 free_port(), args.inject_fault, args.replay, args.kernels)
             codes = run_world(config, hard_deadline)
             results = out / "results.jsonl"
             lines += [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
@@ -1031,7 +1047,8 @@ def summarize(lines_by_phase: dict[str, list[dict]], args: argparse.Namespace, s
             row["worst"] = max(row["worst"], line["ratio"])
     totals = {key: sum(p[key] for p in phases.values()) for key in ("cases", "checks", *STATUSES)}
     failures = [line for lines in lines_by_phase.values() for line in lines if line["status"] == "failed"]
-    return {"seed": args.seed, "minutes": args.minutes, "device": device_name(args.device),
+    return {"seed": args.seed, "minutes": args.minutes, "kernels": list(args.kernels),
+            "device": device_name(args.device),
             "torch": torch.__version__, "seconds": round(seconds, 1), "bound": BOUND_TEXT,
             "phases": phases, "totals": totals, "worst": list(worst.values()), "failures": failures}
 
@@ -1091,6 +1108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inner", choices=INNER_COMPILERS, default=None,
                         help="compiler of the rewritten graph (default: inductor on cuda, aot_eager on cpu)")
     parser.add_argument("--replay", default="", help="a reproducer's JSON: run that check alone")
+    parser.add_argument("--kernels", default="",
+                        help=f"comma-separated, of {('auto', *KERNELS)}: run only these, on cases one of them "
+                             "claims (default: every kernel)")
     parser.add_argument("--inject-fault", action="store_true",
                         help=f"add {FAULT_ULPS:g} ulps to one element of every hcp result's dk, to see "
                              "the suite catch a wrong result (it must then fail)")
@@ -1106,6 +1126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [p for p in args.phases if p not in PHASES]
     if unknown:
         parser.error(f"--phases: unknown {unknown}; choose from {tuple(PHASES)}")
+    args.kernels = tuple(k for k in args.kernels.split(",") if k)
+    unknown = [k for k in args.kernels if k not in ("auto", *KERNELS)]
+    if unknown:
+        parser.error(f"--kernels: unknown {unknown}; choose from {('auto', *KERNELS)}")
     return args
 
 
@@ -1116,6 +1140,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_properties: CUDA is not available; `--device cpu` runs the harness on CPU", file=sys.stderr)
         return 2
+    if not args.replay:  # kernels that claim none of the cases fail here, not inside the worlds
+        try:
+            for phase in args.phases:
+                draw(args.seed, phase, 0, args.device, args.kernels)
+        except ValueError as exc:
+            print(f"gpu_properties: {exc}", file=sys.stderr)
+            return 2
     started = time.time()
     end = started + 60 * args.minutes
     lines_by_phase = {}

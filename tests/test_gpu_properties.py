@@ -45,6 +45,24 @@ def test_single_device_and_cp_phases_run_and_pass(tmp_path, capfd, monkeypatch):
     assert all(w["worst"] <= 1 for w in summary["worst"])
 
 
+def test_kernels_option_runs_only_those_kernels(tmp_path, capfd, monkeypatch):
+    """--kernels: the single-device phase runs only them, a CP phase draws its kernel among
+    them, and a kernel that claims nothing on the device fails before any world starts."""
+    code, summary, output = run_suite(tmp_path, capfd, monkeypatch, "--phases", "single,2x1", "--cases", "1",
+                                      "--kernels", "torch")
+    assert code == 0 and summary["kernels"] == ["torch"], output
+    assert {w["kernel"] for w in summary["worst"]} == {"sdpa", "torch"}, output
+    assert {w["phase"] for w in summary["worst"] if w["mode"] in ("eager", "compiled")} == {"2x1"}
+    assert props.main(["--device", "cpu", "--phases", "2x1", "--kernels", "flash"]) == 2
+    assert "none of ['flash'] claims" in capfd.readouterr().err
+
+
+def test_kernels_option_draws_cp_cases_among_them():
+    for index in range(6):
+        _, runs = props.draw(0, "2x1", index, "cpu", ("flex", "dense"))
+        assert {r.kernel for r in runs[1:]} <= {"flex", "dense"}, index
+
+
 def test_a_wrong_result_is_caught_and_its_reproducer_replays_it(tmp_path, capfd, monkeypatch):
     code, summary, output = run_suite(tmp_path, capfd, monkeypatch, "--phases", "single", "--cases", "1",
                                       "--inject-fault")
