@@ -48,11 +48,13 @@ def test_single_device_and_cp_phases_run_and_pass(tmp_path, capfd, monkeypatch):
 def test_kernels_option_runs_only_those_kernels(tmp_path, capfd, monkeypatch):
     """--kernels: the single-device phase runs only them, a CP phase draws its kernel among
     them, and a kernel that claims nothing on the device fails before any world starts."""
-    code, summary, output = run_suite(tmp_path, capfd, monkeypatch, "--phases", "single,2x1", "--cases", "1",
+    code, summary, output = run_suite(tmp_path, capfd, monkeypatch, "--phases", "2x1", "--cases", "1",
                                       "--kernels", "torch")
     assert code == 0 and summary["kernels"] == ["torch"], output
-    assert {w["kernel"] for w in summary["worst"]} == {"sdpa", "torch"}, output
-    assert {w["phase"] for w in summary["worst"] if w["mode"] in ("eager", "compiled")} == {"2x1"}
+    assert {(w["mode"], w["kernel"]) for w in summary["worst"]} == {
+        ("baseline", "sdpa"), ("eager", "torch"), ("compiled", "torch")}, output
+    _, runs = props.draw(0, "single", 0, "cpu", ("torch",))
+    assert [(r.mode, r.kernel) for r in runs] == [("baseline", "sdpa"), ("kernel", "torch")]
     assert props.main(["--device", "cpu", "--phases", "2x1", "--kernels", "flash"]) == 2
     assert "none of ['flash'] claims" in capfd.readouterr().err
 
