@@ -116,6 +116,9 @@ def test_with_the_package_auto_takes_it_where_it_was_measured_fastest(monkeypatc
 # --------------------------------------------------------------------------------------------
 
 EDGE_DOCS = [(700, 1, 300, 0, 129, 128, 1000, 5), (40, 1, 0, 40), (1, 1, 0, 1), (1, 0), (0, 0, 3), (2048, 2049)]
+# on CPU the stand-in's float64 attention of two 2K documents takes seconds per mask; the rest
+# cover its entries, trimming and buckets
+STAND_IN_DOCS = [lengths for lengths in EDGE_DOCS if max(lengths) < 2048]
 MASKS = [(True, (-1, -1)), (False, (-1, -1)), (True, (100, 0))]
 
 
@@ -263,7 +266,7 @@ def test_more_queries_than_keys_matches_the_torch_kernel(device, causal, request
         assert_matches(got.float().cpu(), ref.cpu(), name, **tolerance)
 
 
-@pytest.mark.parametrize("lengths", EDGE_DOCS, ids=str)
+@pytest.mark.parametrize("lengths", STAND_IN_DOCS, ids=str)
 @pytest.mark.parametrize("causal, window", MASKS, ids=str)
 def test_stand_in_calls_match_reference(stand_in, lengths, causal, window):
     """The edge batches on CPU: one top-left call per block (cu_q is cu_k), every row of every
