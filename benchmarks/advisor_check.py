@@ -57,11 +57,10 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(ulysses), int(ring)
 
 
-def predicted_ms(workload: str, ulysses: int, ring: int, rank: int, placement: str, kernel: str, heads: str,
-                 head_dim: int, device_kind: str, shrink: int = 1) -> float:
+def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, placement: str, kernel: str,
+                 heads: str, head_dim: int, device_kind: str) -> float:
     """The advisor's compute time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses
-    rank ``rank % ulysses``, as ``make_mesh`` numbers them) for the workload's batch."""
-    lengths = workloads(shrink)[workload].lengths
+    rank ``rank % ulysses``, as ``make_mesh`` numbers them) for the batch of document ``lengths``."""
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule(placement))
     heads_q, heads_kv = HEADS[heads]
     call = CallShape(heads_q, heads_kv, head_dim, torch.bfloat16)
@@ -87,20 +86,25 @@ def compare(paths: list[Path], device_kind: str | None, kernel: str | None = Non
     kernel the row ran (``kernel``: for this one instead)."""
     result = []
     for path in paths:
-        runs, rows = read_json(path)
+        try:
+            runs, rows = read_json(path)
+        except (KeyError, TypeError, json.JSONDecodeError):
+            print(f"skipped {path}: not the JSON of a benchmarks/speed.py run", file=sys.stderr)
+            continue
         run = runs[0]
         if run.get("fake_rank") is None:
             continue
         options, rank = run["options"], run["fake_rank"]
         kind = device_kind or run["device"]
+        by_name = workloads(options["shrink"])  # the run's batches, drawn as it drew them
         for row in rows:
-            windowed = workloads(options["shrink"])[row.workload].window_left >= 0
+            windowed = by_name[row.workload].window_left >= 0
             if row.mode != "hcp-eager" or row.recompute_exchange or windowed:  # the model has no windows
                 continue
             ulysses, ring = parse_mesh(row.mesh.split()[0])  # "AxR rank R alone"
             try:
-                predicted = predicted_ms(row.workload, ulysses, ring, rank, row.placement, kernel or row.kernel,
-                                         row.heads, options["head_dim"], kind, options["shrink"])
+                predicted = predicted_ms(by_name[row.workload].lengths, ulysses, ring, rank, row.placement,
+                                         kernel or row.kernel, row.heads, options["head_dim"], kind)
                 error = row.error
             except InputError as model_error:  # a kernel or device the measurements do not cover
                 predicted, error = None, row.error or str(model_error)
@@ -138,7 +142,12 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if (args.out is None) == (args.results is None):
         parser.error("pass --out DIR (measure, then compare) or --results DIR (compare only)")
-    args.meshes = [parse_mesh(m) for m in args.meshes.split(",")]
+    try:
+        args.meshes = [parse_mesh(m) for m in args.meshes.split(",")]
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--meshes: {error}")
+    if not all(r.isdigit() for r in args.ranks.split(",")):
+        parser.error(f"--ranks: expected comma-separated ranks such as 0,1, got {args.ranks!r}")
     args.ranks = [int(r) for r in args.ranks.split(",")]
     return args
 
