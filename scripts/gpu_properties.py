@@ -1127,6 +1127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--phases: unknown {unknown}; choose from {tuple(PHASES)}")
     args.kernels = tuple(k for k in args.kernels.split(",") if k)
+    if args.replay and args.kernels:
+        parser.error("--kernels: a --replay check runs the kernel its reproducer names; pass one of them")
     unknown = [k for k in args.kernels if k not in ("auto", *KERNELS)]
     if unknown:
         parser.error(f"--kernels: unknown {unknown}; choose from {('auto', *KERNELS)}")
