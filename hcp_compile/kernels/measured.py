@@ -61,10 +61,16 @@ def recorded() -> dict[str, dict[str, dict[str, float]]]:
 def throughputs(kind_of_call: str | None = None) -> dict[str, dict[str, float]]:
     """Device kind -> kernel -> FLOP/s on the composition ``kind_of_call``; None (or a
     composition a device did not record): the mean over the device's unwindowed ones."""
+    # copies: the cached tables serve every later call (kernel="auto" asks once per attention call)
+    return {device: dict(per_kernel) for device, per_kernel in _throughputs(kind_of_call).items()}
+
+
+@functools.cache
+def _throughputs(kind_of_call: str | None) -> dict[str, dict[str, float]]:
     result: dict[str, dict[str, float]] = {}
     for device, kinds in recorded().items():
         if kind_of_call in kinds:
-            result[device] = dict(kinds[kind_of_call])
+            result[device] = kinds[kind_of_call]
             continue
         per_kernel: dict[str, list[float]] = {}
         for kind, row in kinds.items():
