@@ -167,9 +167,7 @@ class ContextParallel:
             {"max_seqlen_q": max_q, "max_seqlen_k": max_k}, keys,
             (groups.ring_rank, groups.ulysses_rank), planned_shape(prepared.batch),
         )
-        failures = check(prepared, call)
-        if failures:
-            raise failures[0].error()
+        validation.raise_first(check(prepared, call))
         return resolve_kernel(
             self.options.kernel, BlockRequest.of(q, k, window, context_parallel=True),
             "context_parallel(mesh, kernel=...)",

@@ -21,10 +21,13 @@ from .schemes import HeadExchange, KVRing, scheme_named
 
 
 def _step_spec(step: RingStep, sched: RingSchedule) -> BlockSpec:
+    # the own step (the only causal one) sees its own stream: its segments with queries and keys
+    # have as many of each (layout.step_segments), which kernels may use (BlockSpec)
+    diagonal = step.kind is StepKind.DIAGONAL
     return BlockSpec(
-        step.cu_q, step.cu_k, sched.max_seqlen, sched.max_seqlen, step.kind is StepKind.DIAGONAL,
+        step.cu_q, step.cu_k, sched.max_seqlen, sched.max_seqlen, diagonal,
         sched.scale, sched.window_left, sched.window_right, sched.q_positions, step.k_positions,
-        step.cache_key,
+        step.cache_key, equal_lengths=diagonal,
     )
 
 

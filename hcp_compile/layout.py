@@ -146,7 +146,7 @@ def rank_size_values(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> 
     """``[T, local, W, exchange_0..exchange_{A-1}, local_entries, step_entries_0..R-1]`` of
     rank ``(ring_rank, ulysses_rank)``."""
     own = stream_table(layout, ring_rank)
-    sources = [(ring_rank - s) % layout.ring for s in range(1, layout.ring)]
+    sources = step_sources(ring_rank, layout.ring, layout.ring)[1:]
     step_entries = [step_active(own, None).sum()] + [
         step_active(own, stream_table(layout, src, with_group=False)).sum() for src in sources
     ]
@@ -306,6 +306,11 @@ class StepKind(Enum):
     LOWER = "lower"  # all Q x the first chunk of each KV document (src < r)
     UPPER = "upper"  # the second chunk of each Q document x all KV (src > r)
     FULL = "full"  # non-causal: all Q x all KV
+
+
+def step_sources(ring_rank: int, ring: int, steps: int) -> list[int]:
+    """The ring rank whose keys each step uses: step ``s`` those of ``ring_rank - s``."""
+    return [(ring_rank - s) % ring for s in range(steps)]
 
 
 def step_kind(ring_rank: int, source: int, causal: bool) -> StepKind:

@@ -156,6 +156,4 @@ def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
         {"max_seqlen_q": max_q, "max_seqlen_k": max_k},
         keys=None if cu_k is cu_q else host_values(cu_k),
     )
-    failures = check(PreparedBatch(queries, None), call)  # nothing to lay out: not cached
-    if failures:
-        raise failures[0].error()
+    validation.raise_first(check(PreparedBatch(queries, None), call))  # nothing to lay out: not cached

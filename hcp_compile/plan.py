@@ -146,9 +146,7 @@ def _prepared(cu_seqlens: Tensor | PreparedBatch, shape: MeshShape) -> PreparedB
         return adopt(cu_seqlens)
     validation.check_cu_seqlens_dtype(cu_seqlens, "cu_seqlens")
     batch = host_values(cu_seqlens)
-    failed = batch.failures("cu_seqlens")
-    if failed:
-        raise failed[0].error()
+    validation.raise_first(batch.failures("cu_seqlens"))
     return prepare(batch, shape)
 
 

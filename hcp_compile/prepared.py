@@ -133,10 +133,11 @@ class PreparedBatch:
         return self.layout is not None
 
     def rank_tokens(self, ring_rank: int, ulysses_rank: int) -> int:
-        """The tokens rank ``(ring_rank, ulysses_rank)`` holds: q, k and v's token count."""
+        """The tokens rank ``(ring_rank, ulysses_rank)`` holds, pads included: q, k and v's token
+        count (the ``tokens`` of its :meth:`rank_sizes`)."""
         if self.mesh is None:
             return self.batch.num_tokens
-        return int(self.layout.local_tokens)
+        return self.rank_sizes(ring_rank, ulysses_rank).tokens
 
     def rank_size_values(self, ring_rank: int, ulysses_rank: int) -> Tensor:
         """Rank ``(ring_rank, ulysses_rank)``'s :func:`layout.rank_size_values`, derived for the
@@ -217,7 +218,7 @@ class PreparedBatch:
         if key not in self._derived:
             batch, ring = self.layout, self.layout.ring
             own = layout.stream_table(batch, ring_rank)
-            sources = [(ring_rank - s) % ring for s in range(1, steps)]
+            sources = layout.step_sources(ring_rank, ring, steps)[1:]
             seen = torch.stack([
                 layout.step_sees_any_key(
                     own, layout.stream_table(batch, src, with_group=False), ring_rank, src, ring,
@@ -355,8 +356,6 @@ def prepare_batch(
     if not isinstance(causal, bool):
         raise validation.InputError(f"causal: expected True or False, got {causal!r}")
     batch = BatchValues.of(cu_seqlens.detach().to("cpu", torch.int64))
-    failed = batch.failures("cu_seqlens")
-    if failed:
-        raise failed[0].error()
+    validation.raise_first(batch.failures("cu_seqlens"))
     prepared = _build(batch, MeshShape(ulysses, ring, check_placement(placement)))
     return prepared.warm(None if rank is None else [rank], causal=causal, window=window)

@@ -116,7 +116,7 @@ def schedule_tables(
     """The tables of rank ``(ring_rank, sizes.ulysses_rank)``'s first ``steps`` ring steps."""
     ring = batch.ring
     own = layout.stream_table(batch, ring_rank)
-    sources = _sources(ring_rank, ring, steps)
+    sources = layout.step_sources(ring_rank, ring, steps)
     tables = [own] + [layout.stream_table(batch, src, with_group=False) for src in sources[1:]]
     lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
     positions = [
@@ -151,7 +151,7 @@ def assemble_schedule(
     per step of ``tables``; ``active`` (default: all) says which steps compute; ``scheme``: the
     collective scheme."""
     steps = len(tables.cu_q)
-    sources = _sources(ring_rank, ring, steps)
+    sources = layout.step_sources(ring_rank, ring, steps)
     active = [True] * steps if active is None else active
 
     def key(slot: int) -> int | torch.SymInt:
@@ -176,11 +176,6 @@ def assemble_schedule(
         kernel=kernel,
         scheme=scheme,
     )
-
-
-def _sources(ring_rank: int, ring: int, steps: int) -> list[int]:
-    """The ring rank whose keys each step uses: step ``s`` those of ``ring_rank - s``."""
-    return [(ring_rank - s) % ring for s in range(steps)]
 
 
 def cache_keys_needed(ring: int) -> int:

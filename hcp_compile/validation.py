@@ -56,6 +56,12 @@ class Failure:
         return InputError(self.message)
 
 
+def raise_first(failures: Sequence[Failure]) -> None:
+    """Raise the error of the first of ``failures`` (the order an error reports them in), if any."""
+    if failures:
+        raise failures[0].error()
+
+
 # --------------------------------------------------------------------------------------------
 # the batch rules (batch_check.check): every path, the compiled one when its graph runs
 # --------------------------------------------------------------------------------------------

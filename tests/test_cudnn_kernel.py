@@ -17,8 +17,9 @@ import hcp_compile as hc
 from attention_reference import reference_with_grads
 from checks import assert_matches, expected_for, local_rows
 from cp_cases import AttentionCase, World, cu_seqlens, seeded
-from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, resolve_kernel, run_backward, \
-    run_forward
+from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, new_cache_key, resolve_kernel, \
+    run_backward, run_forward
+from hcp_compile.kernels.cudnn import block_calls
 from test_dense_kernel import check_second_halves
 
 HAS_FRONTEND = cudnn.frontend()[0] is not None
@@ -299,6 +300,48 @@ def test_a_causal_block_with_its_own_key_segments_runs_two_top_left_calls(stand_
         stand_in.calls.clear()
         KERNELS["cudnn"].forward(x["q"][:int(spec.cu_q[-1])].float(), k, v, spec)
         assert {mask for mask, _ in stand_in.calls} == expected, spec
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_own_ring_steps_shape_runs_one_top_left_call(device, request):
+    """The own ring step's segments (per entry: none, real queries x as many real keys, pad
+    queries x no keys, no queries x pad keys; ``equal_lengths``) as one top-left causal call,
+    against the plain-PyTorch kernel (which aligns bottom-right) on the same values."""
+    where, dtype, tolerance = on(device, request)
+    parts_q, parts_k = (0, 5, 3, 0, 0, 300, 2, 0, 0, 1, 0, 0), (0, 5, 0, 3, 0, 300, 0, 2, 0, 1, 0, 0)
+    cu_q, cu_k = cu_seqlens(parts_q).to(where), cu_seqlens(parts_k).to(where)
+    q, dout = (seeded(f"own-step/{n}", sum(parts_q), 8, 64).to(where, dtype) for n in ("q", "dout"))
+    k, v = (seeded(f"own-step/{n}", sum(parts_k), 2, 64).to(where, dtype) for n in ("k", "v"))
+    spec = BlockSpec(cu_q, cu_k, 303, 302, True, 0.125, equal_lengths=True)
+    out, lse = run_forward("cudnn", q, k, v, spec)
+    grads = run_backward("cudnn", dout, q, k, v, out, lse, spec)
+    if device == "cpu":
+        stand_in = request.getfixturevalue("stand_in")
+        assert [mask for mask, _ in stand_in.calls] == [cudnn.Mask(None, 0, False)] * 2  # forward, backward
+    wide = [t.float() for t in (q, k, v, dout)]
+    out_ref, lse_ref = run_forward("torch", *wide[:3], spec)
+    grads_ref = run_backward("torch", wide[3], *wide[:3], out.float(), lse, spec)
+    assert_matches(out.float().cpu(), out_ref.cpu(), "out", **tolerance)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_matches(got.float().cpu(), ref.cpu(), name, **tolerance)
+
+
+def test_a_blocks_calls_are_derived_once_per_cache_key(stand_in, monkeypatch):
+    """The layers and the backward of one batch ask for the same blocks: with a cache key the
+    ragged entries are derived once; without one, per call."""
+    derived = []
+    monkeypatch.setattr(cudnn, "block_calls", lambda spec, entries: derived.append(spec) or block_calls(spec, entries))
+    cu = cu_seqlens((3, 5, 0, 4))
+    x = {n: t.float() for n, t in bf16_inputs("cached-calls", 12, 4, 2).items()}
+    kernel = KERNELS["cudnn"]
+    for cache_key, expected in ((new_cache_key(), 1), (-1, 4)):
+        derived.clear()
+        spec = BlockSpec(cu, cu, 5, 5, True, 0.125, cache_key=cache_key)
+        for _ in range(2):  # two layers
+            out, lse = kernel.forward(x["q"], x["k"], x["v"], spec)
+            kernel.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, spec)
+        assert len(derived) == expected
 
 
 @needs_cudnn

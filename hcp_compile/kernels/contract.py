@@ -27,7 +27,10 @@ class BlockSpec:
     them across layers and the backward; -1: derive it per call. The keys come from
     :func:`new_cache_key` (eager: per schedule, whose tensors live unchanged) or from
     :class:`KeysByValue` (the values read on the host: a compiled graph's batch, whose buffers
-    Inductor reuses for other values, and single-device calls)."""
+    Inductor reuses for other values, and single-device calls). ``equal_lengths``: every
+    segment that has both queries and keys has as many of each (the own ring step, whose
+    ``cu_q`` and ``cu_k`` differ only in their pad segments), so the causal diagonal is the same
+    aligned top-left or bottom-right; a kernel may use it to take the cheaper one."""
 
     cu_q: Tensor
     cu_k: Tensor
@@ -40,6 +43,7 @@ class BlockSpec:
     q_positions: Tensor | None = None
     k_positions: Tensor | None = None
     cache_key: int = -1
+    equal_lengths: bool = False
 
     def op_args(self) -> tuple:
         """The fields in order, as ``hcp::block_forward/backward`` take them (a custom op's

@@ -37,6 +37,8 @@ full rectangle and a top-left causal square, one call each over all segments, me
                              (the first 3 keys)               (the last 3 keys)
 
 A segment without a rectangle has no keys in A, so its rows leave A (its lse -inf there).
+Where every segment with queries and keys has as many of each (``BlockSpec.equal_lengths``:
+the own ring step), no segment has a rectangle and the square alone is one top-left call.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import torch
 from torch import Tensor
 
 from ..merge import accumulate, merge_partials
-from .contract import BlockRequest, BlockSpec
+from .contract import BlockRequest, BlockSpec, SpecCache
 
 # the name nvidia-cudnn-frontend installs its module under
 FRONTEND_MODULE = "cudnn"
@@ -68,6 +70,9 @@ MIN_SEGMENT_ROWS = 128
 ROW_BOUND_BITS = 4
 # graphs kept per process; each is a few MiB of host memory and its plan
 MAX_GRAPHS = 64
+# blocks whose calls are kept (small int tensors each): a schedule's ring steps and local region
+# for a few batches
+CACHED_BLOCKS = 256
 _NO_WINDOW_BY_POSITION = (
     "cannot apply a sliding window under context parallelism (its masks are local to a "
     "block; the window needs positions inside the document)"
@@ -175,12 +180,12 @@ def _entries(q_starts: Tensor, q_lengths: Tensor, k_starts: Tensor, k_lengths: T
 
 def block_calls(spec: BlockSpec, entries: int) -> list[tuple[Mask, Ragged]]:
     """The cuDNN calls of a block, merged by lse when several: one, top-left where every
-    segment's queries and keys are one range; a causal block without a window otherwise two
-    top-left calls (Note [a bottom-right diagonal as two top-left calls]); any other block one
-    bottom-right call (a window on the diagonal; without a band the alignment does not
-    matter)."""
+    segment's queries and keys are one range or equally many (``spec.equal_lengths``); a causal
+    block without a window otherwise two top-left calls (Note [a bottom-right diagonal as two
+    top-left calls]); any other block one bottom-right call (a window on the diagonal; without
+    a band the alignment does not matter)."""
     left, right = mask_bounds(spec)
-    if same_segments(spec.cu_q, spec.cu_k) or right is None:
+    if same_segments(spec.cu_q, spec.cu_k) or spec.equal_lengths or right is None:
         return [(Mask(left, right, False), ragged(spec, entries))]
     if right == 0 and left is None:
         rectangle, square = split_causal(spec, entries)
@@ -258,6 +263,7 @@ class _Graphs:
 
 
 GRAPHS = _Graphs()
+_CALLS = SpecCache(CACHED_BLOCKS)
 
 
 class _Graph:
@@ -332,6 +338,17 @@ class _Graph:
         self.graph.execute({self.names[n]: t for n, t in tensors.items()}, workspace, handle=self.handle)
 
 
+def _calls(spec: BlockSpec, q: Tensor, k: Tensor) -> list[tuple[Mask, dict[str, Tensor]]]:
+    """Each cuDNN call of the block: its mask and its entries' lengths and offsets, derived
+    once per ``spec.cache_key`` (the layers and the backward of one batch share them: 36 small
+    ops for one call, 58 for a split block, that the host would otherwise issue again; eager
+    ranks of a few ms per call wait on the host, docs/benchmarks.md)."""
+    def build() -> list[tuple[Mask, dict[str, Tensor]]]:
+        return [(mask, _bound_tensors(q, k, entries)) for mask, entries in block_calls(spec, entries_for(spec))]
+
+    return _CALLS.get(spec, (q.shape[1], k.shape[1], q.shape[2], spec.equal_lengths), build)
+
+
 def _bound_tensors(q: Tensor, k: Tensor, entries: Ragged) -> dict[str, Tensor]:
     """The lengths and element offsets of a call's ragged entries."""
     heads_q, heads_kv, dim = q.shape[1], k.shape[1], q.shape[2]
@@ -367,11 +384,11 @@ class CudnnKernel:
             return torch.zeros_like(q), q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = lse = None
-        for mask, entries in block_calls(spec, entries_for(spec)):
+        for mask, bounds in _calls(spec, q, k):
             part_out = torch.zeros_like(q)
             stats = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)  # [rows, heads]
             GRAPHS.get(Shape.of(q, k, spec, mask), backward=False).run(q.device, {
-                **_bound_tensors(q, k, entries), "q": q, "k": k, "v": v, "out": part_out, "stats": stats})
+                **bounds, "q": q, "k": k, "v": v, "out": part_out, "stats": stats})
             out, lse = merge_partials(out, lse, part_out, stats.t(), q.dtype)
         return out.contiguous(), lse.contiguous()
 
@@ -386,10 +403,10 @@ class CudnnKernel:
         # key in any block) is outside them (Note [rows that see no key])
         stats = lse.t().float().contiguous()
         dq = dk = dv = None
-        for mask, entries in block_calls(spec, entries_for(spec)):
+        for mask, bounds in _calls(spec, q, k):
             grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             GRAPHS.get(Shape.of(q, k, spec, mask), backward=True).run(q.device, {
-                **_bound_tensors(q, k, entries), "q": q, "k": k, "v": v, "out": out, "dout": dout, "stats": stats,
+                **bounds, "q": q, "k": k, "v": v, "out": out, "dout": dout, "stats": stats,
                 "dq": grads[0], "dk": grads[1], "dv": grads[2]})
             # the calls' keys are disjoint (exact sums); their rows are not, summed in fp32
             dq = accumulate(dq, grads[0], q.dtype)

@@ -17,55 +17,18 @@ from torch import Tensor
 
 from ..collectives import arrived, gather_sections, send_pieces
 from ..merge import accumulate
-from ..mesh import CPGroups
 from ..precision import accumulate_dtype
 from .protocol import GroupShape, GroupTraffic
+from .sections import SectionRing, SectionSteps
 
 
-class AllGatherKV:
-    """One all-gather of the ring sections, issued before the own step computes::
+class _Gathered(SectionSteps):
+    _pending: Tensor | None = None  # the all-gather, in flight
+    _all: Tensor | None = None  # every ring rank's message, once arrived
 
-        forward:   all-gather [section_0 | section_1 | ... | section_{R-1}]
-                   step s reads section (r - s) mod R
-        backward:  the same all-gather (each section with one element of the backward's
-                   input), then one all-to-all: row j of the send buffer is the gradient of
-                   ring rank j's section (step (r - j) mod R), the own row stays home
-    """
-
-    name = "allgather"
-
-    def forward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups) -> _Gathered:
-        return _Gathered(kv, width, steps, groups, carried=None)
-
-    def backward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
-                 carried: Tensor) -> _GatheredWithGrads:
-        return _GatheredWithGrads(kv, width, steps, groups, carried)
-
-    def traffic(self, shape: GroupShape) -> GroupTraffic:
-        """Forward: the section to each other ring rank; backward: the section and the
-        carried element to each, then to each the gradient of its section."""
-        if shape.steps == 1:
-            return GroupTraffic()
-        others, section, item = shape.ring - 1, shape.section, shape.itemsize
-        return GroupTraffic(
-            forward_calls=1, backward_calls=2, forward_bytes=others * section * item,
-            backward_bytes=others * (section + 1) * item + others * section * item,
-        )
-
-
-class _Gathered:
-    def __init__(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
-                 carried: Tensor | None):
-        self._kv, self._steps, self._groups, self._carried = kv, steps, groups, carried
-        self._section = (width, *kv.shape[1:])
-        self._pending = self._all = None
-        if steps > 1:
-            own = kv.split([width, kv.shape[0] - width])[0]
-            self._size = own.numel()
-            message = own.reshape(-1) if carried is None else torch.cat(
-                [own.reshape(-1), carried.to(kv.dtype)])
-            self._row = message.numel()
-            self._pending = gather_sections(message, groups.ring_group, groups.ring_size)
+    def _start(self, message: Tensor) -> None:
+        self._row = message.numel()
+        self._pending = gather_sections(message, self._groups.ring_group, self._groups.ring_size)
 
     def kv(self, step: int) -> Tensor:
         if step == 0:
@@ -73,10 +36,7 @@ class _Gathered:
         if self._all is None:  # waited where a section is first read: after the own step
             # (on the CPU when gloo staged a CUDA gather: gather_sections)
             self._all = arrived(self._pending, (self._groups.ring_size, self._row)).to(self._kv.device)
-        source = self._all[(self._groups.ring_rank - step) % self._groups.ring_size]
-        if self._carried is None:
-            return source.view(self._section)
-        return source[: self._size].view(self._section)
+        return self._section_of(self._all[(self._groups.ring_rank - step) % self._groups.ring_size])
 
 
 class _GatheredWithGrads(_Gathered):
@@ -103,3 +63,28 @@ class _GatheredWithGrads(_Gathered):
         pending = send_pieces(sent, self._size, groups.ring_group, rank, ring)
         received = arrived(pending, (ring - 1, *self._section))
         return accumulate(received.sum(0, dtype=accumulate_dtype(kv.dtype)), own, kv.dtype)
+
+
+class AllGatherKV(SectionRing):
+    """One all-gather of the ring sections, issued before the own step computes::
+
+        forward:   all-gather [section_0 | section_1 | ... | section_{R-1}]
+                   step s reads section (r - s) mod R
+        backward:  the same all-gather (each section with one element of the backward's
+                   input), then one all-to-all: row j of the send buffer is the gradient of
+                   ring rank j's section (step (r - j) mod R), the own row stays home
+    """
+
+    name = "allgather"
+    forward_steps, backward_steps = _Gathered, _GatheredWithGrads
+
+    def traffic(self, shape: GroupShape) -> GroupTraffic:
+        """Forward: the section to each other ring rank; backward: the section and the
+        carried element to each, then to each the gradient of its section."""
+        if shape.steps == 1:
+            return GroupTraffic()
+        others, section, item = shape.ring - 1, shape.section, shape.itemsize
+        return GroupTraffic(
+            forward_calls=1, backward_calls=2, forward_bytes=others * section * item,
+            backward_bytes=others * (section + 1) * item + others * section * item,
+        )

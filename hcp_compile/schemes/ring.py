@@ -9,41 +9,12 @@ from torch import Tensor
 
 from ..collectives import arrived, ring_shift
 from ..merge import accumulate
-from ..mesh import CPGroups
 from ..precision import accumulate_dtype
 from .protocol import GroupShape, GroupTraffic
+from .sections import SectionRing, SectionSteps
 
 
-class ZigzagRing:
-    """Point-to-point hops, each issued before the step that it overlaps: the transfer for
-    step ``s + 1`` travels while step ``s`` computes. Holds two sections of KV at a time."""
-
-    name = "ring"
-
-    def forward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups) -> _Hops:
-        return _Hops(kv, width, steps, groups, carried=None)
-
-    def backward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
-                 carried: Tensor) -> _HopsWithGrads:
-        return _HopsWithGrads(kv, width, steps, groups, carried)
-
-    def traffic(self, shape: GroupShape) -> GroupTraffic:
-        """Forward ``S - 1`` hops of a section; backward ``S - 1`` hops of a section and the
-        carried element, and ``S`` hops of the dKV accumulator: the first a block's own
-        gradient and the last the finished sum in the input dtype, those between sums in
-        the accumulation dtype."""
-        steps, section, item = shape.steps, shape.section, shape.itemsize
-        if steps == 1:
-            return GroupTraffic()
-        gradients = section * (2 * item + (steps - 2) * shape.accumulate_itemsize)
-        return GroupTraffic(
-            forward_calls=steps - 1, backward_calls=2 * steps - 1,
-            forward_bytes=(steps - 1) * section * item,
-            backward_bytes=(steps - 1) * (section + 1) * item + gradients,
-        )
-
-
-class _Hops:
+class _Hops(SectionSteps):
     """The keys of each step, each received section sent on to the next ring rank.
 
     ::
@@ -54,17 +25,11 @@ class _Hops:
         step S-1: wait <-- r-S+1   (no further hop)
     """
 
-    def __init__(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
-                 carried: Tensor | None):
-        self._kv, self._steps, self._groups, self._carried = kv, steps, groups, carried
-        self._section = (width, *kv.shape[1:])
-        self._message = self._incoming = None
-        if steps > 1:
-            own = kv.split([width, kv.shape[0] - width])[0]
-            self._size = own.numel()
-            # the backward's message carries one element of its input along (docs/design.md §4)
-            self._message = own.reshape(-1) if carried is None else torch.cat(
-                [own.reshape(-1), carried.to(kv.dtype)])
+    _message: Tensor | None = None  # the section in hand: sent on by the next hop
+    _incoming: Tensor | None = None  # the hop in flight
+
+    def _start(self, message: Tensor) -> None:
+        self._message = message
 
     def kv(self, step: int) -> Tensor:
         if step > 0:
@@ -74,9 +39,7 @@ class _Hops:
                                         self._groups.ring_rank, self._groups.ring_size)
         if step == 0:
             return self._kv
-        if self._carried is None:
-            return self._message.view(self._section)
-        return self._message[: self._size].view(self._section)
+        return self._section_of(self._message)
 
 
 class _HopsWithGrads(_Hops):
@@ -109,3 +72,26 @@ class _HopsWithGrads(_Hops):
         if self._steps == 1:
             return self._travelling.to(self._kv.dtype)
         return arrived(self._travelling, self._section).to(self._kv.dtype)
+
+
+class ZigzagRing(SectionRing):
+    """Point-to-point hops, each issued before the step that it overlaps: the transfer for
+    step ``s + 1`` travels while step ``s`` computes. Holds two sections of KV at a time."""
+
+    name = "ring"
+    forward_steps, backward_steps = _Hops, _HopsWithGrads
+
+    def traffic(self, shape: GroupShape) -> GroupTraffic:
+        """Forward ``S - 1`` hops of a section; backward ``S - 1`` hops of a section and the
+        carried element, and ``S`` hops of the dKV accumulator: the first a block's own
+        gradient and the last the finished sum in the input dtype, those between sums in
+        the accumulation dtype."""
+        steps, section, item = shape.steps, shape.section, shape.itemsize
+        if steps == 1:
+            return GroupTraffic()
+        gradients = section * (2 * item + (steps - 2) * shape.accumulate_itemsize)
+        return GroupTraffic(
+            forward_calls=steps - 1, backward_calls=2 * steps - 1,
+            forward_bytes=(steps - 1) * section * item,
+            backward_bytes=(steps - 1) * (section + 1) * item + gradients,
+        )
