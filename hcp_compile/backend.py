@@ -6,18 +6,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch._guards import TracingContext, tracing
 
 from .kernels import KERNEL_CHOICES
 from .kernels.cost import estimate_block_runtime_ms
 from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
 from .placements import DEFAULT_PLACEMENT, check_placement
+from .prepared import MeshShape
+from .ring_variants import RingVariants, cu_seqlens_inputs, graph_copy
 from .schemes import DEFAULT_SCHEME, check_scheme
 from .validation import InputError, check_flags
 
@@ -81,7 +84,7 @@ class BackendOptions:
 
 def rewrite_config(groups: CPGroups, options: BackendOptions) -> RewriteConfig:
     """What the rewrite pass takes of the options, for the mesh's ``groups``."""
-    from .passes.rewrite import RewriteConfig  # see HcpBackend.__call__
+    from .passes.rewrite import RewriteConfig  # see HcpBackend._compile
 
     return RewriteConfig(groups, options.kernel, options.agree_across_ranks, options.placement,
                          options.recompute_exchange, options.scheme)
@@ -155,14 +158,41 @@ class HcpBackend:
 
     @_input_errors_reach_the_user
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        options = self.options
+        groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
+        config = rewrite_config(groups, options)
+        example_inputs = list(example_inputs)
+        # compiling rewrites the graph in place: a copy for the graph without ring steps
+        pristine = graph_copy(gm) if groups.ring_size > 1 else None
+        full = self._compile(gm, example_inputs, config, groups)
+        if pristine is None:
+            return full
+        from .passes.match import find_attention  # see _compile
+
+        inputs = cu_seqlens_inputs(pristine.graph, find_attention(pristine.graph))
+        if inputs is None:
+            return full
+        context = TracingContext.try_get()
+
+        def compile_own_step() -> Callable:
+            with tracing(context) if context is not None else contextlib.nullcontext():
+                return self._compile(pristine, example_inputs, replace(config, own_step_only=True), groups)
+
+        shape_env = context.fake_mode.shape_env if context is not None and context.fake_mode is not None else None
+        return RingVariants(
+            full, compile_own_step, inputs, MeshShape(groups.ulysses_size, groups.ring_size, options.placement),
+            guard_count=(lambda: len(shape_env.guards)) if shape_env is not None else None,
+        )
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], config: RewriteConfig,
+                 groups: CPGroups) -> Callable:
         # imported on first compile: the pass is an Inductor CustomGraphPass, and importing
         # torch._inductor would add about a second to every `import hcp_compile`
         from .passes.hierarchical_cp import HierarchicalCPPass
 
         options = self.options
-        groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
         dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV))
-        rewrite = HierarchicalCPPass(rewrite_config(groups, options), dump)
+        rewrite = HierarchicalCPPass(config, dump)
         with _data_dependent_sizes(example_inputs):
             if options.inner == "inductor":
                 return _inductor(gm, example_inputs, rewrite, groups, dump)

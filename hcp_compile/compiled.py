@@ -153,10 +153,16 @@ def hierarchical_varlen_attention(
     batch: CheckedBatch, *, causal: bool, scale: float,
     window: tuple[int, int], kernel: str, ulysses_group: str, ring_group: str,
     return_lse: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
+    own_step_only: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """This rank's shard of varlen attention over a packed batch, q/k/v being the local shards
     laid out by ``shard_plan``; ``batch`` comes from :func:`checked_layout`. The groups are
-    given by name so that the call prints as readable code in a dumped graph."""
+    given by name so that the call prints as readable code in a dumped graph.
+
+    A graph cannot tell from its symbolic sizes that a batch has no ring section, so it keeps
+    every ring step; ``own_step_only`` builds the graph for batches without one (the own
+    step alone, as eager runs them), checked when it runs (docs/compiled-path.md, "Ring
+    variants")."""
     groups = groups_from_names(ulysses_group, ring_group)
     *values, first_cache_key = batch.sizes
     for size in values[1:]:
@@ -166,7 +172,12 @@ def hierarchical_varlen_attention(
     )
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
-    steps, windowed = schedule_steps(rank_sizes, groups.ring_size), window != (-1, -1)
+    if own_step_only:
+        torch._check(rank_sizes.ring_width == 0, lambda: "a batch with a ring section ran in the graph built for batches without one")
+        steps = 1
+    else:
+        steps = schedule_steps(rank_sizes, groups.ring_size)
+    windowed = window != (-1, -1)
     flat = torch.ops.hcp.schedule_tables(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
         groups.ring_rank, groups.ulysses_rank, steps, causal, windowed, values,

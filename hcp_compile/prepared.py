@@ -151,6 +151,17 @@ class PreparedBatch:
         values = self.rank_size_values(ring_rank, ulysses_rank).tolist()
         return layout.rank_sizes(values, ulysses_rank, self.layout.ulysses)
 
+    @property
+    def has_ring_section(self) -> bool:
+        """Whether any document goes round the ring (``W > 0``): without, every schedule of the
+        batch is its own step alone (:func:`schedule.schedule_steps`). True when nothing is
+        laid out, so that a caller takes the path that checks the batch."""
+        if self.layout is None:
+            return True
+        if "ring_width" not in self._derived:
+            self._derived["ring_width"] = int(self.layout.ring_width)
+        return self._derived["ring_width"] > 0
+
     def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME) -> int:
         """A hash of the values, the mesh shape, the placement, ``recompute_exchange`` and the
         collective scheme (the options every rank must share: ranks that differ in them would

@@ -40,6 +40,7 @@ class RewriteConfig:
     placement: str
     recompute_exchange: bool = False
     scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.schemes.SCHEMES
+    own_step_only: bool = False  # the graph for batches without a ring section (hcp_compile.ring_variants)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def _rewrite_one(
             (call.q, call.k, call.v, max_seqlen, layouts[sizes_key]),
             {"causal": call.causal, "scale": scale, "window": call.window, "kernel": kernel,
              **names, "return_lse": returns_lse, "recompute_exchange": config.recompute_exchange,
-             "scheme": config.scheme},
+             "scheme": config.scheme, "own_step_only": config.own_step_only},
         )
         _copy_provenance(node, attention)
         new_outputs = {call.out_index: attention}

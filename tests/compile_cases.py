@@ -59,6 +59,9 @@ COMPILE_DOCS = {
     "one-97": (97,),  # a single document
     "one-50": (50,),
     "three": (7, 13, 1),
+    # every document LOCAL on the 2 x 2 and 1 x 4 meshes: no ring section, so the compiled
+    # attention runs the graph built without ring steps (hcp_compile.ring_variants)
+    "no-ring": (2,) * 32,
 }
 
 
@@ -271,6 +274,7 @@ class CompiledAttentionCase:
     # tells these batches apart
     cu_in_place: bool = False
     scheme: str = "ring"  # the collective scheme, compiled and eager
+    capture: bool = False  # record the ring transfers of every AOT forward graph after each batch
 
     @property
     def id(self) -> str:
@@ -296,11 +300,18 @@ class CompiledAttentionCase:
                                             recompute_exchange=self.recompute_exchange, scheme=self.scheme))
         module = VarlenAttention(self.causal, self.scale, self.window)
         compiled = torch.compile(module, backend=counter, dynamic=self.dynamic, fullgraph=True)
-        result: dict = {"graphs_after": []}
+        result: dict = {"graphs_after": [], "ring_transfers_after": []}
         cu = cu_seqlens(self.batches()[0].lengths) if self.cu_in_place else None
+        captured: list[fx.GraphModule] = []
         for index, batch in enumerate(self.batches()):
-            got = run_attention(batch, world, compiled, cu)
+            # the graph a batch runs may be compiled when it first runs (ring_variants)
+            with capture_aot_graphs() if self.capture else contextlib.nullcontext([]) as new:
+                got = run_attention(batch, world, compiled, cu)
+            captured += new
             result["graphs_after"].append(counter.graphs)
+            forward, _ = split_forward_backward(captured)
+            result["ring_transfers_after"].append(
+                [collective_summary(g, *group_names(world.mesh))["ring"] for g in forward])
             if self.eager:
                 with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel,
                                          recompute_exchange=self.recompute_exchange, scheme=self.scheme):
@@ -359,9 +370,14 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     # the all-gather scheme where there is a ring: GQA 8/4 makes two head groups on 2 x 2
     allgather = [CompiledAttentionCase("gqa-allgather", ("mixed", "four"), 8, 4, True, (4, 0),
                                        scheme="allgather")] if mesh[1] > 1 else []
+    # a batch without a ring section, one with, then the first again: one Dynamo graph, and
+    # the graph without ring steps compiled once, on first use
+    variants = [CompiledAttentionCase("gqa-ring-variants", ("no-ring", "mixed", "no-ring"), 4, 2, True,
+                                      capture=True)] if mesh == (2, 2) else []
     return [
         *recompute,
         *allgather,
+        *variants,
         CompiledAttentionCase("gqa-causal-batches", ("mixed", "mixed-permuted", "four", *single),
                               4, 2, True),
         CompiledAttentionCase(f"{name}-full-window-scale-zigzag-flex", automatic, 4, heads_kv, False,

@@ -117,6 +117,19 @@ def test_dynamic_shapes_reuse_one_graph_for_new_batches(cp_world, mesh):
         assert single in ([], [1, 1], [2, 2]), f"rank {rank}: graphs compiled {graphs}"
 
 
+def test_batch_without_ring_section_runs_the_graph_without_ring_steps(cp_world):
+    """A batch whose documents all stay whole on their ranks runs a graph with no ring
+    transfers, compiled on its first use beside the full graph (one Dynamo graph); the batch
+    with a ring section between runs the full graph, and the second batch without one reuses
+    the first's graph. Numerics: test_compiled_attention_matches_reference_and_eager_cp."""
+    mesh = (2, 2)
+    (case,) = [c for c in attention_cases(mesh) if c.name == "gqa-ring-variants"]
+    full = expected_collectives(mesh, case.heads_kv, layers=1)["fw"]["ring"]
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        assert result["graphs_after"] == [1, 1, 1], f"rank {rank}: {result['graphs_after']}"
+        assert result["ring_transfers_after"] == [[full, 0]] * 3, f"rank {rank}: {result['ring_transfers_after']}"
+
+
 @pytest.mark.parametrize("mesh", RECOMPUTE_MESHES, ids=mesh_id)
 def test_compiled_recompute_exchange_saves_only_the_inputs_and_output(cp_world, mesh):
     """As eagerly (test_cp_attention): the compiled forward keeps no exchanged q, KV or output
