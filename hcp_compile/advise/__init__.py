@@ -32,11 +32,12 @@ measured for every kernel).
 from __future__ import annotations
 
 from .records import (
-    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes,
-    Links, Option, Prediction, SCHEME,
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes, HostCounts,
+    HostTimes, Links, Option, Prediction, SCHEME,
 )
 from .compute import block_composition, block_work, compute_times
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
+from .host import bounded_by_host, host_counts, host_times, kernel_calls
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
 from .chooser import advise, cuda_kernel, mesh_options, predict
 from .report import format_advice
@@ -49,6 +50,8 @@ __all__ = [
     "DEFAULT_DEVICE",
     "ExchangeTimes",
     "HopTimes",
+    "HostCounts",
+    "HostTimes",
     "Links",
     "Option",
     "Prediction",
@@ -57,6 +60,7 @@ __all__ = [
     "batches_from",
     "block_composition",
     "block_work",
+    "bounded_by_host",
     "compute_times",
     "cu_seqlens_of",
     "cuda_kernel",
@@ -64,6 +68,9 @@ __all__ = [
     "exchange_times",
     "format_advice",
     "hop_times",
+    "host_counts",
+    "host_times",
+    "kernel_calls",
     "main",
     "mesh_options",
     "pipeline",
