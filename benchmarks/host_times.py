@@ -242,7 +242,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     parser.add_argument("--record", type=Path, metavar="JSON",
                         help="add the constants of a --out file to hcp_compile/kernels/host_measured.json")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--kernels", default="cudnn,flex",
+    parser.add_argument("--kernels", default="cudnn",
                         help=f"comma-separated, of {', '.join(KERNEL_CHOICES)} (auto: as CP resolves it)")
     parser.add_argument("--meshes", default=DEFAULT_MESHES, help="comma-separated ULYSSESxRING meshes")
     parser.add_argument("--ranks", default="0,-1", help="comma-separated ranks of each mesh (-1: its last)")

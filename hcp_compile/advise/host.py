@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import BlockSpec
-from ..kernels import cudnn
+from ..kernels import BlockSpec, cudnn
 from ..kernels.host_measured import HostConstants, HostRecord
 from ..layout import RankSizes, StepKind, step_kind, step_sources
 from ..schedule import schedule_steps
