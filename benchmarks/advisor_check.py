@@ -1,15 +1,19 @@
-"""The advisor's compute part against one rank's measured time (issue 26).
+"""The advisor's compute and host parts against one rank's measured time (issue 26).
 
     python -m benchmarks.advisor_check --meshes 2x1,1x2,4x1,2x2,1x4,8x1,2x4,1x8 --kernel cudnn \\
         --workloads W1-128K,W2-128K,W3-128K --out DIR          # on one GPU: measure, then compare
     python -m benchmarks.advisor_check --results DIR            # compare again from DIR's JSONs
+    python -m benchmarks.advisor_check --comparisons benchmarks/results/advisor_check.json
+                                                # predict again the measured times of a comparison
 
 Each mesh's rank runs alone over torch's fake process group (``benchmarks/speed.py
 --fake-rank``, mode ``hcp-eager``): its kernels, layout copies and merges, no communication.
 That is what the advisor's compute part (:func:`hcp_compile.advise.compute_times`) predicts
 for that rank from kernels/measured.json, so the two are set side by side here: measured ms,
-predicted ms and the prediction's error. The communication part is checked against the bytes
-the code sends by the CPU tests (tests/test_schemes.py, tests/test_advise.py).
+predicted ms and the prediction's error; beside them the prediction with the host part (each
+phase the longer of the rank's compute and its host time, kernels/host_measured.json; none
+where the device's host times were not measured). The communication part is checked against
+the bytes the code sends by the CPU tests (tests/test_schemes.py, tests/test_advise.py).
 """
 
 from __future__ import annotations
@@ -18,18 +22,23 @@ import argparse
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
 from hcp_compile import InputError, layout
-from hcp_compile.advise import block_work, compute_times, cu_seqlens_of
+from hcp_compile.advise import DEFAULT_DEVICE
+from hcp_compile.advise import (
+    bounded_by_host, block_work, compute_times, cu_seqlens_of, host_counts, host_times, rank_sizes,
+)
+from hcp_compile.kernels import host_measured
+from hcp_compile.schedule import head_groups, rank_kv_heads
 from hcp_compile.placements import placement_rule
 from hcp_compile.schemes.traffic import CallShape
 
-from .speed import HEADS, read_json, workloads
+from .speed import HEADS, Workload, read_json, workloads
 
 
 @dataclass(frozen=True)
@@ -42,12 +51,21 @@ class Comparison:
     measured_ms: float | None
     predicted_ms: float | None
     error: str | None = None  # the run's or the model's error, instead of a time
+    predicted_host_ms: float | None = None  # with the host part; None: not measured for the device
 
     @property
     def error_pct(self) -> float | None:
-        if self.measured_ms is None or self.predicted_ms is None:
-            return None
-        return 100 * (self.predicted_ms - self.measured_ms) / self.measured_ms
+        return _error_pct(self.predicted_ms, self.measured_ms)
+
+    @property
+    def error_host_pct(self) -> float | None:
+        return _error_pct(self.predicted_host_ms, self.measured_ms)
+
+
+def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+    if measured is None or predicted is None:
+        return None
+    return 100 * (predicted - measured) / measured
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -58,14 +76,25 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, placement: str, kernel: str,
-                 heads: str, head_dim: int, device_kind: str) -> float:
-    """The advisor's compute time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses
-    rank ``rank % ulysses``, as ``make_mesh`` numbers them) for the batch of document ``lengths``."""
+                 heads: str, head_dim: int, device_kind: str) -> tuple[float, float | None]:
+    """The advisor's time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses rank
+    ``rank % ulysses``, as ``make_mesh`` numbers them) alone, for the batch of document
+    ``lengths``: its compute, and its compute bounded by its host time per phase (None where
+    kernels/host_measured.json has no eager host times for the device and kernel)."""
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule(placement))
     heads_q, heads_kv = HEADS[heads]
     call = CallShape(heads_q, heads_kv, head_dim, torch.bfloat16)
-    times = compute_times(block_work(batch), rank // ulysses, rank % ulysses, call, kernel, device_kind)
-    return times.total * 1e3
+    ring_rank, ulysses_rank = rank // ulysses, rank % ulysses
+    times = compute_times(block_work(batch), ring_rank, ulysses_rank, call, kernel, device_kind)
+    record = host_measured.find(device_kind, "hcp-eager", kernel)
+    if record is None:
+        return times.total * 1e3, None
+    groups = head_groups(rank_kv_heads(heads_kv, ulysses), ulysses)
+    host = host_times(host_counts(rank_sizes(batch, ring_rank, ulysses_rank), ring_rank, ring, kernel, groups),
+                      record)
+    forward = times.local_forward + sum(times.step_forward)
+    backward = times.local_backward + sum(times.step_backward)
+    return times.total * 1e3, bounded_by_host(forward, backward, host) * 1e3
 
 
 def measure(out: Path, ulysses: int, ring: int, rank: int, args: argparse.Namespace) -> None:
@@ -102,23 +131,52 @@ def compare(paths: list[Path], device_kind: str | None, kernel: str | None = Non
             if row.mode != "hcp-eager" or row.recompute_exchange or windowed:  # the model has no windows
                 continue
             ulysses, ring = parse_mesh(row.mesh.split()[0])  # "AxR rank R alone"
-            try:
-                predicted = predicted_ms(by_name[row.workload].lengths, ulysses, ring, rank, row.placement,
-                                         kernel or row.kernel, row.heads, options["head_dim"], kind)
-                error = row.error
-            except InputError as model_error:  # a kernel or device the measurements do not cover
-                predicted, error = None, row.error or str(model_error)
-            result.append(Comparison(row.workload, f"{ulysses}x{ring}", rank, row.placement, row.kernel, row.ms,
-                                     predicted, error))
+            measured = Comparison(row.workload, f"{ulysses}x{ring}", rank, row.placement, row.kernel, row.ms,
+                                  None, row.error)
+            result.append(predicted(measured, by_name, row.heads, options["head_dim"], kind, kernel))
     return sorted(result, key=lambda c: (c.workload, c.mesh, c.rank, c.placement))
 
 
+def predicted(measured: Comparison, by_name: dict[str, Workload], heads: str, head_dim: int, device_kind: str,
+              kernel: str | None = None) -> Comparison:
+    """``measured`` with the advisor's predictions for the kernel it ran (``kernel``: this one)."""
+    ulysses, ring = parse_mesh(measured.mesh)
+    try:
+        compute, with_host = predicted_ms(by_name[measured.workload].lengths, ulysses, ring, measured.rank,
+                                          measured.placement, kernel or measured.kernel, heads, head_dim,
+                                          device_kind)
+        return replace(measured, predicted_ms=compute, predicted_host_ms=with_host)
+    except InputError as model_error:  # a kernel or device the measurements do not cover
+        return replace(measured, predicted_ms=None, predicted_host_ms=None,
+                       error=measured.error or str(model_error))
+
+
+def recompare(path: Path, heads: str, head_dim: int, device_kind: str, kernel: str | None = None) -> list[Comparison]:
+    """The measured rows of an earlier comparison (an advisor_check.json, its batches unshrunk)
+    predicted again, with the host part where it is measured."""
+    by_name = workloads()
+    names = [f.name for f in fields(Comparison) if f.name not in ("predicted_ms", "predicted_host_ms")]
+    return [predicted(Comparison(**{n: row.get(n) for n in names}, predicted_ms=None), by_name, heads, head_dim,
+                      device_kind, kernel)
+            for row in json.loads(path.read_text())]
+
+
 def table(comparisons: list[Comparison]) -> str:
-    rows = [(c.workload, c.mesh, c.rank, c.placement, c.kernel,
-             c.error[:60] if c.error else c.measured_ms, None if c.predicted_ms is None else round(c.predicted_ms, 2),
-             None if c.error_pct is None else f"{c.error_pct:+.1f} %") for c in comparisons]
-    return tabulate(rows, headers=["workload", "mesh AxR", "rank", "placement", "kernel", "measured ms",
-                                   "predicted ms", "prediction error"], tablefmt="github")
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(value, 2)
+
+    def pct(value: float | None) -> str | None:
+        return None if value is None else f"{value:+.1f} %"
+
+    rows = [(c.workload, c.mesh, c.rank, c.placement, c.kernel, c.error[:60] if c.error else c.measured_ms,
+             ms(c.predicted_ms), pct(c.error_pct), ms(c.predicted_host_ms), pct(c.error_host_pct))
+            for c in comparisons]
+    text = tabulate(rows, headers=["workload", "mesh AxR", "rank", "placement", "kernel", "measured ms",
+                                   "compute ms", "compute error", "with host ms", "with host error"],
+                    tablefmt="github")
+    if any(c.predicted_ms is not None and c.predicted_host_ms is None for c in comparisons):
+        text += f"\nwith host: not modelled where kernels/host_measured.json has no host times ({host_measured.HOW_TO_ADD})"
+    return text
 
 
 def parse_args() -> argparse.Namespace:
@@ -137,11 +195,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--predict-kernel", help="the measured kernel the predictions use (default: the one each "
                         "row ran; another for CPU smoke tests, whose kernels were not measured)")
     parser.add_argument("--device-kind", help="the measured.json device the predictions use (default: the run's)")
+    parser.add_argument("--head-dim", type=int, default=128, help="with --comparisons: the runs' head dim")
     parser.add_argument("--out", type=Path, help="measure into this folder, then compare")
     parser.add_argument("--results", type=Path, help="compare the JSONs already in this folder")
+    parser.add_argument("--comparisons", type=Path, metavar="JSON",
+                        help="predict again the measured rows of an advisor_check.json (--heads, --head-dim: "
+                             "the runs'); prints the table")
     args = parser.parse_args()
-    if (args.out is None) == (args.results is None):
-        parser.error("pass --out DIR (measure, then compare) or --results DIR (compare only)")
+    if sum(a is not None for a in (args.out, args.results, args.comparisons)) != 1:
+        parser.error("pass --out DIR (measure, then compare), --results DIR (compare only) or --comparisons "
+                     "JSON (predict an earlier comparison again)")
     try:
         args.meshes = [parse_mesh(m) for m in args.meshes.split(",")]
     except argparse.ArgumentTypeError as error:
@@ -154,6 +217,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.comparisons is not None:
+        print(table(recompare(args.comparisons, args.heads, args.head_dim, args.device_kind or DEFAULT_DEVICE,
+                              args.predict_kernel)))
+        return
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         for ulysses, ring in args.meshes:
@@ -167,7 +234,8 @@ def main() -> None:
     print(text)
     (folder / "advisor_check.md").write_text(text + "\n")
     (folder / "advisor_check.json").write_text(json.dumps(
-        [{**c.__dict__, "error_pct": c.error_pct} for c in comparisons], indent=1) + "\n")
+        [{**c.__dict__, "error_pct": c.error_pct, "error_host_pct": c.error_host_pct} for c in comparisons],
+        indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -576,18 +576,13 @@ def hcp_mode(
     """hcp on this rank's shard: eagerly in ``context_parallel``, or through ``compiled`` (a
     compiled :class:`PackedAttention` of the batch's window, with the same
     ``recompute_exchange``)."""
-    mesh, args = setup.hcp_mesh(), setup.args
     if setup.fake and setup.device.type == "cuda":
         fill_free_memory(setup.device)
-    plan = hcp_compile.shard_plan(batch.cu, mesh, placement=placement)
-    local = [plan.shard(t).requires_grad_() for t in batch.qkv]
     profile = trace_name(batch, setup, "hcp-compiled" if compiled is not None else "hcp-eager", placement)
     if compiled is None:
-        attend = PackedAttention(batch.workload.window)
-        with hcp_compile.context_parallel(mesh, kernel=args.kernel, placement=placement,
-                                          recompute_exchange=recompute_exchange):
-            return measure(lambda q, k, v: attend(q, k, v, batch.cu, batch.longest), local, setup,
-                           profile=profile)
+        with hcp_eager(batch, setup, placement, recompute_exchange) as (attend, local):
+            return measure(attend, local, setup, profile=profile)
+    local = sharded(batch, setup, placement)
     # the token count, the document count and the longest document vary across workloads:
     # traced as symbols, so that one graph per (placement, window) serves them all (but a
     # one-document batch, whose 2-entry cu_seqlens gets specialized, has a graph of its own)
@@ -599,6 +594,24 @@ def hcp_mode(
             return compiled(q, k, v, batch.cu, batch.longest)
 
     return measure(step, local, setup, first_call=True, profile=profile)
+
+
+def sharded(batch: Batch, setup: Setup, placement: str) -> list[Tensor]:
+    """This rank's shards of q, k and v under ``placement``, leaves that take gradients."""
+    plan = hcp_compile.shard_plan(batch.cu, setup.hcp_mesh(), placement=placement)
+    return [plan.shard(t).requires_grad_() for t in batch.qkv]
+
+
+@contextlib.contextmanager
+def hcp_eager(batch: Batch, setup: Setup, placement: str,
+              recompute_exchange: bool = False) -> Iterator[tuple[Callable[..., Tensor], list[Tensor]]]:
+    """``(attend, shards)``: this rank's eager CP call on its shards (``attend(*shards)``),
+    valid inside the block (``context_parallel`` of ``--kernel`` is active there)."""
+    local = sharded(batch, setup, placement)
+    attend = PackedAttention(batch.workload.window)
+    with hcp_compile.context_parallel(setup.hcp_mesh(), kernel=setup.args.kernel, placement=placement,
+                                      recompute_exchange=recompute_exchange):
+        yield (lambda q, k, v: attend(q, k, v, batch.cu, batch.longest)), local
 
 
 def fill_free_memory(device: torch.device) -> None:
@@ -1258,6 +1271,14 @@ def report(rows: list[Row], runs: list[dict], args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}")
 
 
+def init_fake(rank: int, world: int) -> None:
+    """Make this process rank ``rank`` of a ``world`` over torch's fake process group, whose
+    collectives return at once and move no data (``--fake-rank``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+
 def main() -> None:
     args = parse_args()
     if args.merge:
@@ -1271,10 +1292,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     fake = args.fake_rank is not None
     if fake:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", rank=args.fake_rank, world_size=args.ulysses * args.ring,
-                                store=FakeStore())
+        init_fake(args.fake_rank, args.ulysses * args.ring)
     else:
         # plain NCCL: with a mixed cpu/cuda group Inductor cannot tell the collectives' device and
         # estimates them as free, which leaves its overlap scheduling nothing to hide (NCCL refuses

@@ -6,7 +6,8 @@ from measured parts and a chooser over the valid meshes.
 
 The model predicts one causal forward + backward of one attention call per rank, as the sum of
 explicit parts, each a pure function that a GPU measurement can check on its own (one module
-each: records.py, compute.py, communication.py, overlap.py; chooser.py, report.py, command.py):
+each: records.py, compute.py, communication.py, overlap.py, host.py; chooser.py, report.py,
+command.py):
 
 - compute (:func:`compute_times`): each block's visible query-key pairs (from the real layout
   of the placement rule, :mod:`hcp_compile.layout`) times ``14 * head_dim`` FLOPs per pair
@@ -19,24 +20,33 @@ each: records.py, compute.py, communication.py, overlap.py; chooser.py, report.p
 - overlap (:func:`ring_forward`, :func:`ring_backward`, :func:`pipeline`): what the code
   overlaps (docs/design.md §3.3, §3.6, §4): every ring hop travels behind the step before the
   one that reads it, the backward's dKV hop behind the next step, its last hop exposed; head
-  group ``g + 1``'s exchange behind group ``g``'s ring, group 0's behind the local region.
+  group ``g + 1``'s exchange behind group ``g``'s ring, group 0's behind the local region;
+- host (:func:`host_counts`, :func:`host_times`, :func:`bounded_by_host`; module host.py): the
+  seconds a rank's host takes to issue each phase of its eager call, from its kernel calls,
+  ring-step iterations and head groups (counted from the layout as the schedule and the
+  kernel run them) at the constants kernels/host_measured.json records for the device, mode
+  and kernel (``benchmarks/host_times.py`` measures and fits them); each phase lasts the
+  longer of its host and GPU time, since the GPU cannot run ahead of the host. Where no
+  constants are recorded the host part is 0 and the report says it is not modelled.
 
-A step's time is its slowest rank's. Not modelled: a call's host work and launches (measured
-against one rank alone on an H200, ``benchmarks/advisor_check.py``: the compute part is within
-10 % in 7 of 8 cases at 2 ranks, but an eager rank whose compute falls under about 5 ms is
-host-bound, where the prediction is a floor; docs/benchmarks.md, "Advisor check"), contention
-between an all-to-all and ring hops on one NVLink domain, windows (only causal attention is
-measured for every kernel).
+A step's time is its slowest rank's. Measured against one rank alone on an H200
+(``benchmarks/advisor_check.py``): the compute part is within 10 % in 7 of 8 cases at 2
+ranks, but an eager rank whose compute falls under about 5 ms is host-bound, which only the
+host part covers (docs/benchmarks.md, "Advisor check"). Not modelled: the host work of a
+compiled call (its graph keeps every ring step), the host cost of real collectives beyond the
+fake process group's the host part was measured with, contention between an all-to-all and
+ring hops on one NVLink domain, windows (only causal attention is measured for every kernel).
 """
 
 from __future__ import annotations
 
 from .records import (
-    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes,
-    Links, Option, Prediction, SCHEME,
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes, HostCounts,
+    HostTimes, Links, Option, Prediction, SCHEME,
 )
 from .compute import block_composition, block_work, compute_times
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
+from .host import bounded_by_host, host_counts, host_times, kernel_calls
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
 from .chooser import advise, cuda_kernel, mesh_options, predict
 from .report import format_advice
@@ -49,6 +59,8 @@ __all__ = [
     "DEFAULT_DEVICE",
     "ExchangeTimes",
     "HopTimes",
+    "HostCounts",
+    "HostTimes",
     "Links",
     "Option",
     "Prediction",
@@ -57,6 +69,7 @@ __all__ = [
     "batches_from",
     "block_composition",
     "block_work",
+    "bounded_by_host",
     "compute_times",
     "cu_seqlens_of",
     "cuda_kernel",
@@ -64,6 +77,9 @@ __all__ = [
     "exchange_times",
     "format_advice",
     "hop_times",
+    "host_counts",
+    "host_times",
+    "kernel_calls",
     "main",
     "mesh_options",
     "pipeline",

@@ -10,13 +10,15 @@ import torch
 from torch import Tensor
 
 from .. import layout
-from ..kernels import measured
+from ..kernels import host_measured, measured
+from ..kernels.host_measured import HostRecord
 from ..placements import PLACEMENTS, placement_rule
 from ..schedule import head_groups, rank_kv_heads
 from ..schemes.traffic import CallShape, call_traffic
 from ..validation import InputError, check_head_split
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .compute import block_work, compute_times
+from .host import host_counts, host_times
 from .overlap import predict_rank
 from .records import Advice, DEFAULT_DEVICE, Links, Option, Prediction, RankPrediction, SCHEME
 
@@ -55,8 +57,10 @@ def _check_positive(**values: int) -> None:
 
 
 def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: CallShape,
-                  kernel: str, device_kind: str, links: Links) -> tuple[RankPrediction, float]:
-    """The slowest rank's prediction for one batch, and the mean rank's compute."""
+                  kernel: str, device_kind: str, links: Links,
+                  host: HostRecord | None = None) -> tuple[RankPrediction, float]:
+    """The slowest rank's prediction for one batch, and the mean rank's compute; ``host``: the
+    measured host constants (None: the host part not modelled)."""
     ulysses, ring = option.ulysses, option.ring
     batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(option.placement))
     work = block_work(batch)
@@ -72,16 +76,19 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
         ring_bytes = call_traffic(SCHEME, sizes[0], call, ulysses, ring).ring
         for a in range(ulysses):
             compute = compute_times(work, r, a, call, kernel, device_kind)
-            step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups)
+            issued = host_times(host_counts(sizes[a], r, ring, kernel, groups), host)
+            step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups, issued)
             ranks.append(RankPrediction(step, compute.total, a2a, exposed_ring, sum(moved[a]),
-                                        ring_bytes.forward_bytes + ring_bytes.backward_bytes))
+                                        ring_bytes.forward_bytes + ring_bytes.backward_bytes,
+                                        issued.forward + issued.backward,
+                                        step - compute.total - a2a - exposed_ring))
     return max(ranks, key=lambda p: p.step), sum(p.compute for p in ranks) / len(ranks)
 
 
 def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call: CallShape,
-            kernel: str, device_kind: str, links: Links) -> Prediction:
+            kernel: str, device_kind: str, links: Links, host: HostRecord | None = None) -> Prediction:
     """``option``'s prediction: the slowest rank of each batch, averaged over ``batches``."""
-    slowest, means = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, device_kind, links)
+    slowest, means = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, device_kind, links, host)
                            for b in batches))
 
     def average(values: Sequence[float]) -> float:
@@ -93,6 +100,7 @@ def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call:
         average([p.step for p in slowest]), average([p.compute for p in slowest]), average(means),
         average([p.exposed_all_to_all for p in slowest]), average([p.exposed_ring for p in slowest]),
         average([p.all_to_all_bytes for p in slowest]), average([p.ring_bytes for p in slowest]),
+        average([p.host for p in slowest]), average([p.host_wait for p in slowest]),
     )
 
 
@@ -109,11 +117,13 @@ def cuda_kernel(device_kind: str) -> str:
 def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int, heads_q: int,
            heads_kv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
            placements: Sequence[str] = tuple(PLACEMENTS), kernel: str = "auto",
-           device_kind: str = DEFAULT_DEVICE, links: Links = Links()) -> Advice:
+           device_kind: str = DEFAULT_DEVICE, links: Links = Links(), mode: str = "hcp-eager") -> Advice:
     """Predict every valid mesh and placement (:func:`mesh_options`) on ``batches`` (one
     global int32 ``cu_seqlens`` or a sample of them) and rank them, fastest first:
     ``advice.best`` has ``ulysses``, ``ring`` and ``placement`` for ``make_mesh`` and
-    ``shard_plan``. ``kernel="auto"``: the one CP's auto takes on ``device_kind``."""
+    ``shard_plan``. ``kernel="auto"``: the one CP's auto takes on ``device_kind``. ``mode``:
+    whose host times (kernels/host_measured.json) bound each rank's step; where none were
+    measured the host part is 0 and ``advice.host_modelled`` False."""
     started = time.perf_counter()
     batches = [batches] if isinstance(batches, Tensor) else list(batches)
     if not batches:
@@ -127,14 +137,19 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
     _check_positive(head_dim=head_dim)
     if not isinstance(dtype, torch.dtype):
         raise InputError(f"dtype: expected a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    if mode not in host_measured.MODES:
+        raise InputError(f"mode: expected one of {host_measured.MODES} (the modes whose host work the "
+                         f"advisor counts), got {mode!r}")
     kernel = cuda_kernel(device_kind) if kernel == "auto" else kernel
     call = CallShape(heads_q, heads_kv, head_dim, dtype)
     options = mesh_options(world, gpus_per_node, heads_q, heads_kv, placements)
     if not options:
         raise InputError(f"world: no ulysses x ring = {world} has a Ulysses group inside a node "
                          f"of {gpus_per_node} GPUs that splits {heads_q}/{heads_kv} heads")
+    host = host_measured.find(device_kind, mode, kernel)
     predictions = sorted(
-        (predict(batches, o, gpus_per_node, call, kernel, device_kind, links) for o in options),
+        (predict(batches, o, gpus_per_node, call, kernel, device_kind, links, host) for o in options),
         key=lambda p: (p.step_s, p.exposed_s),
     )
-    return Advice(tuple(predictions), kernel, device_kind, len(batches), time.perf_counter() - started)
+    return Advice(tuple(predictions), kernel, device_kind, len(batches), time.perf_counter() - started, mode,
+                  host is not None)

@@ -1,11 +1,12 @@
 """The overlap rules the code has: ring hops behind the steps, the last dKV hop exposed, head-group
-pipelining of the all-to-all."""
+pipelining of the all-to-all, the GPU behind the host."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .records import ComputeTimes, ExchangeTimes, HopTimes
+from .host import bounded_by_host
+from .records import ComputeTimes, ExchangeTimes, HopTimes, HostTimes
 
 
 def ring_forward(steps: Sequence[float], hop: float) -> float:
@@ -48,15 +49,17 @@ def pipeline(local: float, exchange_in: float, rings: Sequence[float], exchange_
 
 
 def predict_rank(compute: ComputeTimes, exchange: ExchangeTimes, hops: HopTimes,
-                 groups: int) -> tuple[float, float, float]:
+                 groups: int, host: HostTimes = HostTimes()) -> tuple[float, float, float]:
     """``(step, exposed all-to-all, exposed ring)`` seconds of one rank: both directions'
-    pipelines; the ring's exposed time is what its hops add to its steps' compute, the
-    all-to-all's what is left."""
+    pipelines, each waiting for the host where ``host`` takes longer
+    (:func:`host.bounded_by_host`); the ring's exposed time is what its hops add to its
+    steps' compute, the all-to-all's what is left of the GPU's step."""
     forward_steps = [t / groups for t in compute.step_forward]
     backward_steps = [t / groups for t in compute.step_backward]
     ring_f = ring_forward(forward_steps, hops.forward)
     ring_b = ring_backward(backward_steps, hops)
-    step = (pipeline(compute.local_forward, exchange.forward_in, [ring_f] * groups, exchange.forward_out)
-            + pipeline(compute.local_backward, exchange.backward_in, [ring_b] * groups, exchange.backward_out))
+    forward = pipeline(compute.local_forward, exchange.forward_in, [ring_f] * groups, exchange.forward_out)
+    backward = pipeline(compute.local_backward, exchange.backward_in, [ring_b] * groups, exchange.backward_out)
     exposed_ring = groups * (ring_f + ring_b) - sum(compute.step_forward) - sum(compute.step_backward)
-    return step, step - compute.total - exposed_ring, exposed_ring
+    return (bounded_by_host(forward, backward, host), forward + backward - compute.total - exposed_ring,
+            exposed_ring)

@@ -100,6 +100,24 @@ class HopTimes:
 
 
 @dataclass(frozen=True)
+class HostCounts:
+    """What one rank's host issues per phase of a call (forward and backward alike): kernel
+    calls, ring-step iterations (every head group's steps) and head groups."""
+
+    calls: int
+    steps: int
+    groups: int
+
+
+@dataclass(frozen=True)
+class HostTimes:
+    """Seconds one rank's host takes to issue its forward and its backward (0: not modelled)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+
+
+@dataclass(frozen=True)
 class RankPrediction:
     """One rank's predicted forward + backward of one attention call, in seconds."""
 
@@ -109,6 +127,8 @@ class RankPrediction:
     exposed_ring: float
     all_to_all_bytes: int
     ring_bytes: int
+    host: float = 0.0  # its host time, forward + backward
+    host_wait: float = 0.0  # what the host adds to the step beyond the GPU's
 
 
 @dataclass(frozen=True)
@@ -125,6 +145,8 @@ class Prediction:
     exposed_ring_s: float
     all_to_all_bytes: float  # per rank and call, the slowest rank's
     ring_bytes: float
+    host_s: float = 0.0  # the slowest rank's host time (0: not modelled, see Advice.host_modelled)
+    host_wait_s: float = 0.0  # what waiting for the host adds to step_s
 
     @property
     def ulysses(self) -> int:
@@ -152,6 +174,8 @@ class Advice:
     device_kind: str
     batches: int
     seconds: float  # how long the advice took
+    mode: str = "hcp-eager"
+    host_modelled: bool = False  # kernels/host_measured.json has the device, mode and kernel
 
     @property
     def best(self) -> Prediction:

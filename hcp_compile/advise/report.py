@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from ..kernels.host_measured import HOW_TO_ADD
 from .records import Advice, Prediction, TIE
 
 
@@ -11,13 +12,14 @@ def format_table(advice: Advice) -> str:
     rows = [[
         f"{p.ulysses} x {p.ring}", p.placement, p.head_groups, p.ring_link,
         f"{p.step_s * 1e3:.2f}", f"{p.compute_s * 1e3:.2f}",
+        f"{p.host_s * 1e3:.2f}" if advice.host_modelled else "-",
         f"{(p.compute_s / p.mean_compute_s - 1) * 100:.1f}" if p.mean_compute_s else "0.0",
         f"{p.exposed_all_to_all_s * 1e3:.2f}", f"{p.exposed_ring_s * 1e3:.2f}",
         f"{p.exposed_s / p.step_s * 100:.1f}" if p.step_s else "0.0",
         f"{p.all_to_all_bytes / 2**20:.1f}", f"{p.ring_bytes / 2**20:.1f}",
     ] for p in advice.predictions]
     headers = ["ulysses x ring", "placement", "head groups", "ring link", "step ms",
-               "compute ms", "over mean %", "exposed a2a ms", "exposed ring ms", "exposed %",
+               "compute ms", "host ms", "over mean %", "exposed a2a ms", "exposed ring ms", "exposed %",
                "a2a MiB", "ring MiB"]
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
@@ -43,6 +45,7 @@ def reasons(advice: Advice) -> list[str]:
             "compute of its slowest rank": p.compute_s - best.compute_s,
             "exposed all-to-all": p.exposed_all_to_all_s - best.exposed_all_to_all_s,
             "exposed ring": p.exposed_ring_s - best.exposed_ring_s,
+            "waiting for its host": p.host_wait_s - best.host_wait_s,
         }
         part = max(parts, key=parts.__getitem__)
         lines.append(
@@ -53,10 +56,20 @@ def reasons(advice: Advice) -> list[str]:
     return lines
 
 
+def host_note(advice: Advice) -> str:
+    """Whether the steps include the host part, and where its constants come from."""
+    if advice.host_modelled:
+        return (f"host part: {advice.mode} host times measured on {advice.device_kind} "
+                "(kernels/host_measured.json); a phase lasts the longer of its host and GPU time")
+    return (f"host part not modelled: no {advice.mode} host times for kernel {advice.kernel!r} on "
+            f"{advice.device_kind} in kernels/host_measured.json ({HOW_TO_ADD}); ranks whose compute "
+            "is a few ms per call are host-bound, so read their steps as floors")
+
+
 def format_advice(advice: Advice) -> str:
     return "\n".join([
         format_table(advice), "",
-        *reasons(advice), "",
+        *reasons(advice), host_note(advice), "",
         f"kernel {advice.kernel!r} at its {advice.device_kind} measurements, {advice.batches} "
         f"batch(es), advised in {advice.seconds:.2f} s; use make_mesh(ulysses="
         f"{advice.best.ulysses}, ring={advice.best.ring}) and placement={advice.best.placement!r}",

@@ -178,19 +178,26 @@ def _entries(q_starts: Tensor, q_lengths: Tensor, k_starts: Tensor, k_lengths: T
                   torch.cat([k_starts, k_end.expand(unused + 1)]))
 
 
-def block_calls(spec: BlockSpec, entries: int) -> list[tuple[Mask, Ragged]]:
-    """The cuDNN calls of a block, merged by lse when several: one, top-left where every
+def call_masks(spec: BlockSpec) -> list[Mask]:
+    """The masks of a block's cuDNN calls, merged by lse when several: one, top-left where every
     segment's queries and keys are one range or equally many (``spec.equal_lengths``); a causal
     block without a window otherwise two top-left calls (Note [a bottom-right diagonal as two
     top-left calls]); any other block one bottom-right call (a window on the diagonal; without
-    a band the alignment does not matter)."""
+    a band the alignment does not matter). Shapes only: the advisor counts a rank's calls by it."""
     left, right = mask_bounds(spec)
     if same_segments(spec.cu_q, spec.cu_k) or spec.equal_lengths or right is None:
-        return [(Mask(left, right, False), ragged(spec, entries))]
+        return [Mask(left, right, False)]
     if right == 0 and left is None:
-        rectangle, square = split_causal(spec, entries)
-        return [(Mask(None, None, False), rectangle), (Mask(None, 0, False), square)]
-    return [(Mask(left, right, True), ragged(spec, entries))]
+        return [Mask(None, None, False), Mask(None, 0, False)]
+    return [Mask(left, right, True)]
+
+
+def block_calls(spec: BlockSpec, entries: int) -> list[tuple[Mask, Ragged]]:
+    """The cuDNN calls of a block (:func:`call_masks`) with their ragged entries."""
+    masks = call_masks(spec)
+    if len(masks) == 2:
+        return list(zip(masks, split_causal(spec, entries)))
+    return [(masks[0], ragged(spec, entries))]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,289 @@
+"""The host time of one rank's eager CP call, measured and fitted (issue 26: the advisor's host
+part, kernels/host_measured.json).
+
+    python -m benchmarks.host_times --out host.json          # on one GPU: measure, fit, write
+    python -m benchmarks.host_times --record host.json       # add its constants to host_measured.json
+    python -m benchmarks.host_times --device cpu --kernels torch --meshes 1x2,2x1 --out /tmp/h.json
+
+Each mesh's ranks (``--ranks``: the first and the last by default) run alone over torch's fake
+process group, as ``benchmarks/speed.py --fake-rank`` runs them (its helpers, its ``hcp-eager``
+call), on tiny batches whose layouts differ in their counts of kernel calls, ring steps and head
+groups: one document, short documents (all local) and a mix. The GPU's work is then negligible,
+so a phase's wall time (synchronized before and after) is the host's. The counts of each point
+are the advisor's (:func:`hcp_compile.advise.host.host_counts` on the batch's layout); a least-
+squares fit per kernel and phase gives ``host seconds = floor + per_call * calls + per_step *
+steps + per_group * groups``. The table shows every point's measured and fitted ms; the JSON
+holds the constants in host_measured.json's form (``devices``) and the points. Collectives over
+the fake group cost the host less than NCCL's do: the constants are a floor for those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import statistics
+import sys
+import time
+from argparse import Namespace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+from torch import Tensor
+
+from hcp_compile import InputError, layout
+from hcp_compile.advise import cu_seqlens_of, host_counts, rank_sizes
+from hcp_compile.advise.records import HostCounts
+from hcp_compile.kernels import KERNEL_CHOICES
+from hcp_compile.kernels.host_measured import (
+    COEFFICIENTS, HOST_FILE, PHASES, HostConstants, parse_devices, recorded,
+)
+from hcp_compile.kernels.measured import device_kind
+from hcp_compile.placements import placement_rule
+from hcp_compile.schedule import head_groups, rank_kv_heads
+
+from .advisor_check import parse_mesh
+from .speed import HEADS, Batch, Setup, Workload, _synchronize, hcp_eager, hcp_kernel, init_fake
+
+MODE = "hcp-eager"
+PLACEMENT = "balanced"
+DEFAULT_MESHES = "1x2,1x4,1x8,2x1,2x2,2x4,4x1,4x2,8x1"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One rank's call on one batch: its counts and its median phase times."""
+
+    kernel: str
+    mesh: str  # "AxR"
+    rank: int
+    batch: str
+    calls: int
+    steps: int
+    groups: int
+    forward_ms: float
+    backward_ms: float
+
+    @property
+    def counts(self) -> HostCounts:
+        return HostCounts(self.calls, self.steps, self.groups)
+
+
+def batches(world: int, rank_tokens: int) -> list[Workload]:
+    """Tiny batches of ``rank_tokens`` per rank: one document (every step calls the kernel, no
+    local region), short documents (a local region, no ring section: the own step only) and
+    half of each."""
+    tokens, short = world * rank_tokens, max(1, rank_tokens // 16)  # local: at most 1/8 of a rank's
+    shorts = (short,) * (tokens // short)
+    return [Workload("one document", (tokens,)), Workload("short documents", shorts),
+            Workload("mixed", (tokens // 2,) + shorts[: len(shorts) // 2])]
+
+
+def phase_ms(fn: Callable[..., Tensor], inputs: list[Tensor], device: torch.device, warmup: int,
+             iters: int) -> tuple[float, float]:
+    """Median ms of the forward and of the backward, each synchronized before and after."""
+    times: list[tuple[float, float]] = []
+    for i in range(warmup + iters):
+        for t in inputs:
+            t.grad = None
+        _synchronize(device)
+        started = time.perf_counter()
+        out = fn(*inputs)
+        _synchronize(device)
+        middle = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        _synchronize(device)
+        if i >= warmup:
+            times.append(((middle - started) * 1e3, (time.perf_counter() - middle) * 1e3))
+    return statistics.median(f for f, _ in times), statistics.median(b for _, b in times)
+
+
+def measure_mesh(ulysses: int, ring: int, rank: int, kernel: str, args: Namespace) -> list[Point]:
+    """Rank ``rank`` of ``ulysses x ring`` alone over the fake group, on every tiny batch."""
+    world = ulysses * ring
+    init_fake(rank, world)
+    try:
+        options = Namespace(**{**vars(args), "ulysses": ulysses, "ring": ring, "kernel": kernel})
+        setup = Setup(options, torch.device(args.device), getattr(torch, args.dtype), rank, world, fake=True)
+        heads_q, heads_kv = HEADS[args.heads]
+        groups = head_groups(rank_kv_heads(heads_kv, ulysses), ulysses)
+        points = []
+        for workload in batches(world, args.rank_tokens):
+            ran = hcp_kernel(workload, args.heads, setup)  # the kernel the call resolves to (auto)
+            batch = layout.batch_layout(cu_seqlens_of(workload.lengths), ulysses, ring, placement_rule(PLACEMENT))
+            counts = host_counts(rank_sizes(batch, rank // ulysses, rank % ulysses), rank // ulysses, ring, ran,
+                                 groups)
+            with hcp_eager(Batch.make(workload, args.heads, setup), setup, PLACEMENT) as (attend, shards):
+                forward, backward = phase_ms(attend, shards, setup.device, args.warmup, args.iters)
+            points.append(Point(ran, f"{ulysses}x{ring}", rank, workload.name, counts.calls, counts.steps,
+                                counts.groups, forward, backward))
+            print(f"  {points[-1]}", flush=True)
+        return points
+    finally:
+        dist.destroy_process_group()
+
+
+def features(counts: HostCounts) -> list[float]:
+    return [1.0, float(counts.calls), float(counts.steps), float(counts.groups)]
+
+
+def fit(counts: Sequence[HostCounts], seconds: Sequence[float]) -> HostConstants:
+    """The least-squares constants of ``seconds`` over ``counts``, none negative (a host cost
+    is not): the best fit over every subset of the constants that solves to non-negative
+    values, the others 0 (four constants: sixteen small solves). A subset whose counts cannot
+    tell two constants apart takes the minimum-norm solution."""
+    if len(counts) != len(seconds) or not counts:
+        raise InputError(f"fit: expected as many times as counts, at least one; got {len(seconds)} and {len(counts)}")
+    design = torch.tensor([features(c) for c in counts], dtype=torch.float64)
+    target = torch.tensor(list(seconds), dtype=torch.float64)
+    best, best_error = torch.zeros(len(COEFFICIENTS), dtype=torch.float64), float(target.square().sum())
+    for chosen in itertools.chain.from_iterable(
+            itertools.combinations(range(len(COEFFICIENTS)), n) for n in range(1, len(COEFFICIENTS) + 1)):
+        columns = list(chosen)
+        # gelsd: minimum norm where the design is rank-deficient (gels would fail on CPU)
+        solution = torch.linalg.lstsq(design[:, columns], target[:, None], driver="gelsd").solution[:, 0]
+        error = float((design[:, columns] @ solution - target).square().sum())
+        if bool((solution >= 0).all()) and error < best_error * (1 - 1e-12):
+            best = torch.zeros_like(best)
+            best[columns] = solution
+            best_error = error
+    return HostConstants(*best.tolist())
+
+
+def predicted_ms(constants: HostConstants, counts: HostCounts) -> float:
+    """The fitted model's ms, unclamped (the residuals show the fit as it is)."""
+    return 1e3 * sum(c * f for c, f in zip((getattr(constants, n) for n in COEFFICIENTS), features(counts)))
+
+
+def fitted(points: list[Point]) -> dict[str, dict[str, dict[str, float]]]:
+    """Kernel -> phase -> coefficient -> seconds."""
+    result = {}
+    for kernel in sorted({p.kernel for p in points}):
+        mine = [p for p in points if p.kernel == kernel]
+        result[kernel] = {phase: asdict(fit([p.counts for p in mine], [getattr(p, f"{phase}_ms") / 1e3 for p in mine]))
+                          for phase in PHASES}
+    return result
+
+
+def table(points: list[Point], constants: dict[str, dict[str, dict[str, float]]]) -> str:
+    rows = []
+    for p in points:
+        row = [p.kernel, p.mesh, p.rank, p.batch, p.calls, p.steps, p.groups]
+        for phase in PHASES:
+            measured = getattr(p, f"{phase}_ms")
+            model = predicted_ms(HostConstants(**constants[p.kernel][phase]), p.counts)
+            row += [round(measured, 3), round(model, 3), f"{100 * (model - measured) / measured:+.1f} %"]
+        rows.append(row)
+    headers = ["kernel", "mesh AxR", "rank", "batch", "calls", "steps", "groups",
+               "fwd ms", "fwd fit", "fwd residual", "bwd ms", "bwd fit", "bwd residual"]
+    return tabulate(rows, headers=headers, tablefmt="github")
+
+
+def constants_table(constants: dict[str, dict[str, dict[str, float]]]) -> str:
+    rows = [[kernel, phase, *(round(values[n] * 1e6, 1) for n in COEFFICIENTS)]
+            for kernel, phases in constants.items() for phase, values in phases.items()]
+    return tabulate(rows, headers=["kernel", "phase", *(f"{n[:-2]} us" for n in COEFFICIENTS)], tablefmt="github")
+
+
+def measure_all(args: Namespace) -> dict:
+    started = time.perf_counter()
+    points: list[Point] = []
+    for kernel in args.kernels:
+        for ulysses, ring in args.meshes:
+            for rank in sorted({r if r >= 0 else ulysses * ring + r for r in args.ranks}):
+                if 0 <= rank < ulysses * ring:
+                    print(f"{kernel}: rank {rank} of {ulysses} x {ring} alone", flush=True)
+                    points += measure_mesh(ulysses, ring, rank, kernel, args)
+    constants = fitted(points)
+    print(table(points, constants))
+    print(constants_table(constants))
+    device = torch.device(args.device)
+    kind = device_kind(device)
+    entry = {
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "setup": (f"benchmarks/host_times.py: one rank alone over the fake process group, {args.heads} heads of "
+                  f"{args.head_dim}, {args.dtype}, {args.rank_tokens} tokens per rank, meshes "
+                  f"{','.join(f'{a}x{r}' for a, r in args.meshes)}, median of {args.iters} after {args.warmup}"),
+        "modes": {MODE: constants},
+    }
+    print(f"measured in {time.perf_counter() - started:.1f} s")
+    return {"devices": {kind: entry}, "points": [asdict(p) for p in points]}
+
+
+def record(path: Path, into: Path = HOST_FILE) -> None:
+    """Add the constants of ``path`` (this command's ``--out``) to ``into``, per device, mode
+    and kernel (a newer record of the same replaces the older)."""
+    devices = json.loads(path.read_text()).get("devices")
+    parse_devices(devices, str(path))  # refuse a bad file before touching the record
+    data = json.loads(into.read_text())
+    for kind, entry in devices.items():
+        old = data["devices"].get(kind, {})
+        modes = old.get("modes", {})
+        for mode, kernels in entry["modes"].items():
+            modes[mode] = {**modes.get(mode, {}), **kernels}
+        data["devices"][kind] = {**old, **{k: v for k, v in entry.items() if k != "modes"}, "modes": modes}
+    into.write_text(json.dumps(data, indent=2) + "\n")
+    recorded.cache_clear()
+    recorded(into)  # what was written reads back
+    added = ", ".join(f"{kind} {mode} {sorted(kernels)}" for kind, entry in devices.items()
+                      for mode, kernels in entry["modes"].items())
+    print(f"recorded {added} into {into}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="measure, fit and write the constants and points here")
+    parser.add_argument("--record", type=Path, metavar="JSON",
+                        help="add the constants of a --out file to hcp_compile/kernels/host_measured.json")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--kernels", default="cudnn",
+                        help=f"comma-separated, of {', '.join(KERNEL_CHOICES)} (auto: as CP resolves it)")
+    parser.add_argument("--meshes", default=DEFAULT_MESHES, help="comma-separated ULYSSESxRING meshes")
+    parser.add_argument("--ranks", default="0,-1", help="comma-separated ranks of each mesh (-1: its last)")
+    parser.add_argument("--heads", default="gqa", choices=sorted(HEADS))
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--rank-tokens", type=int, default=512, help="tokens per rank of every batch")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args(argv)
+    if (args.out is None) == (args.record is None):
+        parser.error("pass --out FILE (measure and fit) or --record FILE (add a measured file's constants)")
+    try:
+        args.meshes = [parse_mesh(m) for m in args.meshes.split(",")]
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--meshes: {error}")
+    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in args.kernels if k not in KERNEL_CHOICES]
+    if unknown or not args.kernels:
+        parser.error(f"--kernels: expected some of {', '.join(KERNEL_CHOICES)}, got {unknown or args.kernels}")
+    try:
+        args.ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        parser.error(f"--ranks: expected comma-separated ints such as 0,-1, got {args.ranks!r}")
+    if args.rank_tokens < 16 or args.iters < 1 or args.warmup < 0:
+        parser.error("--rank-tokens: at least 16; --iters: at least 1; --warmup: at least 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.record is not None:
+        record(args.record)
+        return
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    result = measure_all(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
