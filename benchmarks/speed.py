@@ -33,7 +33,8 @@ rank and in every run):
 - W1-128K, W1-256K: one document of 128K / 256K tokens;
 - W2-128K, W2-256K: document lengths log-uniform in 256..32K, 128K / 256K tokens in all;
 - W3-128K: lengths log-uniform in 128..2K, 128K tokens;
-- W4-128K, W4-256K: the W2 batches under a sliding window (left 4096, right 0).
+- W4-128K, W4-256K: the W2 batches under a sliding window (left 4096, right 0);
+- W2-1M: W2's lengths, 1M tokens (131K per rank of 8: the ring-8 ceilings; only when named).
 
 Modes (``--modes``; default all that apply):
 - ``one-gpu-flex``: torch's ``flex_attention``, compiled, on the whole batch with a document +
@@ -198,7 +199,12 @@ def workloads(shrink: int = 1) -> dict[str, Workload]:
     result += [Workload(f"W2-{k}K", drawn(k, long), spread=long) for k in (128, 256)]
     result.append(Workload("W3-128K", drawn(128, short), spread=short))
     result += [Workload(f"W4-{k}K", drawn(k, long), size(WINDOW_LEFT), spread=long) for k in (128, 256)]
+    result.append(Workload("W2-1M", drawn(1024, long), spread=long))
     return {w.name: w for w in result}
+
+
+# what runs without --workloads: all but the 1M-token batch (seconds per one-GPU step)
+DEFAULT_WORKLOADS = tuple(name for name in workloads() if name != "W2-1M")
 
 
 @dataclass
@@ -1177,7 +1183,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--ulysses", type=int, help="default: the world size over --ring")
     parser.add_argument("--ring", type=int, default=1)
-    parser.add_argument("--workloads", default=",".join(workloads()),
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                         help="comma-separated names or families (W2)")
     parser.add_argument("--heads", default="gqa,mha", help="comma-separated: gqa (32/8), mha (32/32)")
     parser.add_argument("--modes", help=f"comma-separated, of {', '.join(MODES)} (default: all that "

@@ -137,7 +137,8 @@ def schedule_tables(
 def schedule_steps(sizes: RankSizes, ring: int) -> int:
     """How many ring steps a schedule has: without a ring section (a batch of short documents)
     nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
-    keeps every step."""
+    keeps every step (its graph for batches without a ring section asks for the own step
+    alone: hcp_compile.ring_variants)."""
     return 1 if isinstance(sizes.ring_width, int) and sizes.ring_width == 0 else ring
 
 

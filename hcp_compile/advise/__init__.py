@@ -30,12 +30,13 @@ command.py):
   constants are recorded the host part is 0 and the report says it is not modelled.
 
 A step's time is its slowest rank's. Measured against one rank alone on an H200
-(``benchmarks/advisor_check.py``): the compute part is within 10 % in 7 of 8 cases at 2
-ranks, but an eager rank whose compute falls under about 5 ms is host-bound, which only the
-host part covers (docs/benchmarks.md, "Advisor check"). Not modelled: the host work of a
-compiled call (its graph keeps every ring step), the host cost of real collectives beyond the
-fake process group's the host part was measured with, contention between an all-to-all and
-ring hops on one NVLink domain, windows (only causal attention is measured for every kernel).
+(``benchmarks/advisor_check.py``, docs/benchmarks.md, "Advisor check"): within 10 % in 19 of
+24 cases with the host part (6 of 6 at 2 ranks, 7 of 9 at 4, 6 of 9 at 8), 15 of 24 on compute
+alone. Not modelled: GPU work besides attention (merges, copies and fills per ring step, which
+the misses at 4 and 8 ranks leave out), the host work of a compiled call, the host cost of real
+collectives beyond the fake process group's the host part was measured with, contention
+between an all-to-all and ring hops on one NVLink domain, windows (only causal attention is
+measured for every kernel).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from ..validation import InputError
 
 HOST_FILE = Path(__file__).with_name("host_measured.json")
 PHASES = ("forward", "backward")
-# the modes whose call counts the advisor knows (advise.host.host_counts: eager skips a batch's
-# empty ring steps, a compiled graph keeps them)
+# the modes whose host work the advisor knows (advise.host.host_counts counts an eager call; a
+# compiled call adds its batch check and table ops, and its inner compiler's own host work)
 MODES = ("hcp-eager",)
 HOW_TO_ADD = ("run `python -m benchmarks.host_times --out FILE` on that device, then "
               "`python -m benchmarks.host_times --record FILE`")
