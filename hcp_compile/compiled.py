@@ -32,6 +32,7 @@ def checked_layout(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tokens: tuple[int | torch.SymInt, ...],
     max_seqlens: tuple[int | torch.SymInt, ...], *, ulysses_group: str, ring_group: str,
     placement: str, agree: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
+    own_step_only: bool = False,
 ) -> "CheckedBatch":
     """Check the batch and return what every attention call of it in the graph reuses: this
     rank's sizes (the values of :func:`layout.rank_size_values`) and the first cache key of
@@ -44,13 +45,14 @@ def checked_layout(
     :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a fingerprint of the
     batch are all-reduced over the mesh first (on the device, where the groups' collectives
     run), so every rank raises together (also when the ranks were given different batches, or
-    differ in ``placement``, ``recompute_exchange`` or ``scheme``, which the fingerprint covers) instead
-    of some ranks waiting in the next collective; reading the agreed verdict is the one host
-    read of the call that waits for the device."""
+    differ in ``placement``, ``recompute_exchange`` or ``scheme``, or run the graph without ring
+    steps beside ranks running the full one (``own_step_only``), which the fingerprint covers)
+    instead of some ranks waiting in the next collective; reading the agreed verdict is the one
+    host read of the call that waits for the device."""
     groups = groups_from_names(ulysses_group, ring_group)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
-        groups.ulysses_rank, list(tokens), list(max_seqlens), recompute_exchange, scheme,
+        groups.ulysses_rank, list(tokens), list(max_seqlens), recompute_exchange, scheme, own_step_only,
     )
     verdict, sizes = on_host.split([_FLAGS, on_host.shape[0] - _FLAGS])
     agreeing = agreeing_groups(groups) if agree else []
@@ -80,7 +82,7 @@ _FLAGS = len(validation.BATCH_RULES) + 2
 def batch_layout_op(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, ulysses: int, ring: int, placement: str,
     ring_rank: int, ulysses_rank: int, tokens: list[int], max_seqlens: list[int],
-    recompute_exchange: bool, scheme: str,
+    recompute_exchange: bool, scheme: str, own_step_only: bool,
 ) -> tuple[Tensor, Tensor]:
     """One batch on the host, once per call: ``(on_host, cu_on_host)``, int64 CPU tensors.
 
@@ -105,7 +107,7 @@ def batch_layout_op(
         rank=(ring_rank, ulysses_rank), planned=planned_shape(queries),
     )
     failed = batch_check.flags(batch_check.check(prepared, call))
-    fingerprint = prepared.fingerprint(recompute_exchange, scheme)
+    fingerprint = prepared.fingerprint(recompute_exchange, scheme, own_step_only)
     if prepared.laid_out:
         sizes = prepared.rank_size_values(ring_rank, ulysses_rank)
     else:
@@ -127,7 +129,7 @@ def _sizes_length(ulysses: int, ring: int) -> int:
 
 @batch_layout_op.register_fake
 def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens,
-      recompute_exchange, scheme):
+      recompute_exchange, scheme, own_step_only):
     on_host = torch.empty(_FLAGS + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
     return on_host, torch.empty(cu_seqlens_q.shape[0], dtype=torch.int64, device="cpu")
 

@@ -162,17 +162,20 @@ class PreparedBatch:
             self._derived["ring_width"] = int(self.layout.ring_width)
         return self._derived["ring_width"] > 0
 
-    def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME) -> int:
+    def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME, own_step_graph: bool = False) -> int:
         """A hash of the values, the mesh shape, the placement, ``recompute_exchange`` and the
         collective scheme (the options every rank must share: ranks that differ in them would
         exchange buffers of different layouts or sizes), below 2**62 so that its negation fits
         an int64 too: ranks all-reduce the maximum of both to learn whether they hold the same
         batch. Names, not indices, go in, so any number of placements and schemes is told
-        apart."""
-        key = ("fingerprint", recompute_exchange, scheme)
+        apart. ``own_step_graph``: the compiled graph without ring steps checks the batch
+        (ring_variants): ranks running it beside ranks running the full graph, whose ring
+        hops would wait for them, then fail the check together."""
+        key = ("fingerprint", recompute_exchange, scheme, own_step_graph)
         if key not in self._derived:
             shape = "single" if self.mesh is None else f"{self.mesh.ulysses}x{self.mesh.ring}:{self.mesh.placement}"
-            salted = hashlib.sha256(self.batch.digest + f"|{shape}|{int(recompute_exchange)}|{scheme}".encode())
+            graph = "|own-step" if own_step_graph else ""
+            salted = hashlib.sha256(self.batch.digest + f"|{shape}|{int(recompute_exchange)}|{scheme}{graph}".encode())
             self._derived[key] = int.from_bytes(salted.digest()[:8], "little") & (2**62 - 1)
         return self._derived[key]
 

@@ -15,13 +15,15 @@ The host copy of ``cu_seqlens`` made here is the one the graph's batch check rea
 (:func:`prepared.host_values` keeps it per tensor and version), and the prepared batch is the
 one the graph's check takes, so choosing costs no extra device read. Ranks given different
 batches may choose different graphs; both begin with the same agreed check, which then fails
-on every rank.
+on every rank. So do ranks where the graph without ring steps could not be built beside
+ranks where it could (its check's fingerprint differs: ``own_step_only``): an error on every
+rank instead of the full graph's ring hops waiting for ranks that never send.
 
 The own-step graph is compiled the first time a batch without a ring section arrives, under
 the tracing context of Dynamo's call, as Dynamo compiles its own specializations. Its graph
 differs from the full one only in ring steps, whose sizes are data-dependent symbols, so it
 adds no guards on the inputs; if it did (or failed to compile), the full graph, right for
-every batch, keeps serving them all, with a warning.
+every batch, keeps serving them all on that rank, with a warning.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class RingVariants:
         self.refused = True
         warnings.warn(
             f"hcp backend: the graph for batches without a ring section is not used: {why}; "
-            "the full graph runs every batch (correct, with empty ring steps)", stacklevel=3,
+            "the full graph runs every batch on this rank (correct, with empty ring steps). Where "
+            "other ranks built it, such batches fail the agreed batch check on every rank", stacklevel=3,
         )
         return None

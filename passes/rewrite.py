@@ -159,7 +159,8 @@ def _rewrite_one(
             layouts[sizes_key] = graph.call_function(
                 checked_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens, max_seqlens),
                 {**names, "placement": config.placement, "agree": config.agree_across_ranks,
-                 "recompute_exchange": config.recompute_exchange, "scheme": config.scheme},
+                 "recompute_exchange": config.recompute_exchange, "scheme": config.scheme,
+                 "own_step_only": config.own_step_only},
             )
         if call.max_seqlen_k is not call.max_seqlen_q and call.max_seqlen_k != call.max_seqlen_q:
             # only a bound for the kernels' grids: the larger one is right for both

@@ -70,7 +70,7 @@ def local_rows(global_tensor: Tensor, global_index: Tensor, fill: float = 0.0) -
     return global_tensor[global_index.clamp(min=0)].masked_fill(pads, fill)
 
 
-def assert_compiled_rank_matches(result, index: int, reference: dict[str, Tensor], rank: int,
+def assert_compiled_rank_matches(result, index: int | str, reference: dict[str, Tensor], rank: int,
                                  against_eager: bool = True) -> None:
     """One rank's compiled results of batch ``index`` (``<index>/<name>``, ``<index>/global_index``
     and, with ``against_eager``, ``<index>/eager_<name>``): the float64 reference's rows, zero at

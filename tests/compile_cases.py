@@ -16,6 +16,7 @@ import functools
 import importlib
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -736,6 +737,42 @@ class BadBatchCase:
         return result
 
 
+class RefusedVariantCase:
+    """The graph without ring steps cannot be built on the last rank only (its compile raises
+    there, as a rank-local failure would): on a batch without a ring section that rank runs
+    the full graph, whose ring hops would wait for the others, and the others the graph
+    without ring steps. The agreed batch check must fail on every rank, none may hang; the
+    last rank warns why. Then a batch with a ring section runs the full graph everywhere."""
+
+    id = "error-ring-variant-refused"
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        last = world.ulysses * world.ring - 1
+
+        def backend(gm: fx.GraphModule, example_inputs):
+            compiled = hc.backend(mesh=world.mesh, inner="aot_eager")(gm, example_inputs)
+            if world.rank == last:
+                def refuse():
+                    raise RuntimeError("compile failed on this rank only")
+                compiled.compile_own_step = refuse
+            return compiled
+
+        compiled = torch.compile(VarlenAttention(True, None, (-1, -1)), backend=backend, dynamic=True,
+                                 fullgraph=True)
+        result: dict = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                run_attention(DocsCase("no-ring", 4, 2, True), world, compiled)
+                result["no-ring"] = {"types": [], "message": "returned normally"}
+            except Exception as exc:  # noqa: BLE001 - the outcome is the result
+                result["no-ring"] = error_record(exc)
+        result["warnings"] = [str(w.message) for w in caught if "without a ring section" in str(w.message)]
+        result.update({f"after/{n}": v for n, v in run_attention(DocsCase("mixed", 4, 2, True), world, compiled).items()})
+        return result
+
+
 # --------------------------------------------------------------------------------------------
 # the suites
 # --------------------------------------------------------------------------------------------
@@ -795,7 +832,7 @@ class OptionsDifferCase:
 
 
 def error_cases(mesh: tuple[int, int]) -> list:
-    return [HeadsNotDivisibleCase(), BadBatchCase(), OptionsDifferCase()] if mesh == ERROR_MESH else []
+    return [HeadsNotDivisibleCase(), BadBatchCase(), OptionsDifferCase(), RefusedVariantCase()] if mesh == ERROR_MESH else []
 
 
 def suite(mesh: tuple[int, int]) -> list:

@@ -26,7 +26,8 @@ from checks import (
 )
 from compile_cases import (
     COMPILE_MESHES, ERROR_MESH, FULL_MESH, INDUCTOR_CASE, RECOMPUTE_MESHES, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
-    INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, HeadsNotDivisibleCase, OptionsDifferCase,
+    INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, DocsCase, HeadsNotDivisibleCase, OptionsDifferCase,
+    RefusedVariantCase,
     ModelCase, attention_cases, error_cases, explain_cases, fresh_class,
     model_cases, table_counts, text_collectives, torch_varlen_cases,
 )
@@ -400,6 +401,21 @@ def test_batch_not_fitting_the_shards_raises_on_every_rank(cp_world, mesh, case,
                        f"rank {rank} out of the valid batch")
         # the same graph on the same inputs in the same process: bit-equal is promised
         torch.testing.assert_close(result["after"], result["first"], rtol=0, atol=0)
+
+
+def test_graph_without_ring_steps_on_some_ranks_only_raises_on_every_rank(cp_world):
+    """A rank whose graph without ring steps could not be built runs the full graph while the
+    others run theirs: the agreed check fails on every rank instead of the full graph's ring
+    hops waiting; that rank warns why, and a batch with a ring section then runs on every rank
+    (its full graph, against the float64 reference)."""
+    expected = expected_for(DocsCase("mixed", 4, 2, True))
+    results = compile_world(cp_world, ERROR_MESH).values(RefusedVariantCase.id)
+    for rank, result in enumerate(results):
+        outcome = result["no-ring"]
+        assert "hcp_compile.validation.InputError" in outcome["types"], f"rank {rank}: {outcome}"
+        assert "without ring steps on some ranks only" in outcome["message"], f"rank {rank}: {outcome}"
+        assert len(result["warnings"]) == (rank == len(results) - 1), f"rank {rank}: {result['warnings']}"
+        assert_compiled_rank_matches(result, "after", expected, rank, against_eager=False)
 
 
 def test_ranks_compiled_with_different_recompute_exchange_raise_on_every_rank(cp_world):
