@@ -42,12 +42,13 @@ measured for every kernel).
 from __future__ import annotations
 
 from .records import (
-    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes, HostCounts,
-    HostTimes, Links, Option, Prediction, SCHEME,
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, GpuOtherBytes, GpuOtherTimes,
+    HopTimes, HostCounts, HostTimes, Links, Option, Prediction, SCHEME,
 )
 from .compute import block_composition, block_work, compute_times
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .host import bounded_by_host, host_counts, host_times, kernel_calls
+from .gpu_other import gpu_other_bytes, gpu_other_times
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
 from .chooser import advise, cuda_kernel, mesh_options, predict
 from .report import format_advice
@@ -59,6 +60,8 @@ __all__ = [
     "ComputeTimes",
     "DEFAULT_DEVICE",
     "ExchangeTimes",
+    "GpuOtherBytes",
+    "GpuOtherTimes",
     "HopTimes",
     "HostCounts",
     "HostTimes",
@@ -77,6 +80,8 @@ __all__ = [
     "exchange_bytes",
     "exchange_times",
     "format_advice",
+    "gpu_other_bytes",
+    "gpu_other_times",
     "hop_times",
     "host_counts",
     "host_times",

@@ -118,6 +118,23 @@ class HostTimes:
 
 
 @dataclass(frozen=True)
+class GpuOtherBytes:
+    """Bytes one rank's GPU reads and writes besides the attention kernels, per phase
+    (:func:`gpu_other.gpu_other_bytes`)."""
+
+    forward: int = 0
+    backward: int = 0
+
+
+@dataclass(frozen=True)
+class GpuOtherTimes:
+    """Seconds of that work per phase (0: not modelled)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+
+
+@dataclass(frozen=True)
 class RankPrediction:
     """One rank's predicted forward + backward of one attention call, in seconds."""
 
