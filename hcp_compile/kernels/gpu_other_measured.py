@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import host_measured
 
@@ -31,6 +32,11 @@ class GpuOtherConstants:
 class GpuOtherRecord:
     forward: GpuOtherConstants
     backward: GpuOtherConstants
+
+
+def parse(devices: Any, source: str) -> dict[str, dict[str, dict[str, GpuOtherRecord]]]:
+    """The records of a file's ``devices`` (:func:`host_measured.parse_devices` of this form)."""
+    return host_measured.parse_devices(devices, source, GpuOtherConstants, GpuOtherRecord, HOW_TO_ADD)
 
 
 def recorded(path: Path = GPU_OTHER_FILE) -> dict[str, dict[str, dict[str, GpuOtherRecord]]]:
