@@ -106,7 +106,7 @@ def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, p
     with_host = None if record is None else bounded_by_host(forward, backward, host) * 1e3
     if other is None:
         return times.total * 1e3, with_host, None
-    besides = gpu_other_times(gpu_other_bytes(sizes, ring_rank, ring, call, kernel), other)
+    besides = gpu_other_times(gpu_other_bytes(sizes, ring, call), other)
     return times.total * 1e3, with_host, bounded_by_host(forward + besides.forward, backward + besides.backward,
                                                          host) * 1e3
 

@@ -7,14 +7,17 @@
 
 Rank ``--rank`` of each mesh runs alone over torch's fake process group, as
 ``benchmarks/speed.py --fake-rank`` runs it (its helpers, its ``hcp-eager`` call), on real-size
-workloads. Each phase runs under ``torch.profiler``; its device time is split by kernel name
-(:func:`kernel_class`) into attention, communication (none over the fake group) and the rest.
+workloads. Each phase runs under ``torch.profiler``; its device time is split into what the
+attention op (``hcp::block_*``) launched, which the compute part covers (kernels/measured.json
+timed that op), communication (NCCL's kernels by name, none over the fake group) and the rest.
 The rest is set against the bytes the advisor counts for that rank and phase
 (:func:`hcp_compile.advise.gpu_other_bytes`), and a least-squares fit through the origin per
-phase gives ``seconds = per_byte_s * bytes``. The table shows every point's attention and other
-ms, the fit and its residual; the JSON holds the constants in gpu_other_measured.json's form
-(``devices``) and the points. On CPU (a smoke run of the plumbing) the profiler's CPU ops are
-classified instead, by their self time, so ops run inside the attention op count as other.
+phase gives ``seconds = per_byte_s * bytes``. A first table shows every point's bytes, other ms,
+fit and residual; a second the attention op's time, its attention kernels' (by name,
+:func:`kernel_class`) and the rest of it, its own passes, beside the bytes counted for them
+(:func:`hcp_compile.advise.kernel_own_bytes`): what the ring's K/V copies add to the compute
+part. The JSON holds the constants in gpu_other_measured.json's form (``devices``) and the
+points. On CPU (a smoke run of the plumbing) the ops' CPU time stands for the device time.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from hcp_compile import InputError, layout
-from hcp_compile.advise import cu_seqlens_of, gpu_other_bytes, rank_sizes
+from hcp_compile.advise import cu_seqlens_of, gpu_other_bytes, kernel_own_bytes, rank_sizes
 from hcp_compile.kernels import KERNEL_CHOICES
 from hcp_compile.kernels.gpu_other_measured import GPU_OTHER_FILE, parse, recorded
 from hcp_compile.kernels.host_measured import PHASES
@@ -54,6 +57,7 @@ from .speed import workloads as all_workloads
 # backward), FlashAttention's, cutlass' fmha, and the attention op itself (CPU runs)
 ATTENTION = ("sdpa", "fmha", "flash", "compute_dot_do_o", "convert_dq", "hcp::block_")
 COMMUNICATION = ("nccl",)  # NCCL's kernels (none over the fake group)
+ATTENTION_OP = "hcp::block_"  # the attention op (hcp::block_forward, hcp::block_backward): a CPU event
 
 
 def kernel_class(name: str) -> str:
@@ -70,8 +74,10 @@ def kernel_class(name: str) -> str:
 
 @dataclass(frozen=True)
 class Point:
-    """One rank's call on one workload: the advisor's bytes and the median profiled ms per
-    class and phase."""
+    """One rank's call on one workload: the advisor's bytes outside the attention op and the
+    bytes of the op's own passes (:func:`hcp_compile.advise.kernel_own_bytes`), and the median
+    profiled ms per phase: everything the attention op launched, its attention kernels alone
+    (by name), and the kernels outside it (communication left out)."""
 
     kernel: str
     mesh: str  # "AxR"
@@ -79,26 +85,36 @@ class Point:
     workload: str
     forward_bytes: int
     backward_bytes: int
-    attention_forward_ms: float
+    own_forward_bytes: int
+    own_backward_bytes: int
+    op_forward_ms: float
+    kernels_forward_ms: float
     other_forward_ms: float
-    attention_backward_ms: float
+    op_backward_ms: float
+    kernels_backward_ms: float
     other_backward_ms: float
 
 
 def profiled_ms(run: Callable[[], object], device: torch.device) -> dict[str, float]:
-    """Ms of each :func:`kernel_class` in ``run``'s kernels (on CPU: its ops' self time)."""
+    """Ms of ``run``'s device work: ``op``, what the attention op (:data:`ATTENTION_OP`)
+    launched, which the compute part covers (kernels/measured.json timed the op); ``kernels``,
+    the attention kernels among them; ``communication``; ``other``, the rest. On CPU the same
+    from the ops' CPU time (a smoke run: no kernels, so ``kernels`` is the op's time)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         run()
         _synchronize(device)
-    totals = {"attention": 0.0, "communication": 0.0, "other": 0.0}
-    for event in prof.key_averages():
-        if cuda and event.device_type == DeviceType.CUDA:
-            totals[kernel_class(event.key)] += event.self_device_time_total / 1e3
-        elif not cuda and event.device_type == DeviceType.CPU:
-            totals[kernel_class(event.key)] += event.self_cpu_time_total / 1e3
-    return totals
+    events = prof.events()
+    work = [e for e in events if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU)]
+    classes = {"attention": 0.0, "communication": 0.0, "other": 0.0}
+    for event in work:
+        classes[kernel_class(event.name)] += (event.self_device_time_total if cuda else event.self_cpu_time_total)
+    ops = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith(ATTENTION_OP)]
+    op = sum(e.device_time_total if cuda else e.cpu_time_total for e in ops)
+    total = sum(classes.values())
+    return {"op": op / 1e3, "kernels": (classes["attention"] if cuda else op) / 1e3,
+            "communication": classes["communication"] / 1e3, "other": (total - op - classes["communication"]) / 1e3}
 
 
 def measure_mesh(ulysses: int, ring: int, args: Namespace) -> list[Point]:
@@ -115,14 +131,15 @@ def measure_mesh(ulysses: int, ring: int, args: Namespace) -> list[Point]:
             workload = by_name[name]
             ran = hcp_kernel(workload, args.heads, setup)  # the kernel the call resolves to (auto)
             batch = layout.batch_layout(cu_seqlens_of(workload.lengths), ulysses, ring, placement_rule(PLACEMENT))
-            moved = gpu_other_bytes(rank_sizes(batch, rank // ulysses, rank % ulysses), rank // ulysses, ring, call,
-                                    ran)
+            sizes = rank_sizes(batch, rank // ulysses, rank % ulysses)
+            moved, own = gpu_other_bytes(sizes, ring, call), kernel_own_bytes(sizes, rank // ulysses, ring, call, ran)
             if setup.device.type == "cuda":  # what the fake collectives "receive" (as speed.py's fake ranks)
                 fill_free_memory(setup.device)
             with hcp_eager(Batch.make(workload, args.heads, setup), setup, PLACEMENT) as (attend, shards):
                 forward, backward = phase_classes(attend, shards, setup.device, args.warmup, args.iters)
-            points.append(Point(ran, f"{ulysses}x{ring}", rank, name, moved.forward, moved.backward,
-                                forward["attention"], forward["other"], backward["attention"], backward["other"]))
+            points.append(Point(ran, f"{ulysses}x{ring}", rank, name, moved.forward, moved.backward, own.forward,
+                                own.backward, forward["op"], forward["kernels"], forward["other"], backward["op"],
+                                backward["kernels"], backward["other"]))
             print(f"  {points[-1]}", flush=True)
     return points
 
@@ -162,6 +179,8 @@ def fitted(points: list[Point]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def table(points: list[Point], constants: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The fit: per point and phase the bytes outside the attention op, their profiled ms, the
+    fitted ms and the residual."""
     rows = []
     for p in points:
         row = [p.kernel, p.mesh, p.rank, p.workload]
@@ -169,12 +188,26 @@ def table(points: list[Point], constants: dict[str, dict[str, dict[str, float]]]
             moved, measured = getattr(p, f"{phase}_bytes"), getattr(p, f"other_{phase}_ms")
             model = 1e3 * constants[p.kernel][phase]["per_byte_s"] * moved
             residual = f"{100 * (model - measured) / measured:+.1f} %" if measured else "-"
-            row += [round(moved / 2**20, 1), round(getattr(p, f"attention_{phase}_ms"), 3), round(measured, 3),
-                    round(model, 3), residual]
+            row += [round(moved / 2**20, 1), round(measured, 3), round(model, 3), residual]
         rows.append(row)
     headers = ["kernel", "mesh AxR", "rank", "workload"]
     for short in ("fwd", "bwd"):
-        headers += [f"{short} MiB", f"{short} attention ms", f"{short} other ms", f"{short} fit", f"{short} residual"]
+        headers += [f"{short} MiB", f"{short} other ms", f"{short} fit", f"{short} residual"]
+    return tabulate(rows, headers=headers, tablefmt="github")
+
+
+def op_table(points: list[Point]) -> str:
+    """The attention op per point and phase: all it launched, its attention kernels, the rest
+    (its own passes, in the compute part) beside the bytes counted for them."""
+    rows = [[p.kernel, p.mesh, p.workload,
+             *(value for phase in PHASES for value in (
+                 round(getattr(p, f"op_{phase}_ms"), 3), round(getattr(p, f"kernels_{phase}_ms"), 3),
+                 round(getattr(p, f"op_{phase}_ms") - getattr(p, f"kernels_{phase}_ms"), 3),
+                 round(getattr(p, f"own_{phase}_bytes") / 2**20, 1)))]
+            for p in points]
+    headers = ["kernel", "mesh AxR", "workload"]
+    for short in ("fwd", "bwd"):
+        headers += [f"{short} op ms", f"{short} attention kernels ms", f"{short} own passes ms", f"{short} own MiB"]
     return tabulate(rows, headers=headers, tablefmt="github")
 
 
@@ -189,6 +222,7 @@ def measure_all(args: Namespace) -> dict:
         raise InputError(f"--rank: {args.rank} is beyond every mesh of --meshes; pass a rank they all have")
     constants = fitted(points)
     print(table(points, constants))
+    print(op_table(points))
     for kernel, phases in constants.items():  # as a bandwidth: bytes per second of the fitted constant
         print(f"{kernel}: " + ", ".join(f"{phase} {1e12 * values['per_byte_s']:.4g} ps/byte"
                                         f" ({1e-9 / values['per_byte_s'] if values['per_byte_s'] else float('inf'):.4g} GB/s)"

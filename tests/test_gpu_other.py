@@ -121,10 +121,10 @@ def counted_call(monkeypatch, lengths, ulysses, ring, rank, dtype=torch.bfloat16
     return GpuOtherBytes(*phases)
 
 
-def modelled(lengths, ulysses, ring, rank, kernel, dtype=torch.bfloat16, heads=(8, 4)):
+def modelled(lengths, ulysses, ring, rank, dtype=torch.bfloat16, heads=(8, 4)):
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule("balanced"))
     sizes = rank_sizes(batch, rank // ulysses, rank % ulysses)
-    return gpu_other_bytes(sizes, rank // ulysses, ring, CallShape(*heads, HEAD_DIM, dtype), kernel)
+    return gpu_other_bytes(sizes, ring, CallShape(*heads, HEAD_DIM, dtype))
 
 
 CASES = [  # (lengths, ulysses, ring, rank, heads)
@@ -142,7 +142,7 @@ CASES = [  # (lengths, ulysses, ring, rank, heads)
 def test_bytes_match_the_ops_of_a_real_eager_call(monkeypatch, lengths, ulysses, ring, rank, heads):
     seen = counted_call(monkeypatch, lengths, ulysses, ring, rank, heads=heads)
     assert seen.forward > 0 and seen.backward > 0
-    assert modelled(lengths, ulysses, ring, rank, "torch", heads=heads) == seen
+    assert modelled(lengths, ulysses, ring, rank, heads=heads) == seen
 
 
 class NoGraph:
@@ -184,13 +184,18 @@ def test_cudnn_own_passes_match_its_code(monkeypatch, calls, rows, keys, strided
                                                                   strided)
 
 
-def test_cudnn_adds_its_own_passes_to_every_block():
-    lengths = (256,) + short(256, 8)
-    torch_bytes, cudnn_bytes = (modelled(lengths, 2, 4, 7, k) for k in ("torch", "cudnn"))
-    assert cudnn_bytes.forward > torch_bytes.forward and cudnn_bytes.backward > torch_bytes.backward
+def test_the_attention_ops_own_passes_are_counted_for_cudnn_alone():
+    lengths, ulysses, ring, rank = (256,) + short(256, 8), 2, 4, 7
+    sizes = rank_sizes(layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule("balanced")),
+                       rank // ulysses, rank % ulysses)
+    call = CallShape(8, 4, HEAD_DIM, torch.bfloat16)
+    own = advise.kernel_own_bytes(sizes, rank // ulysses, ring, call, "cudnn")
+    # the local region's block and every step's in each of the two head groups
+    local = advise.gpu_other.cudnn_forward_bytes(sizes.local, sizes.local, 8, 4, HEAD_DIM, 2, 4, 1, False)
+    assert own.forward > local > 0 and own.backward > 0
+    assert advise.kernel_own_bytes(sizes, rank // ulysses, ring, call, "flash") == GpuOtherBytes()
     with pytest.raises(InputError, match="returns_lse"):
-        gpu_other_bytes(rank_sizes(layout.batch_layout(cu_seqlens_of(lengths), 2, 4, placement_rule("balanced")),
-                                   0, 0), 0, 4, CallShape(8, 4, HEAD_DIM, torch.bfloat16, returns_lse=True), "cudnn")
+        gpu_other_bytes(sizes, ring, replace(call, returns_lse=True))
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -291,8 +296,8 @@ def test_the_advisor_check_shows_the_prediction_with_the_gpu_other_part(monkeypa
                                                                                 GpuOtherConstants(3e-12)))
     again, with_host, with_other = advisor_check.predicted_ms(*args)
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule("balanced"))
-    moved = gpu_other_bytes(rank_sizes(batch, rank // ulysses, rank % ulysses), rank // ulysses, ring,
-                            CallShape(32, 8, 128, torch.bfloat16), "cudnn")
+    moved = gpu_other_bytes(rank_sizes(batch, rank // ulysses, rank % ulysses), ring, CallShape(32, 8, 128,
+                                                                                                 torch.bfloat16))
     assert again == compute and with_host is None
     assert with_other == pytest.approx(compute + (1e-12 * moved.forward + 3e-12 * moved.backward) * 1e3)
     row = advisor_check.Comparison("W1-64K", f"{ulysses}x{ring}", rank, "balanced", "cudnn", with_other * 1.1, compute,

@@ -48,7 +48,7 @@ from .records import (
 from .compute import block_composition, block_work, compute_times
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .host import bounded_by_host, host_counts, host_times, kernel_calls
-from .gpu_other import gpu_other_bytes, gpu_other_times
+from .gpu_other import gpu_other_bytes, gpu_other_times, kernel_own_bytes
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
 from .chooser import advise, cuda_kernel, mesh_options, predict
 from .report import format_advice
@@ -86,6 +86,7 @@ __all__ = [
     "host_counts",
     "host_times",
     "kernel_calls",
+    "kernel_own_bytes",
     "main",
     "mesh_options",
     "pipeline",

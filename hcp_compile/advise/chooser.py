@@ -79,7 +79,7 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
         for a in range(ulysses):
             compute = compute_times(work, r, a, call, kernel, device_kind)
             issued = host_times(host_counts(sizes[a], r, ring, kernel, groups), host)
-            besides = gpu_other_times(gpu_other_bytes(sizes[a], r, ring, call, kernel), other)
+            besides = gpu_other_times(gpu_other_bytes(sizes[a], ring, call), other)
             gpu_other = besides.forward + besides.backward
             step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups, issued, besides)
             ranks.append(RankPrediction(step, compute.total, a2a, exposed_ring, sum(moved[a]),

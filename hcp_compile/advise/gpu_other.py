@@ -1,23 +1,26 @@
-"""The GPU's work besides the attention kernels: the bytes one rank's eager call moves through
-memory in its other kernels, counted from its layout as the code runs them, and the seconds
-that the constants measured for the device (kernels/gpu_other_measured.json, fitted by
+"""The GPU's work besides the attention op: the bytes one rank's eager call moves through
+memory in the kernels it runs outside its attention op (``hcp::block_forward`` and
+``hcp::block_backward``), counted from its layout as the code runs them, and the seconds that
+the constants measured for the device (kernels/gpu_other_measured.json, fitted by
 ``benchmarks/gpu_other.py``) turn them into.
 
-What is counted, per phase (every count below is a read or a write of a whole tensor, in its
-dtype; views, ``.contiguous()`` of a contiguous tensor and ``.to`` of the same dtype are free):
+What is counted, per phase (every count is a read or a write of a whole tensor in its dtype, as
+the op sees it; views, ``.contiguous()`` of a contiguous tensor and ``.to`` of the same dtype
+are free):
 
 - the Ulysses exchange's packing and unpacking (:func:`collectives.scatter_heads`' strided
-  copies into the send buffer, :func:`collectives.join_heads`' copy of the gathered heads);
-- the region split and join: :func:`hierarchical._join_regions`' pad fill and concatenation of
-  ``out`` (forward) and of ``dq``, ``dk``, ``dv`` (backward); the split is a view;
+  copies into the send buffer, :func:`collectives.join_heads`' copy of the gathered heads, the
+  repeat of KV heads where the group has more ranks than KV heads);
+- the region join: :func:`hierarchical._join_regions`' pad fill and concatenation of ``out``
+  (forward) and of ``dq``, ``dk``, ``dv`` (backward); the split is a view;
 - the ring: each step's merge of the partial output (:func:`merge.merge_partials`, one fused
   pass reading both outputs and lse and writing the merged pair), the backward's dq and dKV
   sums (:func:`merge.accumulate`: in place or one fused pass), its ``cat`` of dk and dv, the
-  own section's message with the carried element, the final ``cat`` with the GROUP rows;
-- the kernel's own passes around its calls, for cuDNN (:class:`kernels.cudnn.CudnnKernel`):
-  ``.contiguous()`` of the keys and values (strided halves of the KV stream), the zero fills
-  of its outputs and the lse's transposes. Other kernels' own passes run inside their op and
-  are counted as attention (the check measures cuDNN).
+  own section's message with the carried element, the final ``cat`` with the GROUP rows.
+
+The attention op's own passes (a kernel's fills, transposes, the ring's K/V halves made
+contiguous) are the compute part's: kernels/measured.json timed the op with them
+(:func:`kernel_own_bytes` counts cuDNN's, for the measuring command to show).
 
 Bytes rather than kernel launches: the time of these passes at real sizes is their memory
 traffic (a merge of a 128K-token stream moves hundreds of MB); a launch's fixed cost is a few
@@ -88,20 +91,25 @@ def cudnn_backward_bytes(rows: int, keys: int, heads_q: int, heads_kv: int, dim:
     return 2 * rows * heads_q * f + fills + sums + (4 * kv_elements * item if strided_kv else 0)
 
 
-def gpu_other_bytes(sizes: RankSizes, ring_rank: int, ring: int, call: CallShape, kernel: str) -> GpuOtherBytes:
-    """The bytes the non-attention kernels of rank ``(ring_rank, sizes.ulysses_rank)``'s eager
-    call read and write, per phase (see the module docstring for what is counted)."""
+def group_heads(call: CallShape, ulysses: int) -> tuple[int, int, int, int]:
+    """``(head groups, query heads, KV heads, KV repeat)`` of one head group of a rank after the
+    exchange (repeated KV heads included), as the schedule splits them."""
+    repeat = kv_head_repeat(call.heads_kv, ulysses)
+    groups = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
+    return groups, call.heads_q // (ulysses * groups), call.heads_kv * repeat // (ulysses * groups), repeat
+
+
+def gpu_other_bytes(sizes: RankSizes, ring: int, call: CallShape) -> GpuOtherBytes:
+    """The bytes the kernels of a rank's eager call that run outside its attention op read and
+    write, per phase (the module docstring says what is counted)."""
     if call.returns_lse or call.recompute_exchange:
         raise InputError("call: the GPU-other count covers calls without returns_lse and recompute_exchange "
                          f"(the advisor's), got {call}")
     ulysses = len(sizes.exchange)
     item, acc_item, dim = call.dtype.itemsize, accumulate_dtype(call.dtype).itemsize, call.head_dim
-    repeat = kv_head_repeat(call.heads_kv, ulysses)
-    groups = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
-    hq, hkv = call.heads_q // (ulysses * groups), call.heads_kv * repeat // (ulysses * groups)
-    local, own, tokens, stream, width = sizes.local, sizes.own_exchange, sizes.tokens, sizes.stream, sizes.ring_width
+    groups, hq, hkv, repeat = group_heads(call, ulysses)
+    own, tokens, stream, width = sizes.own_exchange, sizes.tokens, sizes.stream, sizes.ring_width
     steps = schedule_steps(sizes, ring)
-    cudnn = kernel == "cudnn"
     exchanged = ulysses > 1
 
     def rows_bytes(rows: int, heads: int) -> int:
@@ -126,30 +134,46 @@ def gpu_other_bytes(sizes: RankSizes, ring_rank: int, ring: int, call: CallShape
     else:
         join_kv = 2 * join(call.heads_kv, hkv)
     join_q = join(call.heads_q, hq)
-
     forward = repeat_kv + pack_q + pack_kv + join_q + join_regions(call.heads_q)
     backward = pack_q + join_q + join_kv + join_regions(call.heads_q) + 2 * join_regions(call.heads_kv)
-    if cudnn:
-        calls = kernel_calls(kernel, None)
-        forward += cudnn_forward_bytes(local, local, call.heads_q, call.heads_kv, dim, item, acc_item, calls, False)
-        backward += cudnn_backward_bytes(local, local, call.heads_q, call.heads_kv, dim, item, acc_item, calls, False)
 
     section = width * 2 * hkv * dim
     ring_f = ring_b = 0  # one head group's ring
     if steps > 1:  # the own section's message with the carried element
         ring_b += 2 * (section + 1) * item
-    for index, source in enumerate(step_sources(ring_rank, ring, steps)):
+    for index in range(steps):
         keys = stream if index == 0 else width
         ring_f += merge_bytes(index, steps, stream, hq, dim, item, acc_item)
         ring_b += sum_bytes(index, steps, stream * hq * dim, item, acc_item)  # dq
         ring_b += 2 * keys * 2 * hkv * dim * item  # cat of dk and dv
         ring_b += sum_bytes(index, steps, section, item, acc_item)  # the travelling dKV
-        if cudnn:
-            calls = kernel_calls(kernel, step_kind(ring_rank, source, True))
-            ring_f += cudnn_forward_bytes(stream, keys, hq, hkv, dim, item, acc_item, calls, True)
-            ring_b += cudnn_backward_bytes(stream, keys, hq, hkv, dim, item, acc_item, calls, True)
     ring_b += 2 * stream * 2 * hkv * dim * item  # the ring section's dKV joined with the GROUP rows'
     return GpuOtherBytes(forward + groups * ring_f, backward + groups * ring_b)
+
+
+def kernel_own_bytes(sizes: RankSizes, ring_rank: int, ring: int, call: CallShape, kernel: str) -> GpuOtherBytes:
+    """The bytes of the passes a rank's attention op runs besides its kernels, per phase: for
+    cuDNN its fills, lse transposes and merges of split calls (:func:`cudnn_forward_bytes`),
+    and in every ring step the copies of the strided K/V halves; 0 for the other kernels,
+    whose passes are not counted. Not in the advisor's time: kernels/measured.json's
+    throughputs are timed through the op, passes included, on contiguous single-device
+    inputs, so only the ring's K/V copies are missing from them (benchmarks/gpu_other.py
+    shows these bytes beside the op's profiled non-attention time)."""
+    if kernel != "cudnn":
+        return GpuOtherBytes()
+    ulysses = len(sizes.exchange)
+    item, acc_item, dim = call.dtype.itemsize, accumulate_dtype(call.dtype).itemsize, call.head_dim
+    groups, hq, hkv, _ = group_heads(call, ulysses)
+    local, stream, steps = sizes.local, sizes.stream, schedule_steps(sizes, ring)
+    calls = kernel_calls(kernel, None)
+    forward = cudnn_forward_bytes(local, local, call.heads_q, call.heads_kv, dim, item, acc_item, calls, False)
+    backward = cudnn_backward_bytes(local, local, call.heads_q, call.heads_kv, dim, item, acc_item, calls, False)
+    for index, source in enumerate(step_sources(ring_rank, ring, steps)):
+        keys = stream if index == 0 else sizes.ring_width
+        calls = kernel_calls(kernel, step_kind(ring_rank, source, True))
+        forward += groups * cudnn_forward_bytes(stream, keys, hq, hkv, dim, item, acc_item, calls, True)
+        backward += groups * cudnn_backward_bytes(stream, keys, hq, hkv, dim, item, acc_item, calls, True)
+    return GpuOtherBytes(forward, backward)
 
 
 def gpu_other_times(moved: GpuOtherBytes, record: GpuOtherRecord | None) -> GpuOtherTimes:
