@@ -6,8 +6,8 @@ from measured parts and a chooser over the valid meshes.
 
 The model predicts one causal forward + backward of one attention call per rank, as the sum of
 explicit parts, each a pure function that a GPU measurement can check on its own (one module
-each: records.py, compute.py, communication.py, overlap.py, host.py; chooser.py, report.py,
-command.py):
+each: records.py, compute.py, communication.py, overlap.py, host.py, gpu_other.py; chooser.py,
+report.py, command.py):
 
 - compute (:func:`compute_times`): each block's visible query-key pairs (from the real layout
   of the placement rule, :mod:`hcp_compile.layout`) times ``14 * head_dim`` FLOPs per pair
@@ -27,13 +27,23 @@ command.py):
   kernel run them) at the constants kernels/host_measured.json records for the device, mode
   and kernel (``benchmarks/host_times.py`` measures and fits them); each phase lasts the
   longer of its host and GPU time, since the GPU cannot run ahead of the host. Where no
-  constants are recorded the host part is 0 and the report says it is not modelled.
+  constants are recorded the host part is 0 and the report says it is not modelled;
+- GPU work besides attention (:func:`gpu_other_bytes`, :func:`gpu_other_times`; module
+  gpu_other.py): the bytes a rank's kernels outside its attention op read and write per phase
+  (the exchange's packing and joins, the region join, per ring step and head group the merge,
+  the dq and dKV sums, the dKV ``cat``), counted from the layout as the code runs them, times
+  the seconds per byte kernels/gpu_other_measured.json records for the device, mode and kernel
+  (``benchmarks/gpu_other.py`` profiles real-size ranks and fits it); added to each phase's
+  compute before the host bound. Not yet measured on the H200: without constants the part is
+  0 and the report says it is not modelled.
 
 A step's time is its slowest rank's. Measured against one rank alone on an H200
 (``benchmarks/advisor_check.py``, docs/benchmarks.md, "Advisor check"): within 10 % in 19 of
 24 cases with the host part (6 of 6 at 2 ranks, 7 of 9 at 4, 6 of 9 at 8), 15 of 24 on compute
-alone. Not modelled: GPU work besides attention (merges, copies and fills per ring step, which
-the misses at 4 and 8 ranks leave out), the host work of a compiled call, the host cost of real
+alone (before the GPU-other part, whose constants are not yet measured; the misses at 4 and 8
+ranks leave out that work). Not modelled: the attention op's copies of the ring's strided K/V
+halves (inside the op, missing from measured.json's single-device throughputs), the host work
+of a compiled call, the host cost of real
 collectives beyond the fake process group's the host part was measured with, contention
 between an all-to-all and ring hops on one NVLink domain, windows (only causal attention is
 measured for every kernel).
