@@ -22,9 +22,7 @@ points. On CPU (a smoke run of the plumbing) the ops' CPU time stands for the de
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -47,8 +45,9 @@ from hcp_compile.kernels.measured import device_kind
 from hcp_compile.placements import placement_rule
 from hcp_compile.schemes.traffic import CallShape
 
-from .advisor_check import parse_mesh
-from .host_times import MODE, PLACEMENT, nonnegative_least_squares, record
+from .host_times import (
+    MODE, PLACEMENT, measuring_parser, nonnegative_least_squares, parse_measuring, record, run,
+)
 from .speed import HEADS, Batch, Setup, _synchronize, fake_process_group, fill_free_memory, hcp_eager, hcp_kernel
 from .speed import workloads as all_workloads
 
@@ -241,29 +240,15 @@ def measure_all(args: Namespace) -> dict:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="profile, fit and write the constants and points here")
-    parser.add_argument("--record", type=Path, metavar="JSON",
-                        help="add the constants of a --out file to --into")
+    parser = measuring_parser(__doc__, "2x1,2x2,2x4,8x1", "add the constants of a --out file to --into")
     parser.add_argument("--into", type=Path, default=GPU_OTHER_FILE, help="the record --record adds to")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--kernel", default="cudnn", choices=KERNEL_CHOICES)
-    parser.add_argument("--meshes", default="2x1,2x2,2x4,8x1", help="comma-separated ULYSSESxRING meshes")
     parser.add_argument("--rank", type=int, default=0, help="the rank of each mesh that runs")
     parser.add_argument("--workloads", default="W2-128K,W3-128K", help="comma-separated speed.py workloads")
-    parser.add_argument("--heads", default="gqa", choices=sorted(HEADS))
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--shrink", type=int, default=1, help="speed.py's --shrink (CPU smoke runs)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
-    args = parser.parse_args(argv)
-    if (args.out is None) == (args.record is None):
-        parser.error("pass --out FILE (profile and fit) or --record FILE (add a profiled file's constants)")
-    try:
-        args.meshes = [parse_mesh(m) for m in args.meshes.split(",")]
-    except argparse.ArgumentTypeError as error:
-        parser.error(f"--meshes: {error}")
+    args = parse_measuring(parser, argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     known = all_workloads()
     unknown = [w for w in args.workloads if w not in known]
@@ -276,15 +261,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.record is not None:
-        record(args.record, args.into, parse, recorded)
-        return
-    if args.device == "cuda":
-        torch.cuda.set_device(0)
-    result = measure_all(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    run(args, measure_all, lambda path: record(path, args.into, parse, recorded))
 
 
 if __name__ == "__main__":

@@ -240,22 +240,22 @@ def record(path: Path, into: Path = HOST_FILE, parse: Callable[[Any, str], objec
     print(f"recorded {added} into {into}")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def measuring_parser(description: str, meshes: str, record_help: str) -> argparse.ArgumentParser:
+    """The options this command and benchmarks/gpu_other.py share: ``--out`` or ``--record``,
+    the device, the meshes, the call's heads, head dim and dtype."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="measure, fit and write the constants and points here")
-    parser.add_argument("--record", type=Path, metavar="JSON",
-                        help="add the constants of a --out file to hcp_compile/kernels/host_measured.json")
+    parser.add_argument("--record", type=Path, metavar="JSON", help=record_help)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--kernels", default="cudnn",
-                        help=f"comma-separated, of {', '.join(KERNEL_CHOICES)} (auto: as CP resolves it)")
-    parser.add_argument("--meshes", default=DEFAULT_MESHES, help="comma-separated ULYSSESxRING meshes")
-    parser.add_argument("--ranks", default="0,-1", help="comma-separated ranks of each mesh (-1: its last)")
+    parser.add_argument("--meshes", default=meshes, help="comma-separated ULYSSESxRING meshes")
     parser.add_argument("--heads", default="gqa", choices=sorted(HEADS))
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--rank-tokens", type=int, default=512, help="tokens per rank of every batch")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    return parser
+
+
+def parse_measuring(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Namespace:
+    """The arguments of a :func:`measuring_parser`, ``--meshes`` as ``(ulysses, ring)`` pairs."""
     args = parser.parse_args(argv)
     if (args.out is None) == (args.record is None):
         parser.error("pass --out FILE (measure and fit) or --record FILE (add a measured file's constants)")
@@ -263,6 +263,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
         args.meshes = [parse_mesh(m) for m in args.meshes.split(",")]
     except argparse.ArgumentTypeError as error:
         parser.error(f"--meshes: {error}")
+    return args
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Namespace:
+    parser = measuring_parser(__doc__, DEFAULT_MESHES,
+                              "add the constants of a --out file to hcp_compile/kernels/host_measured.json")
+    parser.add_argument("--kernels", default="cudnn",
+                        help=f"comma-separated, of {', '.join(KERNEL_CHOICES)} (auto: as CP resolves it)")
+    parser.add_argument("--ranks", default="0,-1", help="comma-separated ranks of each mesh (-1: its last)")
+    parser.add_argument("--rank-tokens", type=int, default=512, help="tokens per rank of every batch")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    args = parse_measuring(parser, argv)
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in args.kernels if k not in KERNEL_CHOICES]
     if unknown or not args.kernels:
@@ -276,17 +289,22 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+def run(args: Namespace, measure: Callable[[Namespace], dict], add: Callable[[Path], None]) -> None:
+    """A measuring command's work: with ``--record``, ``add`` that file's constants; otherwise
+    ``measure`` on the device and write the result to ``--out``."""
     if args.record is not None:
-        record(args.record)
+        add(args.record)
         return
     if args.device == "cuda":
         torch.cuda.set_device(0)
-    result = measure_all(args)
+    result = measure(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run(parse_args(argv), measure_all, record)
 
 
 if __name__ == "__main__":

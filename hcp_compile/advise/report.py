@@ -71,12 +71,12 @@ def host_note(advice: Advice) -> str:
 
 def gpu_other_note(advice: Advice) -> str:
     """Whether the steps include the GPU's work besides attention."""
+    where = f"{advice.mode} constants for kernel {advice.kernel!r} on {advice.device_kind}"
     if advice.gpu_other_modelled:
-        return (f"GPU work besides attention: measured on {advice.device_kind} (kernels/gpu_other_measured.json), "
-                "added to each phase's compute")
-    return (f"GPU work besides attention not modelled: no {advice.mode} constants for kernel {advice.kernel!r} on "
-            f"{advice.device_kind} in kernels/gpu_other_measured.json ({gpu_other_measured.HOW_TO_ADD}); the merges, "
-            "copies and fills of ranks with many ring steps make their steps longer than shown")
+        return f"GPU work besides attention: measured, {where}, added to each phase's compute"
+    return (f"GPU work besides attention not modelled: no {where} in kernels/gpu_other_measured.json "
+            f"({gpu_other_measured.HOW_TO_ADD}); the merges, copies and fills of ranks with many ring steps "
+            "make their steps longer than shown")
 
 
 def format_advice(advice: Advice) -> str:
