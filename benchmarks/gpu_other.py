@@ -48,15 +48,17 @@ from hcp_compile.schemes.traffic import CallShape
 from .host_times import (
     MODE, PLACEMENT, measuring_parser, nonnegative_least_squares, parse_measuring, record, run,
 )
-from .speed import HEADS, Batch, Setup, _synchronize, fake_process_group, fill_free_memory, hcp_eager, hcp_kernel
-from .speed import workloads as all_workloads
+from .speed import (
+    HEADS, Batch, Setup, _synchronize, fake_process_group, fill_free_memory, hcp_eager, hcp_kernel,
+    workloads as all_workloads,
+)
 
+ATTENTION_OP = "hcp::block_"  # the attention op (hcp::block_forward, hcp::block_backward): a CPU event
 # substrings (lower case) of the names of attention kernels: cuDNN's SDPA graphs
 # (cudnn_generated_fort_native_sdpa_*, and the dot(dO, O) and dQ conversion kernels of its
 # backward), FlashAttention's, cutlass' fmha, and the attention op itself (CPU runs)
-ATTENTION = ("sdpa", "fmha", "flash", "compute_dot_do_o", "convert_dq", "hcp::block_")
+ATTENTION = ("sdpa", "fmha", "flash", "compute_dot_do_o", "convert_dq", ATTENTION_OP)
 COMMUNICATION = ("nccl",)  # NCCL's kernels (none over the fake group)
-ATTENTION_OP = "hcp::block_"  # the attention op (hcp::block_forward, hcp::block_backward): a CPU event
 
 
 def kernel_class(name: str) -> str:
