@@ -30,9 +30,9 @@ from argparse import Namespace
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from tabulate import tabulate
 from torch import Tensor
 
@@ -41,14 +41,14 @@ from hcp_compile.advise import cu_seqlens_of, host_counts, rank_sizes
 from hcp_compile.advise.records import HostCounts
 from hcp_compile.kernels import KERNEL_CHOICES
 from hcp_compile.kernels.host_measured import (
-    COEFFICIENTS, HOST_FILE, PHASES, HostConstants, parse_devices, recorded,
+    COEFFICIENTS, HOST_FILE, PHASES, HostConstants, load, parse_devices, recorded,
 )
 from hcp_compile.kernels.measured import device_kind
 from hcp_compile.placements import placement_rule
 from hcp_compile.schedule import head_groups, rank_kv_heads
 
 from .advisor_check import parse_mesh
-from .speed import HEADS, Batch, Setup, Workload, _synchronize, hcp_eager, hcp_kernel, init_fake
+from .speed import HEADS, Batch, Setup, Workload, _synchronize, fake_process_group, hcp_eager, hcp_kernel
 
 MODE = "hcp-eager"
 PLACEMENT = "balanced"
@@ -106,8 +106,7 @@ def phase_ms(fn: Callable[..., Tensor], inputs: list[Tensor], device: torch.devi
 def measure_mesh(ulysses: int, ring: int, rank: int, kernel: str, args: Namespace) -> list[Point]:
     """Rank ``rank`` of ``ulysses x ring`` alone over the fake group, on every tiny batch."""
     world = ulysses * ring
-    init_fake(rank, world)
-    try:
+    with fake_process_group(rank, world):
         options = Namespace(**{**vars(args), "ulysses": ulysses, "ring": ring, "kernel": kernel})
         setup = Setup(options, torch.device(args.device), getattr(torch, args.dtype), rank, world, fake=True)
         heads_q, heads_kv = HEADS[args.heads]
@@ -124,35 +123,38 @@ def measure_mesh(ulysses: int, ring: int, rank: int, kernel: str, args: Namespac
                                 counts.groups, forward, backward))
             print(f"  {points[-1]}", flush=True)
         return points
-    finally:
-        dist.destroy_process_group()
 
 
 def features(counts: HostCounts) -> list[float]:
     return [1.0, float(counts.calls), float(counts.steps), float(counts.groups)]
 
 
-def fit(counts: Sequence[HostCounts], seconds: Sequence[float]) -> HostConstants:
-    """The least-squares constants of ``seconds`` over ``counts``, none negative (a host cost
-    is not): the best fit over every subset of the constants that solves to non-negative
-    values, the others 0 (four constants: sixteen small solves). A subset whose counts cannot
-    tell two constants apart takes the minimum-norm solution."""
-    if len(counts) != len(seconds) or not counts:
-        raise InputError(f"fit: expected as many times as counts, at least one; got {len(seconds)} and {len(counts)}")
-    design = torch.tensor([features(c) for c in counts], dtype=torch.float64)
+def nonnegative_least_squares(design: Sequence[Sequence[float]], seconds: Sequence[float]) -> list[float]:
+    """The least-squares coefficients of ``seconds`` over the rows of ``design``, none negative
+    (a cost is not): the best fit over every subset of the columns that solves to non-negative
+    values, the others 0 (four columns: fifteen small solves). A subset whose columns cannot be
+    told apart takes the minimum-norm solution."""
+    if len(design) != len(seconds) or not design:
+        raise InputError(f"fit: expected as many times as points, at least one; got {len(seconds)} and {len(design)}")
+    matrix = torch.tensor([list(row) for row in design], dtype=torch.float64)
     target = torch.tensor(list(seconds), dtype=torch.float64)
-    best, best_error = torch.zeros(len(COEFFICIENTS), dtype=torch.float64), float(target.square().sum())
-    for chosen in itertools.chain.from_iterable(
-            itertools.combinations(range(len(COEFFICIENTS)), n) for n in range(1, len(COEFFICIENTS) + 1)):
+    width = matrix.shape[1]
+    best, best_error = torch.zeros(width, dtype=torch.float64), float(target.square().sum())
+    for chosen in itertools.chain.from_iterable(itertools.combinations(range(width), n) for n in range(1, width + 1)):
         columns = list(chosen)
         # gelsd: minimum norm where the design is rank-deficient (gels would fail on CPU)
-        solution = torch.linalg.lstsq(design[:, columns], target[:, None], driver="gelsd").solution[:, 0]
-        error = float((design[:, columns] @ solution - target).square().sum())
+        solution = torch.linalg.lstsq(matrix[:, columns], target[:, None], driver="gelsd").solution[:, 0]
+        error = float((matrix[:, columns] @ solution - target).square().sum())
         if bool((solution >= 0).all()) and error < best_error * (1 - 1e-12):
             best = torch.zeros_like(best)
             best[columns] = solution
             best_error = error
-    return HostConstants(*best.tolist())
+    return best.tolist()
+
+
+def fit(counts: Sequence[HostCounts], seconds: Sequence[float]) -> HostConstants:
+    """The host constants of ``seconds`` over ``counts`` (:func:`nonnegative_least_squares`)."""
+    return HostConstants(*nonnegative_least_squares([features(c) for c in counts], seconds))
 
 
 def predicted_ms(constants: HostConstants, counts: HostCounts) -> float:
@@ -216,11 +218,13 @@ def measure_all(args: Namespace) -> dict:
     return {"devices": {kind: entry}, "points": [asdict(p) for p in points]}
 
 
-def record(path: Path, into: Path = HOST_FILE) -> None:
+def record(path: Path, into: Path = HOST_FILE, parse: Callable[[Any, str], object] = parse_devices,
+           read: Callable[[Path], object] = recorded) -> None:
     """Add the constants of ``path`` (this command's ``--out``) to ``into``, per device, mode
-    and kernel (a newer record of the same replaces the older)."""
+    and kernel (a newer record of the same replaces the older); ``parse`` and ``read``: the
+    file's parser and loader (benchmarks/gpu_other.py records its own file so)."""
     devices = json.loads(path.read_text()).get("devices")
-    parse_devices(devices, str(path))  # refuse a bad file before touching the record
+    parse(devices, str(path))  # refuse a bad file before touching the record
     data = json.loads(into.read_text())
     for kind, entry in devices.items():
         old = data["devices"].get(kind, {})
@@ -229,29 +233,29 @@ def record(path: Path, into: Path = HOST_FILE) -> None:
             modes[mode] = {**modes.get(mode, {}), **kernels}
         data["devices"][kind] = {**old, **{k: v for k, v in entry.items() if k != "modes"}, "modes": modes}
     into.write_text(json.dumps(data, indent=2) + "\n")
-    recorded.cache_clear()
-    recorded(into)  # what was written reads back
+    load.cache_clear()
+    read(into)  # what was written reads back
     added = ", ".join(f"{kind} {mode} {sorted(kernels)}" for kind, entry in devices.items()
                       for mode, kernels in entry["modes"].items())
     print(f"recorded {added} into {into}")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def measuring_parser(description: str, meshes: str, record_help: str) -> argparse.ArgumentParser:
+    """The options this command and benchmarks/gpu_other.py share: ``--out`` or ``--record``,
+    the device, the meshes, the call's heads, head dim and dtype."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="measure, fit and write the constants and points here")
-    parser.add_argument("--record", type=Path, metavar="JSON",
-                        help="add the constants of a --out file to hcp_compile/kernels/host_measured.json")
+    parser.add_argument("--record", type=Path, metavar="JSON", help=record_help)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--kernels", default="cudnn",
-                        help=f"comma-separated, of {', '.join(KERNEL_CHOICES)} (auto: as CP resolves it)")
-    parser.add_argument("--meshes", default=DEFAULT_MESHES, help="comma-separated ULYSSESxRING meshes")
-    parser.add_argument("--ranks", default="0,-1", help="comma-separated ranks of each mesh (-1: its last)")
+    parser.add_argument("--meshes", default=meshes, help="comma-separated ULYSSESxRING meshes")
     parser.add_argument("--heads", default="gqa", choices=sorted(HEADS))
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--rank-tokens", type=int, default=512, help="tokens per rank of every batch")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    return parser
+
+
+def parse_measuring(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Namespace:
+    """The arguments of a :func:`measuring_parser`, ``--meshes`` as ``(ulysses, ring)`` pairs."""
     args = parser.parse_args(argv)
     if (args.out is None) == (args.record is None):
         parser.error("pass --out FILE (measure and fit) or --record FILE (add a measured file's constants)")
@@ -259,6 +263,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
         args.meshes = [parse_mesh(m) for m in args.meshes.split(",")]
     except argparse.ArgumentTypeError as error:
         parser.error(f"--meshes: {error}")
+    return args
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Namespace:
+    parser = measuring_parser(__doc__, DEFAULT_MESHES,
+                              "add the constants of a --out file to hcp_compile/kernels/host_measured.json")
+    parser.add_argument("--kernels", default="cudnn",
+                        help=f"comma-separated, of {', '.join(KERNEL_CHOICES)} (auto: as CP resolves it)")
+    parser.add_argument("--ranks", default="0,-1", help="comma-separated ranks of each mesh (-1: its last)")
+    parser.add_argument("--rank-tokens", type=int, default=512, help="tokens per rank of every batch")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    args = parse_measuring(parser, argv)
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in args.kernels if k not in KERNEL_CHOICES]
     if unknown or not args.kernels:
@@ -272,17 +289,22 @@ def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+def run(args: Namespace, measure: Callable[[Namespace], dict], add: Callable[[Path], None]) -> None:
+    """A measuring command's work: with ``--record``, ``add`` that file's constants; otherwise
+    ``measure`` on the device and write the result to ``--out``."""
     if args.record is not None:
-        record(args.record)
+        add(args.record)
         return
     if args.device == "cuda":
         torch.cuda.set_device(0)
-    result = measure_all(args)
+    result = measure(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run(parse_args(argv), measure_all, record)
 
 
 if __name__ == "__main__":

@@ -1285,6 +1285,17 @@ def init_fake(rank: int, world: int) -> None:
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
 
 
+@contextlib.contextmanager
+def fake_process_group(rank: int, world: int) -> Iterator[None]:
+    """Inside the block this process is rank ``rank`` of a ``world`` over the fake process
+    group (:func:`init_fake`); destroyed on the way out."""
+    init_fake(rank, world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     args = parse_args()
     if args.merge:

@@ -6,8 +6,8 @@ from measured parts and a chooser over the valid meshes.
 
 The model predicts one causal forward + backward of one attention call per rank, as the sum of
 explicit parts, each a pure function that a GPU measurement can check on its own (one module
-each: records.py, compute.py, communication.py, overlap.py, host.py; chooser.py, report.py,
-command.py):
+each: records.py, compute.py, communication.py, overlap.py, host.py, gpu_other.py; chooser.py,
+report.py, command.py):
 
 - compute (:func:`compute_times`): each block's visible query-key pairs (from the real layout
   of the placement rule, :mod:`hcp_compile.layout`) times ``14 * head_dim`` FLOPs per pair
@@ -27,13 +27,23 @@ command.py):
   kernel run them) at the constants kernels/host_measured.json records for the device, mode
   and kernel (``benchmarks/host_times.py`` measures and fits them); each phase lasts the
   longer of its host and GPU time, since the GPU cannot run ahead of the host. Where no
-  constants are recorded the host part is 0 and the report says it is not modelled.
+  constants are recorded the host part is 0 and the report says it is not modelled;
+- GPU work besides attention (:func:`gpu_other_bytes`, :func:`gpu_other_times`; module
+  gpu_other.py): the bytes a rank's kernels outside its attention op read and write per phase
+  (the exchange's packing and joins, the region join, per ring step and head group the merge,
+  the dq and dKV sums, the dKV ``cat``), counted from the layout as the code runs them, times
+  the seconds per byte kernels/gpu_other_measured.json records for the device, mode and kernel
+  (``benchmarks/gpu_other.py`` profiles real-size ranks and fits it); added to each phase's
+  compute before the host bound. Not yet measured on the H200: without constants the part is
+  0 and the report says it is not modelled.
 
 A step's time is its slowest rank's. Measured against one rank alone on an H200
 (``benchmarks/advisor_check.py``, docs/benchmarks.md, "Advisor check"): within 10 % in 19 of
 24 cases with the host part (6 of 6 at 2 ranks, 7 of 9 at 4, 6 of 9 at 8), 15 of 24 on compute
-alone. Not modelled: GPU work besides attention (merges, copies and fills per ring step, which
-the misses at 4 and 8 ranks leave out), the host work of a compiled call, the host cost of real
+alone (before the GPU-other part, whose constants are not yet measured; the misses at 4 and 8
+ranks leave out that work). Not modelled: the attention op's copies of the ring's strided K/V
+halves (inside the op, missing from measured.json's single-device throughputs), the host work
+of a compiled call, the host cost of real
 collectives beyond the fake process group's the host part was measured with, contention
 between an all-to-all and ring hops on one NVLink domain, windows (only causal attention is
 measured for every kernel).
@@ -42,12 +52,13 @@ measured for every kernel).
 from __future__ import annotations
 
 from .records import (
-    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes, HostCounts,
-    HostTimes, Links, Option, Prediction, SCHEME,
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, GpuOtherBytes, GpuOtherTimes,
+    HopTimes, HostCounts, HostTimes, Links, Option, Prediction, SCHEME,
 )
 from .compute import block_composition, block_work, compute_times
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .host import bounded_by_host, host_counts, host_times, kernel_calls
+from .gpu_other import gpu_other_bytes, gpu_other_times, kernel_own_bytes
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
 from .chooser import advise, cuda_kernel, mesh_options, predict
 from .report import format_advice
@@ -59,6 +70,8 @@ __all__ = [
     "ComputeTimes",
     "DEFAULT_DEVICE",
     "ExchangeTimes",
+    "GpuOtherBytes",
+    "GpuOtherTimes",
     "HopTimes",
     "HostCounts",
     "HostTimes",
@@ -77,10 +90,13 @@ __all__ = [
     "exchange_bytes",
     "exchange_times",
     "format_advice",
+    "gpu_other_bytes",
+    "gpu_other_times",
     "hop_times",
     "host_counts",
     "host_times",
     "kernel_calls",
+    "kernel_own_bytes",
     "main",
     "mesh_options",
     "pipeline",

@@ -118,6 +118,23 @@ class HostTimes:
 
 
 @dataclass(frozen=True)
+class GpuOtherBytes:
+    """Bytes one rank's GPU reads and writes besides the attention kernels, per phase
+    (:func:`gpu_other.gpu_other_bytes`)."""
+
+    forward: int = 0
+    backward: int = 0
+
+
+@dataclass(frozen=True)
+class GpuOtherTimes:
+    """Seconds of that work per phase (0: not modelled)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+
+
+@dataclass(frozen=True)
 class RankPrediction:
     """One rank's predicted forward + backward of one attention call, in seconds."""
 
@@ -129,6 +146,7 @@ class RankPrediction:
     ring_bytes: int
     host: float = 0.0  # its host time, forward + backward
     host_wait: float = 0.0  # what the host adds to the step beyond the GPU's
+    gpu_other: float = 0.0  # its GPU work besides attention, forward + backward
 
 
 @dataclass(frozen=True)
@@ -147,6 +165,7 @@ class Prediction:
     ring_bytes: float
     host_s: float = 0.0  # the slowest rank's host time (0: not modelled, see Advice.host_modelled)
     host_wait_s: float = 0.0  # what waiting for the host adds to step_s
+    gpu_other_s: float = 0.0  # the slowest rank's GPU work besides attention (0: not modelled)
 
     @property
     def ulysses(self) -> int:
@@ -176,6 +195,7 @@ class Advice:
     seconds: float  # how long the advice took
     mode: str = "hcp-eager"
     host_modelled: bool = False  # kernels/host_measured.json has the device, mode and kernel
+    gpu_other_modelled: bool = False  # kernels/gpu_other_measured.json has them
 
     @property
     def best(self) -> Prediction:
