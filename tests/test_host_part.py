@@ -12,7 +12,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hcp_compile as hc
 from hcp_compile import InputError, advise, hierarchical, layout
-from hcp_compile.advise import HostCounts, HostTimes, cu_seqlens_of, host_counts, rank_sizes
+from hcp_compile.advise import HostCounts, PhaseTimes, cu_seqlens_of, host_counts, rank_sizes
 from hcp_compile.kernels import KERNELS, cudnn, host_measured
 from hcp_compile.kernels.host_measured import HostConstants, HostRecord
 from hcp_compile.placements import placement_rule
@@ -137,15 +137,15 @@ def test_the_fit_recovers_known_constants():
 
 
 def test_a_phase_lasts_the_longer_of_its_host_and_gpu_time():
-    assert advise.bounded_by_host(2.0, 3.0, HostTimes(5.0, 1.0)) == 8.0  # host-bound forward
-    assert advise.bounded_by_host(2.0, 3.0, HostTimes(1.0, 4.0)) == 6.0  # host-bound backward
-    assert advise.bounded_by_host(2.0, 3.0, HostTimes()) == 5.0  # not modelled: the GPU's
+    assert advise.bounded_by_host(2.0, 3.0, PhaseTimes(5.0, 1.0)) == 8.0  # host-bound forward
+    assert advise.bounded_by_host(2.0, 3.0, PhaseTimes(1.0, 4.0)) == 6.0  # host-bound backward
+    assert advise.bounded_by_host(2.0, 3.0, PhaseTimes()) == 5.0  # not modelled: the GPU's
     compute = advise.ComputeTimes(1.0, 2.0, (1.0,), (2.0,))
-    assert advise.predict_rank(compute, advise.ExchangeTimes(), advise.HopTimes(), 1, HostTimes(5.0, 1.0)) \
+    assert advise.predict_rank(compute, advise.ExchangeTimes(), advise.HopTimes(), 1, PhaseTimes(5.0, 1.0)) \
         == (5.0 + 4.0, 0.0, 0.0)
     record = HostRecord(HostConstants(1e-3, 1e-4, 2e-4, 3e-4), HostConstants(2e-3, 0.0, 0.0, 0.0))
-    assert advise.host_times(HostCounts(2, 3, 1), record) == HostTimes(pytest.approx(2.1e-3), 2e-3)
-    assert advise.host_times(HostCounts(2, 3, 1), None) == HostTimes()
+    assert advise.host_times(HostCounts(2, 3, 1), record) == PhaseTimes(pytest.approx(2.1e-3), 2e-3)
+    assert advise.host_times(HostCounts(2, 3, 1), None) == PhaseTimes()
 
 
 def test_the_advisor_bounds_its_steps_by_the_host_where_measured(monkeypatch):

@@ -52,8 +52,8 @@ measured for every kernel).
 from __future__ import annotations
 
 from .records import (
-    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, GpuOtherBytes, GpuOtherTimes,
-    HopTimes, HostCounts, HostTimes, Links, Option, Prediction, SCHEME,
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, GpuOtherBytes, HopTimes,
+    HostCounts, Links, Option, PhaseTimes, Prediction, SCHEME,
 )
 from .compute import block_composition, block_work, compute_times
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
@@ -71,12 +71,11 @@ __all__ = [
     "DEFAULT_DEVICE",
     "ExchangeTimes",
     "GpuOtherBytes",
-    "GpuOtherTimes",
     "HopTimes",
     "HostCounts",
-    "HostTimes",
     "Links",
     "Option",
+    "PhaseTimes",
     "Prediction",
     "SCHEME",
     "advise",

@@ -38,7 +38,7 @@ from ..schedule import head_groups, kv_head_repeat, rank_kv_heads, schedule_step
 from ..schemes.traffic import CallShape
 from ..validation import InputError
 from .host import kernel_calls
-from .records import GpuOtherBytes, GpuOtherTimes
+from .records import GpuOtherBytes, PhaseTimes
 
 
 def sum_bytes(index: int, steps: int, elements: int, item: int, acc_item: int) -> int:
@@ -176,8 +176,8 @@ def kernel_own_bytes(sizes: RankSizes, ring_rank: int, ring: int, call: CallShap
     return GpuOtherBytes(forward, backward)
 
 
-def gpu_other_times(moved: GpuOtherBytes, record: GpuOtherRecord | None) -> GpuOtherTimes:
+def gpu_other_times(moved: GpuOtherBytes, record: GpuOtherRecord | None) -> PhaseTimes:
     """The seconds of ``moved`` at the measured constants; 0 without a record (not modelled)."""
     if record is None:
-        return GpuOtherTimes()
-    return GpuOtherTimes(record.forward.per_byte_s * moved.forward, record.backward.per_byte_s * moved.backward)
+        return PhaseTimes()
+    return PhaseTimes(record.forward.per_byte_s * moved.forward, record.backward.per_byte_s * moved.backward)

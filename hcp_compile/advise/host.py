@@ -10,7 +10,7 @@ from ..kernels import BlockSpec, cudnn
 from ..kernels.host_measured import HostConstants, HostRecord
 from ..layout import RankSizes, StepKind, step_kind, step_sources
 from ..schedule import schedule_steps
-from .records import HostCounts, HostTimes
+from .records import HostCounts, PhaseTimes
 
 
 def kernel_calls(kernel: str, kind: StepKind | None) -> int:
@@ -48,14 +48,14 @@ def phase_seconds(counts: HostCounts, constants: HostConstants) -> float:
                + constants.per_group_s * counts.groups)
 
 
-def host_times(counts: HostCounts, record: HostRecord | None) -> HostTimes:
+def host_times(counts: HostCounts, record: HostRecord | None) -> PhaseTimes:
     """The rank's host seconds per phase; 0 without a record (the host part not modelled)."""
     if record is None:
-        return HostTimes()
-    return HostTimes(phase_seconds(counts, record.forward), phase_seconds(counts, record.backward))
+        return PhaseTimes()
+    return PhaseTimes(phase_seconds(counts, record.forward), phase_seconds(counts, record.backward))
 
 
-def bounded_by_host(device_forward: float, device_backward: float, host: HostTimes) -> float:
+def bounded_by_host(device_forward: float, device_backward: float, host: PhaseTimes) -> float:
     """The step of a rank whose GPU needs ``device_forward`` and ``device_backward`` seconds
     and whose host needs ``host``: per phase the longer of the two. The host issues every
     kernel of a phase in order, so the GPU cannot finish the phase before the host has issued

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .host import bounded_by_host
-from .records import ComputeTimes, ExchangeTimes, GpuOtherTimes, HopTimes, HostTimes
+from .records import ComputeTimes, ExchangeTimes, HopTimes, PhaseTimes
 
 
 def ring_forward(steps: Sequence[float], hop: float) -> float:
@@ -49,8 +49,8 @@ def pipeline(local: float, exchange_in: float, rings: Sequence[float], exchange_
 
 
 def predict_rank(compute: ComputeTimes, exchange: ExchangeTimes, hops: HopTimes,
-                 groups: int, host: HostTimes = HostTimes(),
-                 other: GpuOtherTimes = GpuOtherTimes()) -> tuple[float, float, float]:
+                 groups: int, host: PhaseTimes = PhaseTimes(),
+                 other: PhaseTimes = PhaseTimes()) -> tuple[float, float, float]:
     """``(step, exposed all-to-all, exposed ring)`` seconds of one rank: both directions'
     pipelines, plus per phase the GPU's work besides attention (``other``: merges, copies and
     fills run on the compute stream between the attention kernels, so they lengthen the phase

@@ -110,8 +110,10 @@ class HostCounts:
 
 
 @dataclass(frozen=True)
-class HostTimes:
-    """Seconds one rank's host takes to issue its forward and its backward (0: not modelled)."""
+class PhaseTimes:
+    """Seconds of one part of a rank's call per phase: its host issuing the forward and the
+    backward (:func:`host.host_times`), or its GPU's work besides attention in each
+    (:func:`gpu_other.gpu_other_times`); 0: the part is not modelled."""
 
     forward: float = 0.0
     backward: float = 0.0
@@ -124,14 +126,6 @@ class GpuOtherBytes:
 
     forward: int = 0
     backward: int = 0
-
-
-@dataclass(frozen=True)
-class GpuOtherTimes:
-    """Seconds of that work per phase (0: not modelled)."""
-
-    forward: float = 0.0
-    backward: float = 0.0
 
 
 @dataclass(frozen=True)
