@@ -203,8 +203,8 @@ def workloads(shrink: int = 1) -> dict[str, Workload]:
     return {w.name: w for w in result}
 
 
-# what runs without --workloads: all but the 1M-token batch (seconds per one-GPU step)
-DEFAULT_WORKLOADS = tuple(name for name in workloads() if name != "W2-1M")
+# run only when named in --workloads (a one-GPU step takes seconds)
+ONLY_WHEN_NAMED = ("W2-1M",)
 
 
 @dataclass
@@ -1183,7 +1183,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--ulysses", type=int, help="default: the world size over --ring")
     parser.add_argument("--ring", type=int, default=1)
-    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+    parser.add_argument("--workloads", default=",".join(n for n in workloads() if n not in ONLY_WHEN_NAMED),
                         help="comma-separated names or families (W2)")
     parser.add_argument("--heads", default="gqa,mha", help="comma-separated: gqa (32/8), mha (32/32)")
     parser.add_argument("--modes", help=f"comma-separated, of {', '.join(MODES)} (default: all that "

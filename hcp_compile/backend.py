@@ -162,16 +162,16 @@ class HcpBackend:
         groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
         config = rewrite_config(groups, options)
         example_inputs = list(example_inputs)
-        # compiling rewrites the graph in place: a copy for the graph without ring steps
-        pristine = graph_copy(gm) if groups.ring_size > 1 else None
-        full = self._compile(gm, example_inputs, config, groups)
-        if pristine is None:
-            return full
+        if groups.ring_size == 1:
+            return self._compile(gm, example_inputs, config, groups)
         from .passes.match import find_attention  # see _compile
 
-        inputs = cu_seqlens_inputs(pristine.graph, find_attention(pristine.graph))
+        inputs = cu_seqlens_inputs(gm.graph, find_attention(gm.graph))
         if inputs is None:
-            return full
+            return self._compile(gm, example_inputs, config, groups)
+        # compiling rewrites the graph in place: a copy for the graph without ring steps
+        pristine = graph_copy(gm)
+        full = self._compile(gm, example_inputs, config, groups)
         context = TracingContext.try_get()
 
         def compile_own_step() -> Callable:

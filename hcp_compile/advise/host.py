@@ -4,6 +4,8 @@ its layout and the constants measured for the device, mode and kernel
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..kernels import BlockSpec, cudnn
@@ -13,6 +15,7 @@ from ..schedule import schedule_steps
 from .records import HostCounts, PhaseTimes
 
 
+@functools.cache
 def kernel_calls(kernel: str, kind: StepKind | None) -> int:
     """Kernel invocations of one block that has queries and keys: cuDNN's own rule
     (:func:`cudnn.call_masks`) on a spec flagged as the schedule flags it (``kind`` None: the
