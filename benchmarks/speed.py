@@ -387,30 +387,37 @@ def _synchronize(device: torch.device) -> None:
 def exposed_communication(
     fn: Callable[..., Tensor], inputs: list[Tensor], setup: Setup, name: str, alone: bool,
 ) -> tuple[float | None, float | None]:
-    """One fwd+bwd under the profiler on every rank (``alone``: on this one); from rank 0's
-    trace, the time some NCCL kernel runs while no other kernel does: ms, and % of the traced
-    step (first kernel start to last kernel end). None on the other ranks. With ``--trace DIR``
-    the host is traced too, every rank's trace is kept as ``DIR/<name>_rank<r>.json.gz`` and
-    rank 0 prints where its step's time went (:func:`kernel_summary`)."""
+    """One fwd+bwd traced by the profiler on every rank (``alone``: on this one), after one it
+    warms up on; from rank 0's trace, the time some NCCL kernel runs while no other kernel
+    does: ms, and % of the traced step (first kernel start to last kernel end). None on the
+    other ranks. With ``--trace DIR`` the host is traced too, every rank's trace is kept as
+    ``DIR/<name>_rank<r>.json.gz`` and rank 0 prints where its step's time went
+    (:func:`kernel_summary`)."""
     from torch.profiler import ProfilerActivity, profile
 
     folder = setup.args.trace
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if folder else [])
     if not alone:
         dist.barrier()
-    with profile(activities=activities) as prof:
-        # a gradient tensor as the timed steps pass, not .sum().backward(): the first reduction
-        # of a process loads its kernel, which the trace then counts (20 ms on an H200)
-        out = fn(*inputs)
-        out.backward(torch.ones_like(out))
-        torch.cuda.synchronize()
     rank = setup.rank
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "trace.json"
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"{name}_rank{rank}.json.gz"
-        prof.export_chrome_trace(str(path))  # once: a profile exports one trace
+        # a first step as the profiler's warm-up: the first launch it traces waits for its
+        # buffers (2.4 ms on an H200), which the trace would show as the host's own time
+        with profile(activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=1),
+                     on_trace_ready=lambda done: done.export_chrome_trace(str(path))) as prof:
+            for _ in range(2):
+                # a gradient tensor as the timed steps pass, not .sum().backward(): the first
+                # reduction of a process loads its kernel, which the trace would count (20 ms)
+                out = fn(*inputs)
+                out.backward(torch.ones_like(out))
+                for t in inputs:
+                    t.grad = None
+                torch.cuda.synchronize()
+                prof.step()
         if not setup.leads:
             return None, None
         trace = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())

@@ -22,7 +22,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import batch_check, layout, validation
 from .hierarchical import HierarchicalAttention
 from .kernels import KeysByValue
-from .mesh import CPGroups, agreeing_groups, resolve_groups
+from .mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
 from .prepared import MeshShape, host_values, planned_shape, prepare, remember_values
 from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
 from .schemes import DEFAULT_SCHEME
@@ -43,12 +43,14 @@ def checked_layout(
     One opaque op (``hcp::batch_layout``) reads ``cu_seqlens`` to the host (once per tensor and
     version), takes the batch's prepared layout (by value) and checks
     :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a fingerprint of the
-    batch are all-reduced over the mesh first (on the device, where the groups' collectives
-    run), so every rank raises together (also when the ranks were given different batches, or
-    differ in ``placement``, ``recompute_exchange`` or ``scheme``, or run the graph without ring
-    steps beside ranks running the full one (``own_step_only``), which the fingerprint covers)
-    instead of some ranks waiting in the next collective; reading the agreed verdict is the one
-    host read of the call that waits for the device."""
+    batch are all-reduced over the mesh first, so every rank raises together (also when the
+    ranks were given different batches, or differ in ``placement``, ``recompute_exchange`` or
+    ``scheme``, or run the graph without ring steps beside ranks running the full one
+    (``own_step_only``), which the fingerprint covers) instead of some ranks waiting in the
+    next collective. The verdict travels where eager CP's agreement does
+    (:func:`mesh.agreement_device`): on the host where the groups' backends take a CPU tensor,
+    so that reading it waits for no GPU work; only on a GPU-only backend (NCCL) is that read
+    the one of the call that waits for the device."""
     groups = groups_from_names(ulysses_group, ring_group)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
@@ -57,7 +59,7 @@ def checked_layout(
     verdict, sizes = on_host.split([_FLAGS, on_host.shape[0] - _FLAGS])
     agreeing = agreeing_groups(groups) if agree else []
     if agreeing:
-        verdict = verdict.to(cu_seqlens_q.device)
+        verdict = verdict.to(agreement_device(groups))
     for _, group in agreeing:
         issued = torch.ops._c10d_functional.all_reduce(verdict, "max", group.group_name)
         verdict = torch.ops._c10d_functional.wait_tensor(issued)

@@ -36,6 +36,7 @@ def _local_spec(sched: RingSchedule) -> BlockSpec:
     return BlockSpec(
         sched.local_cu, sched.local_cu, sched.max_seqlen, sched.max_seqlen, sched.causal,
         sched.scale, sched.window_left, sched.window_right, cache_key=sched.local_cache_key,
+        covered_rows=sched.sizes.local,  # its documents' rows come first, any pad rows after
     )
 
 
@@ -134,18 +135,32 @@ def _scatter_stream(
 
 
 def _split_regions(x: Tensor, sched: RingSchedule) -> tuple[Tensor, Tensor]:
-    """A rank's ``[T, ...]`` tensor -> its local region and its exchange region."""
+    """A rank's ``[T, ...]`` tensor -> its local region and its exchange region; the local
+    region with the pad rows after it (every row) where :func:`_local_holds_every_row`."""
     sizes = sched.sizes
     local, exchange, _pads = x.split([sizes.local, sizes.own_exchange, sizes.pad])
-    return local, exchange
+    return (x if _local_holds_every_row(sched) else local), exchange
 
 
 def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int = 0,
                   pad_value: float = 0.0) -> Tensor:
     """Inverse of :func:`_split_regions` along ``dim``, the pad rows ``pad_value``."""
+    if _local_holds_every_row(sched):
+        return local
     shape = list(local.shape)
     shape[dim] = sched.sizes.pad
     return torch.cat([local, exchange, local.new_full(shape, pad_value)], dim=dim)
+
+
+def _local_holds_every_row(sched: RingSchedule) -> bool:
+    """Whether the local region's block runs over all of the rank's rows: where its exchange
+    region is empty (a batch of short documents, every one whole on its rank), the pad rows
+    follow the local region, lie outside its segments and so come out as the pads must (out 0,
+    lse -inf, no gradient: the kernel contract), and the rank's output and gradients are the
+    block's own, not a join that copies them (0.7 ms of a 9 ms W3 rank on an H200). Only
+    eagerly: a graph's region sizes are symbols, whose emptiness it does not know."""
+    size = sched.sizes.own_exchange
+    return isinstance(size, int) and size == 0
 
 
 class HierarchicalAttention(torch.autograd.Function):

@@ -141,7 +141,7 @@ def agree_on_error(
     fingerprint = 0 if batch is None else batch
     flags = torch.tensor(
         [error is not None, fingerprint, -fingerprint], dtype=torch.int64,
-        device=_flag_device(groups),
+        device=agreement_device(groups),
     )
     for name, group in agreeing_groups(groups):
         _all_reduce_max(flags, group, name, timeout_s, caller)
@@ -224,7 +224,9 @@ def _device_type(group: dist.ProcessGroup) -> str:
     return "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
 
 
-def _flag_device(groups: CPGroups) -> torch.device:
+def agreement_device(groups: CPGroups) -> torch.device:
+    """Where an agreement's flags are all-reduced: on the host where every group's backend
+    takes a CPU tensor, so that reading the verdict waits for no GPU work queued before it."""
     backends = [str(dist.get_backend(g)) for g in (groups.ulysses_group, groups.ring_group)]
     # "fake" (torch's FakeProcessGroup, no data moved: dry runs, speed.py --fake-rank) takes any device
     if all(b in ("gloo", "fake") or "cpu:" in b for b in backends):

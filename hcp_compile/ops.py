@@ -34,7 +34,8 @@ def varlen_attention_op(
         )
     _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k))
+                     window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k),
+                     covered_rows=q.shape[0])
     chosen = _kernel(kernel, q, k, cu_seqlens_q, max(max_seqlen_q, max_seqlen_k), window_left, window_right)
     return KERNELS[chosen].forward(q, k, v, spec)
 
@@ -97,7 +98,8 @@ def varlen_attention_backward_op(
     ones the forward op checked, with its resolved kernel. An op of its own, so that a
     compiled backward finds the batch's cache key when it runs, not when it is traced."""
     spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k))
+                     window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k),
+                     covered_rows=q.shape[0])
     return tuple(KERNELS[kernel].backward(grad_out, q, k, v, out, lse, spec))
 
 

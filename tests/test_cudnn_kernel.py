@@ -158,7 +158,8 @@ class RaggedStandIn:
     entry in float64 (the entry's rows at their offsets, its mask aligned top-left or
     bottom-right; the backward from the given out and stats), and refuses what cuDNN cannot
     take: a row of an entry that sees no key, a bottom-right band over more queries than keys,
-    entries whose rows overlap. ``calls`` records each call's mask and direction."""
+    entries whose rows overlap, an entry longer than the graph's ``s_max``. ``calls`` records
+    each call's mask and direction."""
 
     def __init__(self):
         self.calls: list[tuple[cudnn.Mask, bool]] = []
@@ -179,6 +180,7 @@ class RaggedStandIn:
             assert (t["stats_offsets"].flatten() // hq).tolist() == q_starts
             q_lengths, k_lengths = t["q_lengths"].flatten().tolist(), t["k_lengths"].flatten().tolist()
             assert len(q_lengths) == shape.entries and q_starts == sorted(q_starts)
+            assert max(q_lengths + k_lengths) <= shape.segment_rows, "an entry longer than the graph's s_max"
             for i in range(shape.entries):
                 assert q_starts[i] + q_lengths[i] <= q_starts[i + 1] and k_starts[i] + k_lengths[i] <= k_starts[i + 1]
                 if q_lengths[i]:
@@ -213,6 +215,25 @@ class RaggedStandIn:
             t["dq"][rows] = (dscores @ k * self.shape.scale).transpose(0, 1).to(t["dq"].dtype)
             t["dk"][keys] = heads_kv(dscores.transpose(1, 2) @ q * self.shape.scale).to(t["dk"].dtype)
             t["dv"][keys] = heads_kv(probs.transpose(1, 2) @ dout).to(t["dv"].dtype)
+
+
+class PoisonedBuffers:
+    """In place of ``cudnn.uninitialized``: buffers full of NaN, so that a row the kernel
+    leaves unwritten shows in the result; ``taken`` counts them."""
+
+    def __init__(self):
+        self.taken = 0
+
+    def __call__(self, shape, like, dtype=None):
+        self.taken += 1
+        return torch.full(shape, float("nan"), dtype=dtype or like.dtype, device=like.device)
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch) -> PoisonedBuffers:
+    buffers = PoisonedBuffers()
+    monkeypatch.setattr(cudnn, "uninitialized", buffers)
+    return buffers
 
 
 @pytest.fixture
@@ -269,20 +290,30 @@ def test_more_queries_than_keys_matches_the_torch_kernel(device, causal, request
 
 @pytest.mark.parametrize("lengths", STAND_IN_DOCS, ids=str)
 @pytest.mark.parametrize("causal, window", MASKS, ids=str)
-def test_stand_in_calls_match_reference(stand_in, lengths, causal, window):
+@pytest.mark.parametrize("pad_rows", [None, 0, 3], ids=["zeroed", "covered", "covered-then-pads"])
+def test_stand_in_calls_match_reference(stand_in, poisoned, lengths, causal, window, pad_rows):
     """The edge batches on CPU: one top-left call per block (cu_q is cu_k), every row of every
-    entry seeing a key (the stand-in refuses any other), against the float64 reference."""
-    x = {n: t.float() for n, t in bf16_inputs(f"stand-in-{lengths}-{causal}-{window}", sum(lengths), 8, 2).items()}
+    entry seeing a key (the stand-in refuses any other), against the float64 reference. Where
+    the spec says which rows the segments cover (``covered_rows``), the outputs start
+    uninitialized (here NaN) but for the ``pad_rows`` after them, which must come out as rows
+    without keys (0, -inf, no gradient)."""
+    tokens = sum(lengths) + (pad_rows or 0)
+    x = {n: t.float() for n, t in bf16_inputs(f"stand-in-{lengths}-{causal}-{window}", tokens, 8, 2).items()}
     cu = cu_seqlens(lengths)
-    spec = BlockSpec(cu, cu, max(lengths), max(lengths), causal, 64 ** -0.5, *window)
+    spec = BlockSpec(cu, cu, max(lengths), max(lengths), causal, 64 ** -0.5, *window,
+                     covered_rows=-1 if pad_rows is None else sum(lengths))
     kernel = KERNELS["cudnn"]
     out, lse = kernel.forward(x["q"], x["k"], x["v"], spec)
     dq, dk, dv = kernel.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, spec)
-    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(), causal=causal,
-                                    window=window)
+    documents = sum(lengths)
+    expected = reference_with_grads(*(x[n][:documents] for n in ("q", "k", "v", "dout")), cu.tolist(), cu.tolist(),
+                                    causal=causal, window=window)
     for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert_matches(got, expected[name], name, atol=1e-4, rtol=1e-4)
+        assert_matches(got[:documents], expected[name], name, atol=1e-4, rtol=1e-4)
+        assert (got[documents:] == 0).all(), f"{name}: a pad row is not 0"
+    assert torch.isneginf(lse[:, documents:]).all()
     assert {mask for mask, _ in stand_in.calls} == {cudnn.Mask(*cudnn.mask_bounds(spec), False)}
+    assert poisoned.taken == (0 if pad_rows is None or not sum(lengths) else 5)  # out, lse; dq, dk, dv
 
 
 def test_a_causal_block_with_its_own_key_segments_runs_two_top_left_calls(stand_in):
@@ -374,8 +405,9 @@ SUITE = "test_cudnn_kernel:suite"
 @dataclasses.dataclass(frozen=True)
 class StandInCase(AttentionCase):
     """The attention under eager CP with every block on the cudnn kernel, its cuDNN calls run
-    by :class:`RaggedStandIn` (in the world's processes, which the test's monkeypatch does
-    not reach; the kernel's CUDA-only ``supports`` is waived there)."""
+    by :class:`RaggedStandIn` and its local region's outputs starting as NaN (in the world's
+    processes, which the test's monkeypatch does not reach; the kernel's CUDA-only
+    ``supports`` is waived there)."""
 
     @property
     def id(self) -> str:
@@ -383,6 +415,7 @@ class StandInCase(AttentionCase):
 
     def run(self, world: World) -> dict:
         with mock.patch.object(cudnn, "GRAPHS", RaggedStandIn()), \
+                mock.patch.object(cudnn, "uninitialized", PoisonedBuffers()), \
                 mock.patch.object(cudnn.CudnnKernel, "supports", lambda kernel, request: None), \
                 hc.context_parallel(world.mesh, placement=self.placement, kernel="cudnn"):
             return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))

@@ -64,29 +64,30 @@ def merge_bytes(index: int, steps: int, rows: int, heads: int, dim: int, item: i
 
 
 def cudnn_forward_bytes(rows: int, keys: int, heads_q: int, heads_kv: int, dim: int, item: int, acc_item: int,
-                        calls: int, strided_kv: bool) -> int:
+                        calls: int, strided_kv: bool, filled: int | None = None) -> int:
     """cuDNN's own passes around one block's forward (:meth:`CudnnKernel.forward`): per call
-    the zero-filled output and -inf-filled stats, merged by lse when several calls, else
-    the stats' transpose made contiguous; ``strided_kv``: k and v are made contiguous."""
+    the zero-filled output and -inf-filled stats (``filled`` rows of them, all where None),
+    merged by lse when several calls, else the stats' transpose made contiguous;
+    ``strided_kv``: k and v are made contiguous."""
     if not (rows and keys):
         return 0
     f = acc_item  # the stats and lse
-    fills = calls * rows * heads_q * (dim * item + f)
+    fills = calls * (rows if filled is None else filled) * heads_q * (dim * item + f)
     tail = (calls - 1) * rows * heads_q * (3 * dim * item + 3 * f) if calls > 1 else 2 * rows * heads_q * f
     return fills + tail + (4 * keys * heads_kv * dim * item if strided_kv else 0)
 
 
 def cudnn_backward_bytes(rows: int, keys: int, heads_q: int, heads_kv: int, dim: int, item: int, acc_item: int,
-                         calls: int, strided_kv: bool) -> int:
+                         calls: int, strided_kv: bool, filled: int | None = None) -> int:
     """cuDNN's own passes around one block's backward (:meth:`CudnnKernel.backward`): the lse
-    transposed to contiguous stats, per call the zero-filled dq, dk, dv, the sums of several
-    calls' gradients (dq in one fused pass, dk and dv by ``+``); ``strided_kv`` as in
-    :func:`cudnn_forward_bytes`."""
+    transposed to contiguous stats, per call the zero-filled dq, dk, dv (``filled`` rows of
+    each, all where None), the sums of several calls' gradients (dq in one fused pass, dk and
+    dv by ``+``); ``strided_kv`` as in :func:`cudnn_forward_bytes`."""
     if not (rows and keys):
         return 0
     f = acc_item  # the stats and lse
     q_elements, kv_elements = rows * heads_q * dim, keys * heads_kv * dim
-    fills = calls * (q_elements + 2 * kv_elements) * item
+    fills = calls * ((q_elements + 2 * kv_elements) if filled is None else filled * (heads_q + 2 * heads_kv) * dim) * item
     sums = (calls - 1) * (3 * q_elements + 6 * kv_elements) * item
     return 2 * rows * heads_q * f + fills + sums + (4 * kv_elements * item if strided_kv else 0)
 
@@ -116,6 +117,8 @@ def gpu_other_bytes(sizes: RankSizes, ring: int, call: CallShape) -> GpuOtherByt
         return rows * heads * dim * item
 
     def join_regions(heads: int) -> int:  # the pad fill, then the cat reads all three and writes T rows
+        if not own:  # the local block's outputs hold every row (hierarchical._local_holds_every_row)
+            return 0
         return rows_bytes(sizes.pad, heads) + 2 * rows_bytes(tokens, heads)
 
     # the exchange's send buffers: one strided copy per tensor (q alone skips it without an exchange)
@@ -164,10 +167,15 @@ def kernel_own_bytes(sizes: RankSizes, ring_rank: int, ring: int, call: CallShap
     ulysses = len(sizes.exchange)
     item, acc_item, dim = call.dtype.itemsize, accumulate_dtype(call.dtype).itemsize, call.head_dim
     groups, hq, hkv, _ = group_heads(call, ulysses)
-    local, stream, steps = sizes.local, sizes.stream, schedule_steps(sizes, ring)
+    stream, steps = sizes.stream, schedule_steps(sizes, ring)
+    # the local block covers its rows (cudnn.rows_written) and, where the rank has no exchange
+    # region, runs over the pad rows too, which alone are filled
+    pads = 0 if sizes.own_exchange else sizes.pad
+    local = sizes.local + pads
     calls = kernel_calls(kernel, None)
-    forward = cudnn_forward_bytes(local, local, call.heads_q, call.heads_kv, dim, item, acc_item, calls, False)
-    backward = cudnn_backward_bytes(local, local, call.heads_q, call.heads_kv, dim, item, acc_item, calls, False)
+    forward = cudnn_forward_bytes(local, local, call.heads_q, call.heads_kv, dim, item, acc_item, calls, False, pads)
+    backward = cudnn_backward_bytes(local, local, call.heads_q, call.heads_kv, dim, item, acc_item, calls, False,
+                                    pads)
     for index, source in enumerate(step_sources(ring_rank, ring, steps)):
         keys = stream if index == 0 else sizes.ring_width
         calls = kernel_calls(kernel, step_kind(ring_rank, source, True))

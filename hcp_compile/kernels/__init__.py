@@ -78,12 +78,13 @@ def run_backward(
 def block_forward(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
     causal: bool, scale: float, window_left: int, window_right: int,
-    q_positions: Tensor | None, k_positions: Tensor | None, cache_key: int, equal_lengths: bool, kernel: str,
+    q_positions: Tensor | None, k_positions: Tensor | None, cache_key: int, equal_lengths: bool,
+    covered_rows: int, kernel: str,
 ) -> tuple[Tensor, Tensor]:
     """One attention block: ``(out, lse)`` under the kernel contract above; the arguments
     between v and kernel are :meth:`BlockSpec.op_args`."""
     spec = BlockSpec(cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
-                     q_positions, k_positions, cache_key, equal_lengths)
+                     q_positions, k_positions, cache_key, equal_lengths, covered_rows)
     return KERNELS[kernel].forward(q, k, v, spec)
 
 
@@ -99,11 +100,12 @@ def block_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
     causal: bool, scale: float, window_left: int, window_right: int,
-    q_positions: Tensor | None, k_positions: Tensor | None, cache_key: int, equal_lengths: bool, kernel: str,
+    q_positions: Tensor | None, k_positions: Tensor | None, cache_key: int, equal_lengths: bool,
+    covered_rows: int, kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one attention block given the (possibly merged) ``out`` and ``lse``."""
     spec = BlockSpec(cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
-                     q_positions, k_positions, cache_key, equal_lengths)
+                     q_positions, k_positions, cache_key, equal_lengths, covered_rows)
     return tuple(KERNELS[kernel].backward(dout, q, k, v, out, lse, spec))
 
 

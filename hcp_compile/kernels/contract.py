@@ -30,7 +30,12 @@ class BlockSpec:
     Inductor reuses for other values, and single-device calls). ``equal_lengths``: every
     segment that has both queries and keys has as many of each (the own ring step, whose
     ``cu_q`` and ``cu_k`` differ only in their pad segments), so the causal diagonal is the same
-    aligned top-left or bottom-right; a kernel may use it to take the cheaper one."""
+    aligned top-left or bottom-right; a kernel may use it to take the cheaper one.
+    ``covered_rows``: ``cu_q``'s last entry, known on the host (a single device's checked
+    batch, the local region; -1: not known): q's rows from there on lie outside every segment,
+    and so do k's where ``cu_k`` is ``cu_q``. With one segmentation every row before it sees at
+    least itself, so a kernel that writes every row of its segments need initialize only the
+    rows after it."""
 
     cu_q: Tensor
     cu_k: Tensor
@@ -44,6 +49,7 @@ class BlockSpec:
     k_positions: Tensor | None = None
     cache_key: int = -1
     equal_lengths: bool = False
+    covered_rows: int | torch.SymInt = -1
 
     def op_args(self) -> tuple:
         """The fields in order, as ``hcp::block_forward/backward`` take them (a custom op's

@@ -367,6 +367,35 @@ def _bound_tensors(q: Tensor, k: Tensor, entries: Ragged) -> dict[str, Tensor]:
     }
 
 
+def rows_written(spec: BlockSpec) -> int | None:
+    """The leading rows that cuDNN's one call writes in full, outputs and gradients, or None
+    where that is not known: with one segmentation for queries and keys every row in a segment
+    sees itself (no row is trimmed: Note [rows that see no key]), and ``spec.covered_rows``
+    says where the segments end. Only the rows after it then need their initial values: on a
+    single device, zeroing the outputs took 5 % of W3's step (docs/design.md §8.8)."""
+    if spec.covered_rows < 0 or not same_segments(spec.cu_q, spec.cu_k):
+        return None
+    return int(spec.covered_rows)
+
+
+def initialized_after(shape: tuple[int, ...], like: Tensor, written: int | None, value: float = 0.0,
+                      dtype: torch.dtype | None = None) -> Tensor:
+    """A buffer for a call's output: ``value`` in its rows from ``written`` on (all of them
+    where ``written`` is None), the rest left for the call to write."""
+    dtype = dtype or like.dtype
+    if written is None:
+        return torch.full(shape, value, dtype=dtype, device=like.device)
+    buffer = uninitialized(shape, like, dtype)
+    buffer[written:].fill_(value)
+    return buffer
+
+
+def uninitialized(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A buffer whose rows a call writes (:func:`rows_written`); the tests fill it with NaN
+    instead, so that a row left unwritten shows."""
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
 class CudnnKernel:
     name = "cudnn"
 
@@ -391,9 +420,10 @@ class CudnnKernel:
             return torch.zeros_like(q), q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = lse = None
+        written = rows_written(spec)
         for mask, bounds in _calls(spec, q, k):
-            part_out = torch.zeros_like(q)
-            stats = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)  # [rows, heads]
+            part_out = initialized_after(q.shape, q, written)
+            stats = initialized_after((q.shape[0], q.shape[1]), q, written, float("-inf"), torch.float32)
             GRAPHS.get(Shape.of(q, k, spec, mask), backward=False).run(q.device, {
                 **bounds, "q": q, "k": k, "v": v, "out": part_out, "stats": stats})
             out, lse = merge_partials(out, lse, part_out, stats.t(), q.dtype)
@@ -410,8 +440,9 @@ class CudnnKernel:
         # key in any block) is outside them (Note [rows that see no key])
         stats = lse.t().float().contiguous()
         dq = dk = dv = None
+        written = rows_written(spec)
         for mask, bounds in _calls(spec, q, k):
-            grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            grads = tuple(initialized_after(t.shape, t, written) for t in (q, k, v))
             GRAPHS.get(Shape.of(q, k, spec, mask), backward=True).run(q.device, {
                 **bounds, "q": q, "k": k, "v": v, "out": out, "dout": dout, "stats": stats,
                 "dq": grads[0], "dk": grads[1], "dv": grads[2]})
