@@ -22,7 +22,8 @@ them:
                                  ^^^ out 0, lse -inf (written before the call)
 
 and the results start out as 0 (-inf for the lse), which is what the rows outside every
-trimmed segment keep. No host sync: the trimmed lengths and offsets are tensor ops on
+trimmed segment keep (with one segmentation whose end is known, only the rows after that end:
+:func:`rows_written`). No host sync: the trimmed lengths and offsets are tensor ops on
 ``cu_q``/``cu_k``, and every bound the graph needs comes from shapes.
 
 Note [a bottom-right diagonal as two top-left calls]
