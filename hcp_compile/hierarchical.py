@@ -146,6 +146,9 @@ def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int
                   pad_value: float = 0.0) -> Tensor:
     """Inverse of :func:`_split_regions` along ``dim``, the pad rows ``pad_value``."""
     if _local_holds_every_row(sched):
+        # the pad rows set here, not left to the kernel: flash leaves rows past the segments
+        # unwritten, and a pad row's gradient reaches the user's shard
+        local.narrow(dim, sched.sizes.local, sched.sizes.pad).fill_(pad_value)
         return local
     shape = list(local.shape)
     shape[dim] = sched.sizes.pad
@@ -155,10 +158,10 @@ def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int
 def _local_holds_every_row(sched: RingSchedule) -> bool:
     """Whether the local region's block runs over all of the rank's rows: where its exchange
     region is empty (a batch of short documents, every one whole on its rank), the pad rows
-    follow the local region, lie outside its segments and so come out as the pads must (out 0,
-    lse -inf, no gradient: the kernel contract), and the rank's output and gradients are the
-    block's own, not a join that copies them (0.7 ms of a 9 ms W3 rank on an H200). Only
-    eagerly: a graph's region sizes are symbols, whose emptiness it does not know."""
+    follow the local region outside its segments, :func:`_join_regions` sets them in place,
+    and the rank's output and gradients are the block's own, not a join that copies them
+    (0.7 ms of a 9 ms W3 rank on an H200). Only eagerly: a graph's region sizes are symbols,
+    whose emptiness it does not know."""
     size = sched.sizes.own_exchange
     return isinstance(size, int) and size == 0
 
