@@ -37,7 +37,6 @@ from hcp_compile.advise import (
     host_times, rank_sizes,
 )
 from hcp_compile.kernels import gpu_other_measured, host_measured
-from hcp_compile.schedule import head_groups, rank_kv_heads
 from hcp_compile.placements import placement_rule
 from hcp_compile.schemes.traffic import CallShape
 
@@ -99,8 +98,7 @@ def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, p
     record = host_measured.find(device_kind, "hcp-eager", kernel)
     other = gpu_other_measured.find(device_kind, "hcp-eager", kernel)
     sizes = rank_sizes(batch, ring_rank, ulysses_rank)
-    groups = head_groups(rank_kv_heads(heads_kv, ulysses), ulysses)
-    host = host_times(host_counts(sizes, ring_rank, ring, kernel, groups), record)  # 0 without a record
+    host = host_times(host_counts(sizes, ring_rank, ring, kernel, heads_kv), record)  # 0 without a record
     forward = times.local_forward + sum(times.step_forward)
     backward = times.local_backward + sum(times.step_backward)
     with_host = None if record is None else bounded_by_host(forward, backward, host) * 1e3

@@ -45,7 +45,6 @@ from hcp_compile.kernels.host_measured import (
 )
 from hcp_compile.kernels.measured import device_kind
 from hcp_compile.placements import placement_rule
-from hcp_compile.schedule import head_groups, rank_kv_heads
 
 from .advisor_check import parse_mesh
 from .speed import HEADS, Batch, Setup, Workload, _synchronize, fake_process_group, hcp_eager, hcp_kernel
@@ -110,13 +109,12 @@ def measure_mesh(ulysses: int, ring: int, rank: int, kernel: str, args: Namespac
         options = Namespace(**{**vars(args), "ulysses": ulysses, "ring": ring, "kernel": kernel})
         setup = Setup(options, torch.device(args.device), getattr(torch, args.dtype), rank, world, fake=True)
         heads_q, heads_kv = HEADS[args.heads]
-        groups = head_groups(rank_kv_heads(heads_kv, ulysses), ulysses)
         points = []
         for workload in batches(world, args.rank_tokens):
             ran = hcp_kernel(workload, args.heads, setup)  # the kernel the call resolves to (auto)
             batch = layout.batch_layout(cu_seqlens_of(workload.lengths), ulysses, ring, placement_rule(PLACEMENT))
             counts = host_counts(rank_sizes(batch, rank // ulysses, rank % ulysses), rank // ulysses, ring, ran,
-                                 groups)
+                                 heads_kv)
             with hcp_eager(Batch.make(workload, args.heads, setup), setup, PLACEMENT) as (attend, shards):
                 forward, backward = phase_ms(attend, shards, setup.device, args.warmup, args.iters)
             points.append(Point(ran, f"{ulysses}x{ring}", rank, workload.name, counts.calls, counts.steps,

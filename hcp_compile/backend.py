@@ -15,12 +15,12 @@ import torch.distributed as dist
 from torch import fx
 from torch._guards import TracingContext, tracing
 
+from .graph_variants import GraphVariants, cu_seqlens_inputs, graph_copy
 from .kernels import KERNEL_CHOICES
 from .kernels.cost import estimate_block_runtime_ms
 from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
 from .placements import DEFAULT_PLACEMENT, check_placement
-from .prepared import MeshShape
-from .ring_variants import RingVariants, cu_seqlens_inputs, graph_copy
+from .prepared import Exchanges, MeshShape
 from .schemes import DEFAULT_SCHEME, check_scheme
 from .validation import InputError, check_flags
 
@@ -162,25 +162,23 @@ class HcpBackend:
         groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
         config = rewrite_config(groups, options)
         example_inputs = list(example_inputs)
-        if groups.ring_size == 1:
-            return self._compile(gm, example_inputs, config, groups)
         from .passes.match import find_attention  # see _compile
 
         inputs = cu_seqlens_inputs(gm.graph, find_attention(gm.graph))
         if inputs is None:
             return self._compile(gm, example_inputs, config, groups)
-        # compiling rewrites the graph in place: a copy for the graph without ring steps
+        # compiling rewrites the graph in place: a copy for each narrower graph
         pristine = graph_copy(gm)
         full = self._compile(gm, example_inputs, config, groups)
         context = TracingContext.try_get()
 
-        def compile_own_step() -> Callable:
+        def compile_for(exchanges: Exchanges) -> Callable:
             with tracing(context) if context is not None else contextlib.nullcontext():
-                return self._compile(pristine, example_inputs, replace(config, own_step_only=True), groups)
+                return self._compile(graph_copy(pristine), example_inputs, replace(config, graph_for=exchanges), groups)
 
         shape_env = context.fake_mode.shape_env if context is not None and context.fake_mode is not None else None
-        return RingVariants(
-            full, compile_own_step, inputs, MeshShape(groups.ulysses_size, groups.ring_size, options.placement),
+        return GraphVariants(
+            full, compile_for, inputs, MeshShape(groups.ulysses_size, groups.ring_size, options.placement),
             guard_count=(lambda: len(shape_env.guards)) if shape_env is not None else None,
         )
 

@@ -23,7 +23,7 @@ from . import batch_check, layout, validation
 from .hierarchical import HierarchicalAttention
 from .kernels import KeysByValue
 from .mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
-from .prepared import MeshShape, host_values, planned_shape, prepare, remember_values
+from .prepared import Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values
 from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
 from .schemes import DEFAULT_SCHEME
 
@@ -32,7 +32,7 @@ def checked_layout(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tokens: tuple[int | torch.SymInt, ...],
     max_seqlens: tuple[int | torch.SymInt, ...], *, ulysses_group: str, ring_group: str,
     placement: str, agree: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
-    own_step_only: bool = False,
+    graph_for: str = Exchanges.RING.value,
 ) -> "CheckedBatch":
     """Check the batch and return what every attention call of it in the graph reuses: this
     rank's sizes (the values of :func:`layout.rank_size_values`) and the first cache key of
@@ -45,8 +45,8 @@ def checked_layout(
     :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a fingerprint of the
     batch are all-reduced over the mesh first, so every rank raises together (also when the
     ranks were given different batches, or differ in ``placement``, ``recompute_exchange`` or
-    ``scheme``, or run the graph without ring steps beside ranks running the full one
-    (``own_step_only``), which the fingerprint covers) instead of some ranks waiting in the
+    ``scheme``, or run graphs built for different batches beside each other (``graph_for``, a
+    :class:`prepared.Exchanges` value), which the fingerprint covers) instead of some ranks waiting in the
     next collective. The verdict travels where eager CP's agreement does
     (:func:`mesh.agreement_device`): on the host where the groups' backends take a CPU tensor,
     so that reading it waits for no GPU work; only on a GPU-only backend (NCCL) is that read
@@ -54,7 +54,7 @@ def checked_layout(
     groups = groups_from_names(ulysses_group, ring_group)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
-        groups.ulysses_rank, list(tokens), list(max_seqlens), recompute_exchange, scheme, own_step_only,
+        groups.ulysses_rank, list(tokens), list(max_seqlens), recompute_exchange, scheme, graph_for,
     )
     verdict, sizes = on_host.split([_FLAGS, on_host.shape[0] - _FLAGS])
     agreeing = agreeing_groups(groups) if agree else []
@@ -84,7 +84,7 @@ _FLAGS = len(validation.BATCH_RULES) + 2
 def batch_layout_op(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, ulysses: int, ring: int, placement: str,
     ring_rank: int, ulysses_rank: int, tokens: list[int], max_seqlens: list[int],
-    recompute_exchange: bool, scheme: str, own_step_only: bool,
+    recompute_exchange: bool, scheme: str, graph_for: str,
 ) -> tuple[Tensor, Tensor]:
     """One batch on the host, once per call: ``(on_host, cu_on_host)``, int64 CPU tensors.
 
@@ -109,7 +109,7 @@ def batch_layout_op(
         rank=(ring_rank, ulysses_rank), planned=planned_shape(queries),
     )
     failed = batch_check.flags(batch_check.check(prepared, call))
-    fingerprint = prepared.fingerprint(recompute_exchange, scheme, own_step_only)
+    fingerprint = prepared.fingerprint(recompute_exchange, scheme, Exchanges(graph_for))
     if prepared.laid_out:
         sizes = prepared.rank_size_values(ring_rank, ulysses_rank)
     else:
@@ -131,7 +131,7 @@ def _sizes_length(ulysses: int, ring: int) -> int:
 
 @batch_layout_op.register_fake
 def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens,
-      recompute_exchange, scheme, own_step_only):
+      recompute_exchange, scheme, graph_for):
     on_host = torch.empty(_FLAGS + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
     return on_host, torch.empty(cu_seqlens_q.shape[0], dtype=torch.int64, device="cpu")
 
@@ -157,30 +157,28 @@ def hierarchical_varlen_attention(
     batch: CheckedBatch, *, causal: bool, scale: float,
     window: tuple[int, int], kernel: str, ulysses_group: str, ring_group: str,
     return_lse: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
-    own_step_only: bool = False,
+    graph_for: str = Exchanges.RING.value,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """This rank's shard of varlen attention over a packed batch, q/k/v being the local shards
     laid out by ``shard_plan``; ``batch`` comes from :func:`checked_layout`. The groups are
     given by name so that the call prints as readable code in a dumped graph.
 
-    A graph cannot tell from its symbolic sizes that a batch has no ring section, so it keeps
-    every ring step; ``own_step_only`` builds the graph for batches without one (the own
-    step alone, as eager runs them), checked when it runs (docs/compiled-path.md, "Ring
+    A graph cannot tell from its symbolic sizes what a batch exchanges, so it keeps every ring
+    step and every all-to-all; ``graph_for`` (a :class:`prepared.Exchanges` value) builds the
+    graph for batches that exchange less, as eager runs them: the sizes such batches leave
+    empty become the constant 0, checked when the graph runs (docs/compiled-path.md, "Graph
     variants")."""
     groups = groups_from_names(ulysses_group, ring_group)
     *values, first_cache_key = batch.sizes
     for size in values[1:]:
         _check_is_size(size)
+    values = _sizes_for_graph(values, Exchanges(graph_for), groups.ulysses_size)
     rank_sizes = dataclasses.replace(
         layout.rank_sizes(values, groups.ulysses_rank, groups.ulysses_size), tokens=q.shape[0]
     )
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
-    if own_step_only:
-        torch._check(rank_sizes.ring_width == 0, lambda: "a batch with a ring section ran in the graph built for batches without one")
-        steps = 1
-    else:
-        steps = schedule_steps(rank_sizes, groups.ring_size)
+    steps = schedule_steps(rank_sizes, groups.ring_size)
     windowed = window != (-1, -1)
     flat = torch.ops.hcp.schedule_tables(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
@@ -214,6 +212,18 @@ def _(cu_on_host, device, ulysses, ring, placement, ring_rank, ulysses_rank, ste
     tables, positions = ScheduleTables.lengths(layout.rank_sizes(sizes, ulysses_rank, ulysses), steps, windowed)
     return (torch.empty(sum(tables), dtype=torch.int32, device=device),
             torch.empty(sum(positions), dtype=torch.int64, device=device))
+
+
+def _sizes_for_graph(values: list, graph_for: Exchanges, ulysses: int) -> list:
+    """The rank's size values (:func:`layout.rank_size_values`) with those that the batches of
+    ``graph_for`` leave empty as the constant 0, each checked when the graph runs: the ring
+    width for batches without a ring section, and every exchange region too for batches
+    without an exchange."""
+    empty = {Exchanges.RING: (), Exchanges.HEADS: (2,), Exchanges.NOTHING: range(2, 3 + ulysses)}[graph_for]
+    for index in empty:
+        torch._check(values[index] == 0, lambda: (
+            f"a batch that exchanges more ran in the graph built for batches that exchange {graph_for.value}"))
+    return [0 if index in empty else value for index, value in enumerate(values)]
 
 
 def _check_is_size(size: int | torch.SymInt) -> None:

@@ -16,7 +16,7 @@ from .kernels import BlockSpec, run_backward, run_forward
 from .layout import StepKind
 from .merge import accumulate, merge_partials
 from .mesh import CPGroups
-from .schedule import RingSchedule, RingStep, head_groups, kv_head_repeat, rank_kv_heads
+from .schedule import RingSchedule, RingStep, exchanged_head_groups, kv_head_repeat
 from .schemes import HeadExchange, KVRing, scheme_named
 
 
@@ -146,9 +146,8 @@ def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int
                   pad_value: float = 0.0) -> Tensor:
     """Inverse of :func:`_split_regions` along ``dim``, the pad rows ``pad_value``."""
     if _local_holds_every_row(sched):
-        # the pad rows set here, not left to the kernel: flash leaves rows past the segments
-        # unwritten, and a pad row's gradient reaches the user's shard
-        local.narrow(dim, sched.sizes.local, sched.sizes.pad).fill_(pad_value)
+        # its pad rows come out of the block op as rows without keys (BlockSpec.covered_rows),
+        # set inside the op: a fill here would be a mutation a compiled graph functionalizes
         return local
     shape = list(local.shape)
     shape[dim] = sched.sizes.pad
@@ -158,8 +157,9 @@ def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int
 def _local_holds_every_row(sched: RingSchedule) -> bool:
     """Whether the local region's block runs over all of the rank's rows: where its exchange
     region is empty (a batch of short documents, every one whole on its rank), the pad rows
-    follow the local region outside its segments, :func:`_join_regions` sets them in place,
-    and the rank's output and gradients are the block's own, not a join that copies them
+    follow the local region outside its segments, the block op sets them (out 0, lse -inf,
+    gradients 0: ``BlockSpec.covered_rows``), and the rank's output and gradients are the
+    block's own, not a join that copies them
     (0.7 ms of a 9 ms W3 rank on an H200). Only eagerly: a graph's region sizes are symbols,
     whose emptiness it does not know."""
     size = sched.sizes.own_exchange
@@ -190,7 +190,8 @@ class HierarchicalAttention(torch.autograd.Function):
         k_x, v_x = _repeated_kv(k_x, v_x, groups)
         scheme = scheme_named(sched.scheme)
         heads = scheme.heads
-        parts = head_groups(rank_kv_heads(k.shape[1], groups.ulysses_size), groups.ulysses_size)
+        # 0 where nothing is exchanged (a batch of short documents): no collective at all
+        parts = exchanged_head_groups(sched.sizes, len(sched.steps), k.shape[1], groups.ulysses_size)
         ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
         back = (*ulysses, groups.ulysses_rank)
 
@@ -199,7 +200,7 @@ class HierarchicalAttention(torch.autograd.Function):
             return (heads.scatter([q_x], *ulysses, part, parts),
                     heads.scatter([k_x, v_x], *ulysses, part, parts))
 
-        incoming = scatter(0)  # issued first: the local region's attention hides it
+        incoming = scatter(0) if parts else None  # issued first: the local region's attention hides it
         out_l, lse_l = run_forward(sched.kernel, q_l, k_l, v_l, _local_spec(sched))
         streams, outgoing = [], []
         for part in range(parts):
@@ -213,7 +214,7 @@ class HierarchicalAttention(torch.autograd.Function):
             lse_back = heads.gather(lse_s.t().unsqueeze(-1), *back) if return_lse else None
             outgoing.append((heads.gather(out_s, *back), lse_back))
         # waited only here, where the output is assembled
-        out_x = heads.join([out_back.wait() for out_back, _ in outgoing])
+        out_x = heads.join([out_back.wait() for out_back, _ in outgoing]) if parts else None
         out = _join_regions(out_l, out_x, sched)
         # the joined output rather than out_l: the caller's next layer usually keeps it anyway
         ctx.save_for_backward(q, k, v, out, lse_l, *(t for group in streams for t in group))
@@ -221,7 +222,7 @@ class HierarchicalAttention(torch.autograd.Function):
         if not return_lse:
             return out
         # the lse travels token-major ([stream, H_s, 1]), as the exchange gathers
-        lse_x = heads.join([lse_back.wait() for _, lse_back in outgoing]).squeeze(-1).t()
+        lse_x = heads.join([lse_back.wait() for _, lse_back in outgoing]).squeeze(-1).t() if parts else None
         lse = _join_regions(lse_l, lse_x, sched, dim=1, pad_value=float("-inf"))
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -254,7 +255,7 @@ class HierarchicalAttention(torch.autograd.Function):
             def scatter(part: int) -> Issued:
                 return heads.scatter([dout_x], *ulysses, part, parts)
 
-        incoming = scatter(0)  # hidden by the local region
+        incoming = scatter(0) if parts else None  # hidden by the local region
         dq_l, dk_l, dv_l = run_backward(
             sched.kernel, dout_l, q_l, k_l, v_l, out_l, lse_l, _local_spec(sched)
         )
@@ -270,9 +271,11 @@ class HierarchicalAttention(torch.autograd.Function):
             dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried,
                                         scheme.ring)
             outgoing.append((heads.gather(dq_s, *back), heads.gather(dkv_s, *back)))
-        dq_x = heads.join([dq_back.wait() for dq_back, _ in outgoing])
-        dk_v = [dkv_back.wait().chunk(2, dim=2) for _, dkv_back in outgoing]
-        dk_x = heads.join([dk_s for dk_s, _ in dk_v], repeat)
-        dv_x = heads.join([dv_s for _, dv_s in dk_v], repeat)
+        dq_x = dk_x = dv_x = None
+        if parts:
+            dq_x = heads.join([dq_back.wait() for dq_back, _ in outgoing])
+            dk_v = [dkv_back.wait().chunk(2, dim=2) for _, dkv_back in outgoing]
+            dk_x = heads.join([dk_s for dk_s, _ in dk_v], repeat)
+            dv_x = heads.join([dv_s for _, dv_s in dk_v], repeat)
         grads = (_join_regions(l, x, sched) for l, x in ((dq_l, dq_x), (dk_l, dk_x), (dv_l, dv_x)))
         return (*grads, None, None, None, None)

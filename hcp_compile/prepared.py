@@ -11,6 +11,7 @@ as it is by every path once ``shard_plan`` adopts it.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import threading
 from collections import OrderedDict
@@ -98,6 +99,21 @@ def remember_values(tensor: Tensor, values: BatchValues) -> None:
         _READ[tensor] = (tensor._version, values)
 
 
+class Exchanges(enum.Enum):
+    """What a batch moves between the ranks of a mesh, broadest first. A compiled graph cannot
+    tell from its symbolic sizes, so the backend keeps a graph for each (docs/compiled-path.md,
+    "Graph variants"); eagerly the sizes say it themselves."""
+
+    RING = "ring"  # documents go round the ring: every ring step
+    HEADS = "heads"  # no ring section, but some Ulysses group exchanges heads: the own step
+    NOTHING = "nothing"  # every document whole on one rank: no collective at all
+
+    def covers(self, other: "Exchanges") -> bool:
+        """Whether a graph for batches of ``self`` runs batches of ``other`` too."""
+        order = list(Exchanges)
+        return order.index(self) <= order.index(other)
+
+
 @dataclass(frozen=True)
 class MeshShape:
     """What a batch's layout depends on beside its values: the mesh's shape and the rule."""
@@ -162,19 +178,30 @@ class PreparedBatch:
             self._derived["ring_width"] = int(self.layout.ring_width)
         return self._derived["ring_width"] > 0
 
-    def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME, own_step_graph: bool = False) -> int:
+    @property
+    def exchanges(self) -> Exchanges:
+        """What the batch moves between ranks (:class:`Exchanges`); RING when nothing is laid
+        out, so that a caller takes the path that checks the batch."""
+        if not self.has_ring_section:
+            if "exchanged" not in self._derived:
+                self._derived["exchanged"] = int(self.layout.exchange_extent.sum())
+            return Exchanges.HEADS if self._derived["exchanged"] else Exchanges.NOTHING
+        return Exchanges.RING
+
+    def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME,
+                    graph_for: Exchanges = Exchanges.RING) -> int:
         """A hash of the values, the mesh shape, the placement, ``recompute_exchange`` and the
         collective scheme (the options every rank must share: ranks that differ in them would
         exchange buffers of different layouts or sizes), below 2**62 so that its negation fits
         an int64 too: ranks all-reduce the maximum of both to learn whether they hold the same
         batch. Names, not indices, go in, so any number of placements and schemes is told
-        apart. ``own_step_graph``: the compiled graph without ring steps checks the batch
-        (ring_variants): ranks running it beside ranks running the full graph, whose ring
-        hops would wait for them, then fail the check together."""
-        key = ("fingerprint", recompute_exchange, scheme, own_step_graph)
+        apart. ``graph_for``: the batches the compiled graph that checks the batch was built
+        for (graph_variants): ranks running graphs of different collectives then fail the
+        check together instead of waiting for each other."""
+        key = ("fingerprint", recompute_exchange, scheme, graph_for)
         if key not in self._derived:
             shape = "single" if self.mesh is None else f"{self.mesh.ulysses}x{self.mesh.ring}:{self.mesh.placement}"
-            graph = "|own-step" if own_step_graph else ""
+            graph = "" if graph_for is Exchanges.RING else f"|graph-for-{graph_for.value}"
             salted = hashlib.sha256(self.batch.digest + f"|{shape}|{int(recompute_exchange)}|{scheme}{graph}".encode())
             self._derived[key] = int.from_bytes(salted.digest()[:8], "little") & (2**62 - 1)
         return self._derived[key]

@@ -43,6 +43,18 @@ def head_groups(heads_kv_per_rank: int, ulysses: int) -> int:
     return HEAD_GROUPS
 
 
+def exchanged_head_groups(sizes: RankSizes, steps: int, kv_heads: int, ulysses: int) -> int:
+    """The head groups a rank's exchange runs in (:func:`head_groups`), or 0 where its Ulysses
+    group has no exchange region and nothing goes round the ring (``steps == 1``): then the
+    rank issues no collective. Every rank of the group decides alike from its sizes (they share
+    the exchange regions' sizes, and the ring section's width is the mesh's). Sizes that are
+    symbols (a compiled graph's) are not known to be empty."""
+    stream = sizes.stream
+    if isinstance(stream, int) and stream == 0 and steps == 1:
+        return 0
+    return head_groups(rank_kv_heads(kv_heads, ulysses), ulysses)
+
+
 @dataclass(frozen=True)
 class RingStep:
     source: int  # ring rank whose KV this step uses
@@ -137,8 +149,8 @@ def schedule_tables(
 def schedule_steps(sizes: RankSizes, ring: int) -> int:
     """How many ring steps a schedule has: without a ring section (a batch of short documents)
     nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
-    keeps every step (its graph for batches without a ring section asks for the own step
-    alone: hcp_compile.ring_variants)."""
+    keeps every step (its graphs for batches without a ring section make the width the
+    constant 0: hcp_compile.graph_variants)."""
     return 1 if isinstance(sizes.ring_width, int) and sizes.ring_width == 0 else ring
 
 

@@ -106,8 +106,8 @@ SAME_BATCH = Rule(
 
 BATCHES_DIFFER = (
     "another cu_seqlens, mesh shape, placement, recompute_exchange or scheme on some rank (the "
-    "ranks were given different batches or options), or the compiled graph without ring steps "
-    "on some ranks only (where it could not be built, a warning said why)"
+    "ranks were given different batches or options), or compiled graphs built for batches that "
+    "exchange different things on some ranks (where one could not be built, a warning said why)"
 )
 
 # the rules of a batch under context parallelism, in the order of the compiled path's flags

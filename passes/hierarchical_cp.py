@@ -76,7 +76,7 @@ class HierarchicalCPPass(CustomGraphPass):
         )
         config = self.config
         facts = repr((mesh, config.kernel, config.agree_across_ranks, config.placement,
-                      config.recompute_exchange, config.scheme, config.own_step_only,
+                      config.recompute_exchange, config.scheme, config.graph_for,
                       marking.marks_digest()))
         return hashlib.sha256((get_hash_for_files(tuple(sources)).hex() + facts).encode()).hexdigest()
 

@@ -2,16 +2,19 @@
 which collectives the rewrite inserts and how many bytes they send per rank at most (when
 every local token goes through the exchange and round the ring; the batch's placement decides
 how many do, see ``ShardPlan.summary``). Counts and bytes are the collective scheme's own
-(``hcp_compile.schemes``), for a compiled graph, which always has every ring step."""
+(``hcp_compile.schemes``), for a compiled graph, which has every ring step, unless it is built
+for batches without a ring section (one step) or without an exchange (no collective at all:
+``hcp_compile.graph_variants``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tabulate import tabulate
 
 from hcp_compile.mesh import CPGroups
 from hcp_compile.plan import format_bytes
+from hcp_compile.prepared import Exchanges
 from hcp_compile.schemes import Traffic
 from hcp_compile.schemes.traffic import CallShape, call_traffic, whole_exchange_sizes
 
@@ -37,11 +40,19 @@ class Collectives:
 
 def traffic(node: Rewritten, groups: CPGroups) -> Traffic:
     """The node's collectives and bytes per rank when all of its tokens are exchanged and go
-    round the ring (``node.local_tokens`` per rank)."""
+    round the ring (``node.local_tokens`` per rank), as far as its graph has them."""
     ulysses, ring = groups.ulysses_size, groups.ring_size
     call = CallShape(node.heads_q, node.heads_kv, node.head_dim, node.dtype, node.returns_lse)
     sizes = whole_exchange_sizes(node.local_tokens, ulysses, ring)
-    return call_traffic(node.scheme, sizes, call, ulysses, ring, steps=ring)
+    if node.graph_for is not Exchanges.RING:
+        sizes = replace(sizes, ring_width=0)
+    if node.graph_for is Exchanges.NOTHING:
+        sizes = replace(sizes, exchange=(0,) * ulysses)
+    return call_traffic(node.scheme, sizes, call, ulysses, ring, steps=ring_steps(node, groups))
+
+
+def ring_steps(node: Rewritten, groups: CPGroups) -> int:
+    return groups.ring_size if node.graph_for is Exchanges.RING else 1
 
 
 def collectives(node: Rewritten, groups: CPGroups, agree: bool, moved: Traffic | None = None) -> Collectives:
@@ -76,7 +87,7 @@ def row(node: Rewritten, groups: CPGroups, agree: bool) -> list[str]:
         f"{count.backward_all_to_all} all_to_all, {count.backward_ring} ring",
         format_bytes(moved.ulysses.forward_bytes),
         format_bytes(moved.ring.forward_bytes) if groups.ring_size > 1 else "-",
-        str(groups.ring_size),
+        str(ring_steps(node, groups)),
     ]
 
 

@@ -21,6 +21,7 @@ from hcp_compile.compiled import checked_layout, hierarchical_varlen_attention
 from hcp_compile.kernels import BlockRequest, resolve_kernel
 from hcp_compile.kernels.cost import size_hint
 from hcp_compile.mesh import CPGroups
+from hcp_compile.prepared import Exchanges
 from hcp_compile.schemes import DEFAULT_SCHEME
 from hcp_compile.validation import (
     InputError, check_cu_seqlens_dtype, check_head_split, check_qkv, check_same_token_counts,
@@ -40,7 +41,7 @@ class RewriteConfig:
     placement: str
     recompute_exchange: bool = False
     scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.schemes.SCHEMES
-    own_step_only: bool = False  # the graph for batches without a ring section (hcp_compile.ring_variants)
+    graph_for: Exchanges = Exchanges.RING  # the batches the graph serves (hcp_compile.graph_variants)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Rewritten:
     checked: bool  # this node carries the batch check and size read of its cu_seqlens
     placement: str
     scheme: str
+    graph_for: Exchanges  # the batches its graph serves (hcp_compile.graph_variants)
 
 
 def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: RewriteConfig) -> list[Rewritten]:
@@ -160,7 +162,7 @@ def _rewrite_one(
                 checked_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens, max_seqlens),
                 {**names, "placement": config.placement, "agree": config.agree_across_ranks,
                  "recompute_exchange": config.recompute_exchange, "scheme": config.scheme,
-                 "own_step_only": config.own_step_only},
+                 "graph_for": config.graph_for.value},
             )
         if call.max_seqlen_k is not call.max_seqlen_q and call.max_seqlen_k != call.max_seqlen_q:
             # only a bound for the kernels' grids: the larger one is right for both
@@ -171,7 +173,7 @@ def _rewrite_one(
             (call.q, call.k, call.v, max_seqlen, layouts[sizes_key]),
             {"causal": call.causal, "scale": scale, "window": call.window, "kernel": kernel,
              **names, "return_lse": returns_lse, "recompute_exchange": config.recompute_exchange,
-             "scheme": config.scheme, "own_step_only": config.own_step_only},
+             "scheme": config.scheme, "graph_for": config.graph_for.value},
         )
         _copy_provenance(node, attention)
         new_outputs = {call.out_index: attention}
@@ -191,6 +193,7 @@ def _rewrite_one(
     return Rewritten(
         match, kernel, heads_q, heads_kv, head_dim, q_value.dtype,
         size_hint(local_tokens), returns_lse, is_checked, config.placement, config.scheme,
+        config.graph_for,
     )
 
 

@@ -390,9 +390,16 @@ LENGTH_COMPONENTS: dict[str, Callable[[random.Random, Profile, int, int], int]] 
 
 def draw_lengths(rng: random.Random, profile: Profile, ulysses: int, ring: int, max_tokens: int) -> list[int]:
     """Document lengths from a random mixture of 1-3 components, up to a random total of at
-    most ``max_tokens``; under CP, half the time one more document at the balanced
+    most ``max_tokens``; under CP, a quarter of the batches of short documents only (which the
+    balanced placement mostly keeps whole on their ranks: nothing exchanged, the compiled
+    graph without collectives), and half the others with one more document at the balanced
     placement's "short" bound (at most 1/8 of a rank's tokens) or one past it."""
-    names = rng.sample(profile.components, rng.randint(1, min(3, len(profile.components))))
+    ranks = ulysses * ring
+    components = profile.components
+    only_short = ranks > 1 and rng.random() < 0.25
+    if only_short:
+        components = tuple(c for c in components if c in ("empty", "tiny", "short"))
+    names = rng.sample(components, rng.randint(1, min(3, len(components))))
     weights = [rng.random() + 0.1 for _ in names]
     target = _log_uniform(rng, profile.min_tokens, max_tokens)
     lengths: list[int] = []
@@ -402,8 +409,7 @@ def draw_lengths(rng: random.Random, profile: Profile, ulysses: int, ring: int, 
         length = LENGTH_COMPONENTS[rng.choices(names, weights)[0]](rng, profile, ring, max_tokens)
         if sum(lengths) + length <= max_tokens:
             lengths.append(length)
-    ranks = ulysses * ring
-    if ranks > 1 and rng.random() < 0.5:
+    if ranks > 1 and not only_short and rng.random() < 0.5:
         # short <=> length * ranks * 8 <= total, total including the document itself
         per = round(1 / DEFAULT_COST.short_fraction) * ranks - 1
         edge = sum(lengths) // per + rng.choice((-1, 0, 1, 2))

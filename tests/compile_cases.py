@@ -30,6 +30,8 @@ from torch import Tensor, fx, nn
 from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
 import hcp_compile as hc
+from hcp_compile.layout import Assignment, Kind
+from hcp_compile.placements import PLACEMENTS
 from cp_cases import (
     AttentionCase, World, cu_seqlens, saved_besides, saved_for_backward, seeded,
     shard_with_garbage_pads,
@@ -60,10 +62,23 @@ COMPILE_DOCS = {
     "one-97": (97,),  # a single document
     "one-50": (50,),
     "three": (7, 13, 1),
-    # every document LOCAL on the 2 x 2 and 1 x 4 meshes: no ring section, so the compiled
-    # attention runs the graph built without ring steps (hcp_compile.ring_variants)
+    # every document LOCAL on the 2 x 2 and 1 x 4 meshes: nothing exchanged, so the compiled
+    # attention runs the graph built without collectives (hcp_compile.graph_variants)
     "no-ring": (2,) * 32,
 }
+
+# a placement for the graph-variants case alone (registered while it runs)
+HEADS_ONLY = "test-heads-only"
+
+
+def heads_only(lengths: Tensor, ulysses: int, ring: int) -> Assignment:
+    """Documents of up to 2 tokens whole on one rank, those up to 20 over one Ulysses group,
+    longer ones round the ring: batches of documents of 3..20 tokens then exchange heads with
+    no ring section, which the balanced placement does only on batches far larger than a test
+    can run (it sends coarse documents round the ring)."""
+    index = torch.arange(lengths.shape[0])
+    kind = torch.where(lengths > 20, int(Kind.RING), torch.where(lengths > 2, int(Kind.GROUP), int(Kind.LOCAL)))
+    return Assignment(kind, index % ring, (index // ring) % ulysses)
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,12 +285,12 @@ class CompiledAttentionCase:
     kernel: str = "auto"
     recompute_exchange: bool = False
     inductor_decompositions: bool = False  # see inductor_decompositions()
-    # every batch written into one cu_seqlens tensor in place (equal document counts): the
-    # graph reads cu_seqlens to the host once per tensor and version, so only the version
-    # tells these batches apart
+    # every batch of the first one's document count written into one cu_seqlens tensor in
+    # place: the graph reads cu_seqlens to the host once per tensor and version, so only the
+    # version tells these batches apart
     cu_in_place: bool = False
     scheme: str = "ring"  # the collective scheme, compiled and eager
-    capture: bool = False  # record the ring transfers of every AOT forward graph after each batch
+    capture: bool = False  # record the transfers of every AOT forward graph after each batch
 
     @property
     def id(self) -> str:
@@ -287,7 +302,11 @@ class CompiledAttentionCase:
                 for docs in self.docs]
 
     def run(self, world: World) -> dict:
-        with inductor_decompositions() if self.inductor_decompositions else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if self.inductor_decompositions:
+                stack.enter_context(inductor_decompositions())
+            if self.placement == HEADS_ONLY:
+                stack.enter_context(mock.patch.dict(PLACEMENTS, {HEADS_ONLY: heads_only}))
             return self._run(world)
 
     def _run(self, world: World) -> dict:
@@ -301,22 +320,23 @@ class CompiledAttentionCase:
                                             recompute_exchange=self.recompute_exchange, scheme=self.scheme))
         module = VarlenAttention(self.causal, self.scale, self.window)
         compiled = torch.compile(module, backend=counter, dynamic=self.dynamic, fullgraph=True)
-        result: dict = {"graphs_after": [], "ring_transfers_after": []}
+        result: dict = {"graphs_after": [], "transfers_after": []}
         cu = cu_seqlens(self.batches()[0].lengths) if self.cu_in_place else None
         captured: list[fx.GraphModule] = []
         for index, batch in enumerate(self.batches()):
-            # the graph a batch runs may be compiled when it first runs (ring_variants)
+            # the graph a batch runs may be compiled when it first runs (graph_variants)
+            in_place = cu if cu is not None and cu.shape[0] == len(batch.lengths) + 1 else None
             with capture_aot_graphs() if self.capture else contextlib.nullcontext([]) as new:
-                got = run_attention(batch, world, compiled, cu)
+                got = run_attention(batch, world, compiled, in_place)
             captured += new
             result["graphs_after"].append(counter.graphs)
             forward, _ = split_forward_backward(captured)
-            result["ring_transfers_after"].append(
-                [collective_summary(g, *group_names(world.mesh))["ring"] for g in forward])
+            summaries = [collective_summary(g, *group_names(world.mesh)) for g in forward]
+            result["transfers_after"].append([(s["ulysses"], s["ring"]) for s in summaries])
             if self.eager:
                 with hc.context_parallel(world.mesh, placement=self.placement, kernel=self.kernel,
                                          recompute_exchange=self.recompute_exchange, scheme=self.scheme):
-                    eager = run_attention(batch, world, module, cu)
+                    eager = run_attention(batch, world, module, in_place)
                 got.update({f"eager_{n}": eager[n] for n in ("out", "dq", "dk", "dv")})
             result.update({f"{index}/{n}": value for n, value in got.items()})
         if dump is not None:
@@ -371,10 +391,10 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     # the all-gather scheme where there is a ring: GQA 8/4 makes two head groups on 2 x 2
     allgather = [CompiledAttentionCase("gqa-allgather", ("mixed", "four"), 8, 4, True, (4, 0),
                                        scheme="allgather")] if mesh[1] > 1 else []
-    # a batch without a ring section, one with, then the first again: one Dynamo graph, and
-    # the graph without ring steps compiled once, on first use
-    variants = [CompiledAttentionCase("gqa-ring-variants", ("no-ring", "mixed", "no-ring"), 4, 2, True,
-                                      capture=True)] if mesh == (2, 2) else []
+    # batches that exchange nothing, heads and keys round the ring, then the first two again:
+    # one Dynamo graph, and each narrower graph compiled once, on first use
+    variants = [CompiledAttentionCase("gqa-graph-variants", ("no-ring", "mixed", "three", "no-ring", "three"),
+                                      4, 2, True, placement=HEADS_ONLY, capture=True)] if mesh == (2, 2) else []
     return [
         *recompute,
         *allgather,
@@ -738,10 +758,10 @@ class BadBatchCase:
 
 
 class RefusedVariantCase:
-    """The graph without ring steps cannot be built on the last rank only (its compile raises
-    there, as a rank-local failure would): on a batch without a ring section that rank runs
-    the full graph, whose ring hops would wait for the others, and the others the graph
-    without ring steps. The agreed batch check must fail on every rank, none may hang; the
+    """No narrower graph can be built on the last rank only (its compile raises there, as a
+    rank-local failure would): on a batch that exchanges nothing that rank runs the full
+    graph, whose exchanges and ring hops would wait for the others, and the others the graph
+    without collectives. The agreed batch check must fail on every rank, none may hang; the
     last rank warns why. Then a batch with a ring section runs the full graph everywhere."""
 
     id = "error-ring-variant-refused"
@@ -753,9 +773,9 @@ class RefusedVariantCase:
         def backend(gm: fx.GraphModule, example_inputs):
             compiled = hc.backend(mesh=world.mesh, inner="aot_eager")(gm, example_inputs)
             if world.rank == last:
-                def refuse():
+                def refuse(exchanges):
                     raise RuntimeError("compile failed on this rank only")
-                compiled.compile_own_step = refuse
+                compiled.compile_for = refuse
             return compiled
 
         compiled = torch.compile(VarlenAttention(True, None, (-1, -1)), backend=backend, dynamic=True,
@@ -768,7 +788,7 @@ class RefusedVariantCase:
                 result["no-ring"] = {"types": [], "message": "returned normally"}
             except Exception as exc:  # noqa: BLE001 - the outcome is the result
                 result["no-ring"] = error_record(exc)
-        result["warnings"] = [str(w.message) for w in caught if "without a ring section" in str(w.message)]
+        result["warnings"] = [str(w.message) for w in caught if "batches that exchange nothing" in str(w.message)]
         result.update({f"after/{n}": v for n, v in run_attention(DocsCase("mixed", 4, 2, True), world, compiled).items()})
         return result
 
@@ -842,7 +862,8 @@ def suite(mesh: tuple[int, int]) -> list:
             *torch_varlen_cases(mesh), *error_cases(mesh)]
 
 
-INDUCTOR_CASE = CompiledAttentionCase("inductor-gqa-causal", ("mixed", "mixed-permuted"), 4, 2,
+# the third batch exchanges nothing: its graph (graph_variants) compiled by Inductor too
+INDUCTOR_CASE = CompiledAttentionCase("inductor-gqa-causal", ("mixed", "mixed-permuted", "no-ring"), 4, 2,
                                       True, inner="inductor", dump=True, cu_in_place=True)
 
 

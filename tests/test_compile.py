@@ -118,17 +118,21 @@ def test_dynamic_shapes_reuse_one_graph_for_new_batches(cp_world, mesh):
         assert single in ([], [1, 1], [2, 2]), f"rank {rank}: graphs compiled {graphs}"
 
 
-def test_batch_without_ring_section_runs_the_graph_without_ring_steps(cp_world):
-    """A batch whose documents all stay whole on their ranks runs a graph with no ring
-    transfers, compiled on its first use beside the full graph (one Dynamo graph); the batch
-    with a ring section between runs the full graph, and the second batch without one reuses
-    the first's graph. Numerics: test_compiled_attention_matches_reference_and_eager_cp."""
+def test_each_batch_runs_the_graph_of_what_it_exchanges(cp_world):
+    """A batch whose documents all stay whole on their ranks runs a graph without any
+    collective, and one that exchanges heads but has no ring section a graph with the
+    exchanges and no ring transfers; each is compiled on its first use beside the full graph
+    (one Dynamo graph), which runs the batch with a ring section, and reused by the next batch
+    of its kind. Numerics: test_compiled_attention_matches_reference_and_eager_cp."""
     mesh = (2, 2)
-    (case,) = [c for c in attention_cases(mesh) if c.name == "gqa-ring-variants"]
-    full = expected_collectives(mesh, case.heads_kv, layers=1)["fw"]["ring"]
+    (case,) = [c for c in attention_cases(mesh) if c.name == "gqa-graph-variants"]
+    expected = expected_collectives(mesh, case.heads_kv, layers=1)["fw"]
+    full, nothing, heads = (expected["ulysses"], expected["ring"]), (0, 0), (expected["ulysses"], 0)
+    assert all(count > 0 for count in full)
+    graphs = [[full, nothing]] * 2 + [[full, nothing, heads]] * 3
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
-        assert result["graphs_after"] == [1, 1, 1], f"rank {rank}: {result['graphs_after']}"
-        assert result["ring_transfers_after"] == [[full, 0]] * 3, f"rank {rank}: {result['ring_transfers_after']}"
+        assert result["graphs_after"] == [1] * 5, f"rank {rank}: {result['graphs_after']}"
+        assert result["transfers_after"] == graphs, f"rank {rank}: {result['transfers_after']}"
 
 
 @pytest.mark.parametrize("mesh", RECOMPUTE_MESHES, ids=mesh_id)
@@ -413,7 +417,7 @@ def test_graph_without_ring_steps_on_some_ranks_only_raises_on_every_rank(cp_wor
     for rank, result in enumerate(results):
         outcome = result["no-ring"]
         assert "hcp_compile.validation.InputError" in outcome["types"], f"rank {rank}: {outcome}"
-        assert "without ring steps on some ranks only" in outcome["message"], f"rank {rank}: {outcome}"
+        assert "built for batches that exchange different things" in outcome["message"], f"rank {rank}: {outcome}"
         assert len(result["warnings"]) == (rank == len(results) - 1), f"rank {rank}: {result['warnings']}"
         assert_compiled_rank_matches(result, "after", expected, rank, against_eager=False)
 
@@ -440,13 +444,14 @@ def test_inductor_compiled_matches_reference_and_eager_cp(cp_world, index):
     reference = expected_for(batch)
     for rank, result in enumerate(inductor_world(cp_world).values(INDUCTOR_CASE.id)):
         assert_compiled_rank_matches(result, index, reference, rank)
-        assert result["graphs_after"] == [1, 1], f"rank {rank}: {result['graphs_after']}"
+        assert result["graphs_after"] == [1, 1, 1], f"rank {rank}: {result['graphs_after']}"
 
 
 def test_inductor_graphs_hold_the_rewritten_collectives(cp_world):
     """With Inductor the rewrite runs as its pre-grad pass: the graphs Inductor compiles
     (dumped by rank 0; the other ranks compile through Inductor's caches) hold the Ulysses
-    and ring exchanges of one layer."""
+    and ring exchanges of one layer, and the graph for the batch that exchanges nothing only
+    the batch check's agreement."""
     expected = expected_collectives(INDUCTOR_MESH, INDUCTOR_CASE.heads_kv, layers=1)
     results = inductor_world(cp_world).values(INDUCTOR_CASE.id)
     assert ["texts" in result for result in results] == [r == 0 for r in range(len(results))]
@@ -460,6 +465,11 @@ def test_inductor_graphs_hold_the_rewritten_collectives(cp_world):
             got = {k: counted[k] for k in ("ulysses", "ring", "all_reduce")}
             assert got == expected[graph], f"rank {rank} {name}: {got}, expected {expected[graph]}"
             assert counted["other_group"] == 0
+        # the graph of the batch that exchanges nothing: the batch check's agreement alone
+        for graph, name in (("fw", "graph_1/aot_forward.py"), ("bw", "graph_1/aot_backward.py")):
+            counted = text_collectives(texts[name], *result["group_names"])
+            got = {k: counted[k] for k in ("ulysses", "ring", "all_reduce")}
+            assert got == {**expected[graph], "ulysses": 0, "ring": 0}, f"rank {rank} {name}: {got}"
 
 
 def test_graph_counts_cover_grouped_and_single_group_heads():

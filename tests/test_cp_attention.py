@@ -1,12 +1,7 @@
 """Hierarchical CP attention (every ulysses x ring mesh) equals single-device attention:
 output and q/k/v gradients of every rank's shard, pads exactly zero (docs/design.md §1, §6)."""
 
-import types
-
 import pytest
-import torch
-
-from hcp_compile.hierarchical import _join_regions, _split_regions
 
 from checks import assert_matches, expected_for, local_rows
 from cp_cases import MESHES, SHORT_DOCS, attention_cases, mesh_id, recompute_exchange_cases, traffic_cases
@@ -61,18 +56,3 @@ def test_balanced_short_documents_stay_home_and_long_ones_travel(cp_world, mesh)
         if ulysses > 1:
             assert short["ulysses"] * 4 < short_zigzag["ulysses"], f"rank {rank}: {short}, {short_zigzag}"
     assert len(SHORT_DOCS) == len(sent["traffic-short-balanced"][0]["document_placement"])
-
-
-@pytest.mark.parametrize("dim, pad_value", [(0, 0.0), (1, float("-inf"))], ids=["rows", "lse"])
-def test_a_rank_without_exchange_region_sets_its_pad_rows_itself(dim, pad_value):
-    """Without an exchange region the local block's result is the rank's, pad rows included;
-    whatever a kernel left in those rows (flash leaves rows past its segments unwritten), the
-    join sets them to the pad value, since a pad row's gradient reaches the user's shard."""
-    sched = types.SimpleNamespace(sizes=types.SimpleNamespace(local=3, own_exchange=0, pad=2))
-    block = torch.full((5, 2) if dim == 0 else (2, 5), float("nan"))
-    block.narrow(dim, 0, 3).copy_(torch.arange(6.0).view(block.narrow(dim, 0, 3).shape))
-    local, exchange = _split_regions(block, sched) if dim == 0 else (block, block[:, :0])
-    joined = _join_regions(local, exchange, sched, dim=dim, pad_value=pad_value)
-    assert joined is block  # no copy
-    assert torch.equal(joined.narrow(dim, 0, 3), torch.arange(6.0).view(joined.narrow(dim, 0, 3).shape))
-    assert (joined.narrow(dim, 3, 2) == pad_value).all()

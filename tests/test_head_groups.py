@@ -29,7 +29,7 @@ from compile_cases import (
     CompiledAttentionCase, TorchVarlenCase, capture_aot_graphs, split_forward_backward,
 )
 from cp_cases import AttentionCase, World, mesh_id
-from hcp_compile import hierarchical
+from hcp_compile import schedule
 from hcp_compile.schedule import HEAD_GROUPS, head_groups, kv_head_repeat, rank_kv_heads
 
 MESHES = ((2, 1), (2, 2))  # (ulysses, ring)
@@ -122,7 +122,7 @@ def group_names(world: World) -> tuple[str, str]:
 
 def ungrouped():
     """The algorithm with one head group whatever the heads."""
-    return mock.patch.object(hierarchical, "head_groups", lambda *args: 1)
+    return mock.patch.object(schedule, "head_groups", lambda *args: 1)
 
 
 @dataclass(frozen=True)

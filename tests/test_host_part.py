@@ -16,7 +16,6 @@ from hcp_compile.advise import HostCounts, PhaseTimes, cu_seqlens_of, host_count
 from hcp_compile.kernels import KERNELS, cudnn, host_measured
 from hcp_compile.kernels.host_measured import HostConstants, HostRecord
 from hcp_compile.placements import placement_rule
-from hcp_compile.schedule import head_groups, rank_kv_heads
 
 from benchmarks import host_times
 
@@ -67,7 +66,7 @@ def short(tokens, size):
 CASES = [  # (lengths, ulysses, ring, rank)
     ((256,), 1, 2, 1),  # one document: every step, no local region
     ((256,), 2, 2, 0),  # two head groups
-    (short(512, 8), 2, 4, 0),  # short documents: the local region, no ring section, empty own steps
+    (short(512, 8), 2, 4, 0),  # short documents: the local region alone, no collective (no head group)
     ((256,) + short(256, 8), 2, 4, 7),  # a mix
     ((96, 40) + short(120, 8), 4, 2, 5),  # a ring document, a straddling one; one head group
 ]
@@ -91,10 +90,9 @@ def test_counts_match_the_kernel_calls_of_a_real_eager_call(monkeypatch, lengths
             out.sum().backward()
     batch = layout.batch_layout(cu, ulysses, ring, placement_rule("balanced"))
     sizes = rank_sizes(batch, rank // ulysses, rank % ulysses)
-    groups = head_groups(rank_kv_heads(HEADS_KV, ulysses), ulysses)
-    as_cudnn = host_counts(sizes, rank // ulysses, ring, "cudnn", groups)
-    as_torch = host_counts(sizes, rank // ulysses, ring, "torch", groups)
-    assert len(rings) == as_cudnn.groups == groups
+    as_cudnn = host_counts(sizes, rank // ulysses, ring, "cudnn", HEADS_KV)
+    as_torch = host_counts(sizes, rank // ulysses, ring, "torch", HEADS_KV)
+    assert len(rings) == as_cudnn.groups
     for direction in ("forward", "backward"):
         seen = counting.counts[direction]
         assert seen["ops"] == 1 + as_cudnn.steps  # the local region's op and every step's
@@ -204,9 +202,9 @@ def test_the_measuring_command_runs_on_cpu_and_its_record_reads_back(tmp_path, m
     result = json.loads(out.read_text())
     points = result["points"]
     assert len(points) == 6 and all(p["forward_ms"] > 0 and p["backward_ms"] > 0 for p in points)
-    # the short documents of 1 x 2 stay local: the local region's call only, the own step alone
+    # the short documents of 1 x 2 stay local: the local region's call only, nothing exchanged
     short_1x2 = next(p for p in points if p["mesh"] == "1x2" and p["batch"] == "short documents")
-    assert (short_1x2["calls"], short_1x2["steps"], short_1x2["groups"]) == (1, 1, 1)
+    assert (short_1x2["calls"], short_1x2["steps"], short_1x2["groups"]) == (1, 0, 0)
     into = tmp_path / "host_measured.json"
     into.write_text(json.dumps({"devices": {"NVIDIA H200": {"modes": {"hcp-eager": {"cudnn": GOOD}}}}}))
     host_times.record(out, into)

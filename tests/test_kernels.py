@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import hcp_compile as hc
 from attention_reference import document_mask, reference_with_grads
 from checks import assert_matches, expected_for, nan_filled_results
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded, World
+from hcp_compile.hierarchical import _join_regions, _split_regions
 from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import (
     KERNELS, BlockRequest, BlockSpec, dense, flex, flex_mask, measured, resolve_kernel, run_backward,
@@ -122,6 +124,73 @@ def test_backward_given_merged_out_and_lse_yields_each_blocks_share(kernel, caus
     expected = reference_with_grads(q, k, v, dout, cu.tolist(), cu.tolist(), causal=causal, window=window)
     for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert_matches(got, expected[name], name)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "flex"])
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (3, 1))], ids=["causal", "full-w3.1"])
+def test_rows_past_the_last_segment_leave_the_segments_results_alone(kernel, causal, window):
+    """The local region's block of a rank without an exchange region runs over its pad rows
+    too (docs/design.md §3, "Buffers"; ``covered_rows``): rows past ``cu_q``'s last entry,
+    whatever their values and gradients, change nothing of the segments' rows, which match the
+    float64 reference of the segments alone. The pad rows' own results are the caller's."""
+    tokens, pads = sum(SPLIT_DOCS), 5
+    q, k, v, dout = (seeded(f"pads/{n}", tokens + pads, h, HEAD_DIM) for n, h in zip("qkvd", (4, 2, 2, 4)))
+    for x in (q, k, v, dout):
+        x[tokens:] = 7.0
+    cu = cu_seqlens(SPLIT_DOCS)
+    spec = BlockSpec(cu, cu, max(SPLIT_DOCS), max(SPLIT_DOCS), causal, HEAD_DIM ** -0.5, *window,
+                     covered_rows=tokens)
+    out, lse = run_forward(kernel, q, k, v, spec)
+    dq, dk, dv = run_backward(kernel, dout, q, k, v, out, lse, spec)
+    expected = reference_with_grads(q[:tokens], k[:tokens], v[:tokens], dout[:tokens], cu.tolist(), cu.tolist(),
+                                    causal=causal, window=window)
+    for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_matches(got[:tokens], expected[name], name)
+
+
+class LeavesRowsPastSegments:
+    """The torch kernel, then NaN in every row past ``cu_q``'s and ``cu_k``'s last entry, as
+    a kernel that leaves them unwritten (flash) would."""
+
+    name = "leaves-rows"
+
+    def supports(self, request):
+        return None
+
+    def forward(self, q, k, v, spec):
+        out, lse = KERNELS["torch"].forward(q, k, v, spec)
+        end = int(spec.cu_q[-1])
+        out[end:], lse[:, end:] = float("nan"), float("nan")
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, spec):
+        dq, dk, dv = KERNELS["torch"].backward(dout, q, k, v, out, lse, spec)
+        for grad, cu in ((dq, spec.cu_q), (dk, spec.cu_k), (dv, spec.cu_k)):
+            grad[int(cu[-1]):] = float("nan")
+        return dq, dk, dv
+
+
+def test_the_block_ops_give_rows_past_the_segments_the_results_of_rows_without_keys(monkeypatch):
+    """``covered_rows``: whatever a kernel leaves past the segments, the ops hand out rows
+    without keys there (out 0, lse -inf, gradients 0: a pad row's gradient reaches the user's
+    shard), and the local region's results are the rank's own, with no join that copies them."""
+    monkeypatch.setitem(KERNELS, "leaves-rows", LeavesRowsPastSegments())
+    tokens, pads = sum(SPLIT_DOCS), 3
+    q, k, v, dout = (seeded(f"pads/{n}", tokens + pads, h, HEAD_DIM) for n, h in zip("qkvd", (4, 2, 2, 4)))
+    cu = cu_seqlens(SPLIT_DOCS)
+    spec = BlockSpec(cu, cu, max(SPLIT_DOCS), max(SPLIT_DOCS), True, HEAD_DIM ** -0.5, covered_rows=tokens)
+    out, lse = run_forward("leaves-rows", q, k, v, spec)
+    grads = run_backward("leaves-rows", dout, q, k, v, out, lse, spec)
+    expected = reference_with_grads(q[:tokens], k[:tokens], v[:tokens], dout[:tokens], cu.tolist(), cu.tolist(),
+                                    causal=True)
+    for name, got in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+        assert_matches(got[:tokens], expected[name], name)
+        assert torch.equal(got[tokens:], torch.zeros_like(got[tokens:])), name
+    assert (lse[:, tokens:] == float("-inf")).all()
+    # where the rank has no exchange region, its local block's result is its output as it is
+    sched = types.SimpleNamespace(sizes=types.SimpleNamespace(local=tokens, own_exchange=0, pad=pads))
+    local, exchange = _split_regions(out, sched)
+    assert local is out and _join_regions(local, exchange, sched) is out
 
 
 # --------------------------------------------------------------------------------------------

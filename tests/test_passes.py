@@ -429,7 +429,7 @@ def test_rewrite_replaces_every_match_and_checks_each_cu_seqlens_once():
     assert [c.args[0] for c in checks] == [inputs["l_cu_"], inputs["l_other_cu_"]]
     assert all(c.kwargs == {"ulysses_group": "ulysses-group", "ring_group": "ring-group",
                             "placement": "balanced", "agree": True, "recompute_exchange": False,
-                            "scheme": "ring", "own_step_only": False}
+                            "scheme": "ring", "graph_for": "ring"}
                for c in checks)
     # every call reads the checked layout of its own cu_seqlens
     assert [a.args[4] for a in attention] == [checks[0], checks[0], checks[1]]

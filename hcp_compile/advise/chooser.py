@@ -78,7 +78,7 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
         ring_bytes = call_traffic(SCHEME, sizes[0], call, ulysses, ring).ring
         for a in range(ulysses):
             compute = compute_times(work, r, a, call, kernel, device_kind)
-            issued = host_times(host_counts(sizes[a], r, ring, kernel, groups), host)
+            issued = host_times(host_counts(sizes[a], r, ring, kernel, call.heads_kv), host)
             besides = gpu_other_times(gpu_other_bytes(sizes[a], ring, call), other)
             gpu_other = besides.forward + besides.backward
             step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups, issued, besides)

@@ -11,7 +11,7 @@ import torch
 from ..kernels import BlockSpec, cudnn
 from ..kernels.host_measured import HostConstants, HostRecord
 from ..layout import RankSizes, StepKind, step_kind, step_sources
-from ..schedule import schedule_steps
+from ..schedule import exchanged_head_groups, schedule_steps
 from .records import HostCounts, PhaseTimes
 
 
@@ -31,12 +31,14 @@ def kernel_calls(kernel: str, kind: StepKind | None) -> int:
     return len(cudnn.call_masks(spec))
 
 
-def host_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, groups: int) -> HostCounts:
-    """The counts of rank ``(ring_rank, sizes.ulysses_rank)``'s eager call (causal, no window):
-    the local region, then in each head group the schedule's steps (only the own one without a
-    ring section, ``schedule.schedule_steps``). A block without queries or keys costs its op
-    but calls no kernel (the kernels return at once)."""
+def host_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int) -> HostCounts:
+    """The counts of rank ``(ring_rank, sizes.ulysses_rank)``'s eager call (causal, no window)
+    with ``heads_kv`` KV heads: the local region, then in each head group the schedule's steps
+    (only the own one without a ring section, ``schedule.schedule_steps``; no head group where
+    nothing is exchanged, ``schedule.exchanged_head_groups``). A block without queries or keys
+    costs its op but calls no kernel (the kernels return at once)."""
     steps = schedule_steps(sizes, ring)
+    groups = exchanged_head_groups(sizes, steps, heads_kv, len(sizes.exchange))
     calls = kernel_calls(kernel, None) if sizes.local else 0
     for index, source in enumerate(step_sources(ring_rank, ring, steps)):
         keys = sizes.stream if index == 0 else sizes.ring_width

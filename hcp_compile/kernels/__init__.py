@@ -85,7 +85,17 @@ def block_forward(
     between v and kernel are :meth:`BlockSpec.op_args`."""
     spec = BlockSpec(cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
                      q_positions, k_positions, cache_key, equal_lengths, covered_rows)
-    return KERNELS[kernel].forward(q, k, v, spec)
+    out, lse = KERNELS[kernel].forward(q, k, v, spec)
+    rows = _rows_outside_segments(spec, q.shape[0])
+    if rows is not None:  # rows without keys, whatever the kernel left there
+        out[rows].zero_()
+        lse[:, rows].fill_(float("-inf"))
+    return out, lse
+
+
+def _rows_outside_segments(spec: BlockSpec, rows: int) -> slice | None:
+    """The rows after ``spec.covered_rows`` (None where there are none or they are not known)."""
+    return slice(spec.covered_rows, None) if 0 <= spec.covered_rows < rows else None
 
 
 @block_forward.register_fake
@@ -106,7 +116,14 @@ def block_backward(
     """Gradients of one attention block given the (possibly merged) ``out`` and ``lse``."""
     spec = BlockSpec(cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
                      q_positions, k_positions, cache_key, equal_lengths, covered_rows)
-    return tuple(KERNELS[kernel].backward(dout, q, k, v, out, lse, spec))
+    dq, dk, dv = KERNELS[kernel].backward(dout, q, k, v, out, lse, spec)
+    rows = _rows_outside_segments(spec, q.shape[0])
+    if rows is not None:
+        dq[rows].zero_()
+        if spec.one_segmentation:  # then k's rows past the segments are the same rows
+            dk[rows].zero_()
+            dv[rows].zero_()
+    return dq, dk, dv
 
 
 @block_backward.register_fake

@@ -33,9 +33,12 @@ class BlockSpec:
     aligned top-left or bottom-right; a kernel may use it to take the cheaper one.
     ``covered_rows``: ``cu_q``'s last entry, known on the host (a single device's checked
     batch, the local region; -1: not known): q's rows from there on lie outside every segment,
-    and so do k's where ``cu_k`` is ``cu_q``. With one segmentation every row before it sees at
-    least itself, so a kernel that writes every row of its segments need initialize only the
-    rows after it."""
+    and so do k's where ``cu_k`` is ``cu_q`` (:meth:`one_segmentation`). The ops
+    (``hcp::block_forward/backward``) give those rows the results of rows without keys (out 0,
+    lse -inf, gradients 0) whatever a kernel leaves there (flash leaves them unwritten, flex
+    attends among them), in place and inside the op, so a compiled graph holds no copy for
+    them. With one segmentation every row before it sees at least itself, so a kernel that
+    writes every row of its segments need initialize only the rows after it."""
 
     cu_q: Tensor
     cu_k: Tensor
@@ -64,6 +67,14 @@ class BlockSpec:
     @property
     def windowed(self) -> bool:
         return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def one_segmentation(self) -> bool:
+        """Whether ``cu_q`` and ``cu_k`` are one tensor (self-attention of whole documents), so
+        every segment has as many queries as keys; known without reading the values."""
+        cu_q, cu_k = self.cu_q, self.cu_k
+        return (cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape and cu_q.stride() == cu_k.stride()
+                and cu_q.dtype == cu_k.dtype)
 
 
 _next_cache_key = 0

@@ -186,7 +186,7 @@ def call_masks(spec: BlockSpec) -> list[Mask]:
     top-left calls]); any other block one bottom-right call (a window on the diagonal; without
     a band the alignment does not matter). Shapes only: the advisor counts a rank's calls by it."""
     left, right = mask_bounds(spec)
-    if same_segments(spec.cu_q, spec.cu_k) or spec.equal_lengths or right is None:
+    if spec.one_segmentation or spec.equal_lengths or right is None:
         return [Mask(left, right, False)]
     if right == 0 and left is None:
         return [Mask(None, None, False), Mask(None, 0, False)]
@@ -227,13 +227,6 @@ class Shape:
 def entries_for(spec: BlockSpec) -> int:
     """The entries of a block's graphs: its segment count's bucket."""
     return bucket(spec.cu_q.shape[0] - 1, MIN_ENTRIES)
-
-
-def same_segments(cu_q: Tensor, cu_k: Tensor) -> bool:
-    """Whether ``cu_q`` and ``cu_k`` are one tensor (self-attention of whole documents), so
-    every segment has as many queries as keys; known without reading the values."""
-    return (cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape and cu_q.stride() == cu_k.stride()
-            and cu_q.dtype == cu_k.dtype)
 
 
 class _Graphs:
@@ -374,7 +367,7 @@ def rows_written(spec: BlockSpec) -> int | None:
     sees itself (no row is trimmed: Note [rows that see no key]), and ``spec.covered_rows``
     says where the segments end. Only the rows after it then need their initial values: on a
     single device, zeroing the outputs took 5 % of W3's step (docs/design.md §8.8)."""
-    if spec.covered_rows < 0 or not same_segments(spec.cu_q, spec.cu_k):
+    if spec.covered_rows < 0 or not spec.one_segmentation:
         return None
     return int(spec.covered_rows)
 

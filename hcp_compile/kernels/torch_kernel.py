@@ -72,16 +72,18 @@ def _all_finite(*tensors: Tensor, lse: Tensor | None = None) -> bool:
     return bool(torch.stack(flags).all())
 
 
-def _blocks(q_rows: int, k_rows: int, spec: BlockSpec, per_segment: bool) -> Iterator[_Block]:
+def _blocks(spec: BlockSpec, per_segment: bool) -> Iterator[_Block]:
+    """The blocks of the rows inside the segments: rows past ``cu_q``'s last entry see no key
+    (the contract's rows outside every segment), and keep the caller's initial values."""
     cu_q, cu_k, q_positions, k_positions = spec.cu_q, spec.cu_k, spec.q_positions, spec.k_positions
-    seg_q, off_q, len_q = _segments(cu_q, q_rows)
-    seg_k, off_k, _ = _segments(cu_k, k_rows)
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    seg_q, off_q, len_q = _segments(cu_q, starts_q[-1])
+    seg_k, off_k, _ = _segments(cu_k, starts_k[-1])
     if q_positions is None:
         len_k_of_q = (cu_k[1:] - cu_k[:-1]).to(torch.int64)[seg_q]
         q_positions = off_q + len_k_of_q - len_q
         k_positions = off_k
-    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
-    for q0, q1 in _query_ranges(starts_q, q_rows, per_segment):
+    for q0, q1 in _query_ranges(starts_q, starts_q[-1], per_segment):
         # the segments holding rows q0 and q1 - 1 (empty segments are skipped over)
         first, last = bisect_right(starts_q, q0) - 1, bisect_right(starts_q, q1 - 1) - 1
         k0, k1 = starts_k[first], starts_k[last + 1]
@@ -124,7 +126,7 @@ class TorchKernel:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
         isolate = not _all_finite(q, k, v)
-        for b in _blocks(q.shape[0], k.shape[0], spec, isolate):
+        for b in _blocks(spec, isolate):
             s = _scores(q[b.q0 : b.q1], k[b.k0 : b.k1], spec.scale, b.mask)
             block_lse = torch.logsumexp(s, dim=-1)
             p = _probabilities(s, block_lse)
@@ -143,7 +145,7 @@ class TorchKernel:
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         isolate = not _all_finite(dout, q, k, v, out, lse=lse)
-        for b in _blocks(q.shape[0], k.shape[0], spec, isolate):
+        for b in _blocks(spec, isolate):
             rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
             q_b, k_b, v_b = q[rows].to(acc), k[keys].to(acc), v[keys].to(acc)
             s = _scores(q_b, k_b, spec.scale, b.mask)

@@ -9,9 +9,9 @@ import torch
 
 from ..layout import RankSizes
 from ..precision import accumulate_dtype
-from ..schedule import head_groups, kv_head_repeat, rank_kv_heads, schedule_steps
+from ..schedule import exchanged_head_groups, kv_head_repeat, schedule_steps
 from . import scheme_named
-from .protocol import GroupShape, Traffic
+from .protocol import GroupShape, GroupTraffic, Traffic
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,17 @@ def call_traffic(scheme: str, sizes: RankSizes, call: CallShape, ulysses: int, r
                  steps: int | None = None) -> Traffic:
     """The collectives and bytes of one forward and backward on the rank with ``sizes``, under
     the collective scheme named ``scheme``; ``steps``: the ring steps (default: as an eager
-    schedule of ``sizes`` has them; a compiled graph always has ``ring``)."""
+    schedule of ``sizes`` has them; a compiled graph has ``ring`` unless it is built for batches
+    without a ring section: hcp_compile.graph_variants). No head group, and nothing sent, where
+    nothing is exchanged (:func:`schedule.exchanged_head_groups`)."""
     repeat = kv_head_repeat(call.heads_kv, ulysses)
-    parts = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
+    steps = schedule_steps(sizes, ring) if steps is None else steps
+    parts = exchanged_head_groups(sizes, steps, call.heads_kv, ulysses)
+    if parts == 0:
+        return Traffic(GroupTraffic(), GroupTraffic())
     shape = GroupShape(
         counts=tuple(sizes.exchange), rank=sizes.ulysses_rank, ring=ring,
-        ring_width=sizes.ring_width,
-        steps=schedule_steps(sizes, ring) if steps is None else steps,
+        ring_width=sizes.ring_width, steps=steps,
         heads_q=call.heads_q // (ulysses * parts),
         heads_kv=call.heads_kv * repeat // (ulysses * parts), head_dim=call.head_dim,
         itemsize=call.dtype.itemsize, accumulate_itemsize=accumulate_dtype(call.dtype).itemsize,

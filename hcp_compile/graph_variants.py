@@ -1,0 +1,116 @@
+"""A compiled graph for each kind of batch a mesh can get (docs/compiled-path.md, "Graph
+variants").
+
+A compiled graph reads its layout sizes from the batch as symbols, so it cannot tell what a
+batch moves between ranks (:class:`prepared.Exchanges`): without a ring section (every document
+whole on one ring rank, as short documents are placed) it would keep every ring step, each with
+empty blocks, merges and hops, where eager runs the own step alone; and with no exchange region
+anywhere (every document whole on one rank) it would keep the Ulysses all-to-alls and the joins
+of the regions, where eager runs the local block alone. So the backend keeps up to three graphs
+of one Dynamo graph, and the batch's values pick one before any runs::
+
+    args ──► cu_seqlens (a graph input) ──► prepared batch ──► what it exchanges
+                                                            ├─ RING ────► full graph (compiled by Dynamo's call)
+                                                            ├─ HEADS ───► own-step graph (compiled on first use)
+                                                            └─ NOTHING ─► local graph (compiled on first use)
+
+The host copy of ``cu_seqlens`` made here is the one the graph's batch check reads
+(:func:`prepared.host_values` keeps it per tensor and version), and the prepared batch is the
+one the graph's check takes, so choosing costs no extra device read. Ranks given different
+batches may choose different graphs; every graph begins with the same agreed check, which then
+fails on every rank. So do ranks where a graph could not be built beside ranks where it could
+(its check's fingerprint names the batches its graph serves): an error on every rank instead
+of one graph's collectives waiting for ranks that never issue them.
+
+A narrower graph is compiled the first time a batch that needs it arrives, under the tracing
+context of Dynamo's call, as Dynamo compiles its own specializations. It differs from the full
+graph only in what the data-dependent sizes decide, so it adds no guards on the inputs; if it
+did (or failed to compile), the next broader graph, right for the batch too, serves it on that
+rank, with a warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from torch import fx
+
+from .prepared import Exchanges, MeshShape, host_values, prepare
+
+
+def cu_seqlens_inputs(graph: fx.Graph, matches: Sequence[Any]) -> tuple[int, ...] | None:
+    """Which inputs of ``graph`` (placeholder positions) are the ``cu_seqlens`` of the
+    attention ``matches`` (``passes.match.AttentionMatch``), or None when a graph choice cannot
+    be made before it runs: no match, a match inside a nested region, or a ``cu_seqlens``
+    the graph computes."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    nodes = {cu for m in matches for cu in (m.call.cu_seqlens_q, m.call.cu_seqlens_k)}
+    if not matches or any(m.node.graph is not graph for m in matches) or not nodes <= set(placeholders):
+        return None
+    return tuple(sorted(placeholders.index(node) for node in nodes))
+
+
+def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A module of a copy of ``gm``'s graph (its nodes' metadata shared), for a second rewrite:
+    compiling rewrites the graph it is given in place."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta = dict(gm.meta)
+    return copied
+
+
+@dataclass
+class GraphVariants:
+    """The compiled callable the backend returns when a graph can be chosen per batch: the
+    full graph, and the narrower ones ``compile_for`` makes on first use."""
+
+    full: Callable
+    compile_for: Callable[[Exchanges], Callable]  # the graph for batches of these exchanges
+    inputs: tuple[int, ...]  # positions of the graph's cu_seqlens inputs
+    mesh: MeshShape
+    guard_count: Callable[[], int] | None = None  # the guards of Dynamo's shape environment
+    graphs: dict[Exchanges, Callable | None] = field(default_factory=dict, init=False)  # None: refused
+
+    def __call__(self, *args):
+        return self.graph_for(self.needed(args))(*args)
+
+    def needed(self, args: Sequence[Any]) -> Exchanges:
+        """What the batch of ``args`` exchanges (the broadest over its cu_seqlens)."""
+        needs = [prepare(host_values(args[i]), self.mesh).exchanges for i in self.inputs]
+        return min(needs, key=list(Exchanges).index)
+
+    def graph_for(self, exchanges: Exchanges) -> Callable:
+        """The narrowest compiled graph that runs batches of ``exchanges``: a narrower graph
+        where it could be built, else the full one. Without a ring the full graph has the own
+        step alone, so no graph is kept for HEADS."""
+        for kind in (Exchanges.NOTHING, Exchanges.HEADS):
+            if not kind.covers(exchanges) or (kind is Exchanges.HEADS and self.mesh.ring == 1):
+                continue
+            if kind not in self.graphs:
+                self.graphs[kind] = self._compiled(kind)
+            if self.graphs[kind] is not None:
+                return self.graphs[kind]
+        return self.full
+
+    def _compiled(self, kind: Exchanges) -> Callable | None:
+        before = self.guard_count() if self.guard_count is not None else 0
+        try:
+            compiled = self.compile_for(kind)
+        except Exception as error:  # a broader graph stays right for the batch
+            return self._refuse(kind, f"compiling it failed ({type(error).__name__}: {error})")
+        if self.guard_count is not None and self.guard_count() != before:
+            return self._refuse(kind, "it would add guards on the inputs that Dynamo does not check")
+        return compiled
+
+    def _refuse(self, kind: Exchanges, why: str) -> None:
+        warnings.warn(
+            f"hcp backend: the graph for batches that exchange {_SERVES[kind]} is not used: {why}; "
+            "a broader graph runs them on this rank (correct, with empty steps). Where other "
+            "ranks built it, such batches fail the agreed batch check on every rank", stacklevel=4,
+        )
+        return None
+
+
+_SERVES = {Exchanges.HEADS: "heads but have no ring section", Exchanges.NOTHING: "nothing (every document whole on one rank)"}

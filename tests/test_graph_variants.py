@@ -1,0 +1,168 @@
+"""The choice between a compiled graph and its narrower variants
+(``hcp_compile.graph_variants``), with stand-in graphs: which one each batch runs, each
+narrower graph compiled once and on first use, and a broader graph kept for the batches whose
+graph cannot be used. The graphs themselves run in tests/test_compile.py (gqa-graph-variants)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+
+from hcp_compile import layout
+from hcp_compile.graph_variants import GraphVariants, cu_seqlens_inputs, graph_copy
+from hcp_compile.layout import Kind
+from hcp_compile.placements import placement_rule
+from hcp_compile.prepared import Exchanges, MeshShape
+
+MESH = MeshShape(ulysses=2, ring=2, placement="balanced")
+NOTHING = (2,) * 32  # every document whole on its rank (balanced, 2 x 2)
+RING = (0, 1, 7, 3, 13, 0, 2, 29, 0)
+HEADS_NO_RING = (0, 1, 7, 3, 13, 0, 2, 29, 0)  # on 2 x 1: split over the Ulysses group only
+
+
+def cu(lengths: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def kinds(lengths: tuple[int, ...], mesh: MeshShape = MESH) -> set[Kind]:
+    """Independently of the prepared batch: the layout's own placement of the documents."""
+    batch = layout.batch_layout(cu(lengths), mesh.ulysses, mesh.ring, placement_rule(mesh.placement))
+    return {Kind(int(kind)) for kind, length in zip(batch.kind, batch.lengths) if length > 0}
+
+
+def test_premise_of_the_batches():
+    assert kinds(NOTHING) == {Kind.LOCAL}
+    assert Kind.RING in kinds(RING)
+    assert kinds(HEADS_NO_RING, MeshShape(2, 1, "balanced")) == {Kind.LOCAL, Kind.GROUP}
+
+
+class Graphs:
+    """Stand-ins for the compiled graphs, recording what ran."""
+
+    def __init__(self, fail: tuple[Exchanges, ...] = (), guards_added: int = 0):
+        self.ran: list[str] = []
+        self.compiled: list[Exchanges] = []
+        self.guards = 0
+        self.fail, self.guards_added = fail, guards_added
+
+    def full(self, *args):
+        self.ran.append("ring")
+        return "ring"
+
+    def compile_for(self, exchanges: Exchanges):
+        self.compiled.append(exchanges)
+        self.guards += self.guards_added
+        if exchanges in self.fail:
+            raise RuntimeError("no graph today")
+
+        def graph(*args):
+            self.ran.append(exchanges.value)
+            return exchanges.value
+
+        return graph
+
+    def variants(self, mesh: MeshShape = MESH, inputs: tuple[int, ...] = (1,)) -> GraphVariants:
+        return GraphVariants(self.full, self.compile_for, inputs, mesh, guard_count=lambda: self.guards)
+
+
+def test_each_batch_runs_the_narrowest_graph_and_each_compiles_once():
+    graphs = Graphs()
+    variants = graphs.variants()
+    for lengths in (RING, NOTHING, RING, NOTHING):
+        variants("x", cu(lengths), "y")
+    assert graphs.ran == ["ring", "nothing", "ring", "nothing"]
+    assert graphs.compiled == [Exchanges.NOTHING]
+
+
+def test_batches_that_exchange_heads_run_their_own_graph_where_there_is_a_ring():
+    graphs = Graphs()
+    variants = graphs.variants()
+    assert [variants.graph_for(e)() for e in (Exchanges.HEADS, Exchanges.NOTHING, Exchanges.HEADS)] == [
+        "heads", "nothing", "heads"]
+    assert graphs.compiled == [Exchanges.HEADS, Exchanges.NOTHING]
+
+
+def test_without_a_ring_the_full_graph_runs_batches_that_exchange_heads():
+    graphs = Graphs()
+    variants = graphs.variants(MeshShape(2, 1, "balanced"))
+    assert variants.needed(("x", cu(HEADS_NO_RING))) is Exchanges.HEADS
+    assert variants("x", cu(HEADS_NO_RING)) == "ring"
+    assert variants("x", cu(NOTHING)) == "nothing"
+    assert graphs.compiled == [Exchanges.NOTHING]
+
+
+@pytest.mark.parametrize("why, graphs, refused", [
+    ("compiling it failed", Graphs(fail=(Exchanges.NOTHING,)), ["nothing"]),
+    ("guards on the inputs", Graphs(guards_added=1), ["nothing", "heads"]),
+])
+def test_an_unusable_graph_leaves_the_next_broader_one_for_its_batches(why, graphs, refused):
+    variants = graphs.variants()
+    with pytest.warns(UserWarning) as warned:
+        broader = variants("x", cu(NOTHING), "y")
+    assert [str(w.message).split("exchange ")[1].split(" ")[0] for w in warned] == refused
+    assert all(why in str(w.message) for w in warned)
+    # the graph for batches that exchange heads serves them, unless it is unusable too
+    assert broader == ("heads" if len(refused) == 1 else "ring")
+    assert variants("x", cu(NOTHING), "y") == broader
+    assert graphs.compiled == [Exchanges.NOTHING, Exchanges.HEADS]
+
+
+def test_a_batch_that_cannot_be_laid_out_runs_the_full_graph_which_checks_it():
+    graphs = Graphs()
+    bad = torch.tensor([0, 5, 3, 8], dtype=torch.int32)  # decreasing: the full graph's check rejects it
+    assert graphs.variants()("x", bad, "y") == "ring" and graphs.compiled == []
+
+
+def test_the_broadest_cu_seqlens_input_decides():
+    graphs = Graphs()
+    variants = graphs.variants(inputs=(0, 1))
+    variants(cu(NOTHING), cu(RING))
+    variants(cu(NOTHING), cu(NOTHING))
+    assert graphs.ran == ["ring", "nothing"]
+
+
+class _Call:
+    def __init__(self, cu_q: fx.Node, cu_k: fx.Node):
+        self.cu_seqlens_q, self.cu_seqlens_k = cu_q, cu_k
+
+
+class _Match:
+    def __init__(self, node: fx.Node, cu_q: fx.Node, cu_k: fx.Node):
+        self.node, self.call = node, _Call(cu_q, cu_k)
+
+
+def _graph() -> tuple[fx.Graph, list[fx.Node]]:
+    graph = fx.Graph()
+    q, cu_a, cu_b = (graph.placeholder(n) for n in ("q", "cu_a", "cu_b"))
+    computed = graph.call_function(torch.add, (cu_b, 1))
+    attention = graph.call_function(torch.mul, (q, 2))
+    graph.output(attention)
+    return graph, [q, cu_a, cu_b, computed, attention]
+
+
+def test_inputs_are_the_positions_of_the_cu_seqlens_placeholders():
+    graph, (_, cu_a, cu_b, computed, attention) = _graph()
+    assert cu_seqlens_inputs(graph, [_Match(attention, cu_a, cu_a)]) == (1,)
+    assert cu_seqlens_inputs(graph, [_Match(attention, cu_b, cu_a)]) == (1, 2)
+    # a cu_seqlens the graph computes cannot be read before it runs; no match, nothing to choose
+    assert cu_seqlens_inputs(graph, [_Match(attention, computed, cu_a)]) is None
+    assert cu_seqlens_inputs(graph, []) is None
+    # a match inside a nested graph (a checkpoint body) keeps the full graph alone
+    nested, (*_, nested_attention) = _graph()
+    assert cu_seqlens_inputs(graph, [_Match(nested_attention, cu_a, cu_a)]) is None
+
+
+def test_graph_copy_leaves_the_original_graph_untouched_by_a_rewrite():
+    graph, _ = _graph()
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    module.meta["note"] = 1
+    copied = graph_copy(module)
+    for node in list(copied.graph.nodes):
+        if node.target is torch.mul:
+            node.target = torch.sub
+    copied.recompile()
+    assert [n.target for n in module.graph.nodes if n.op == "call_function"] == [torch.add, torch.mul]
+    assert copied.meta == {"note": 1}
+    x = torch.ones(2)
+    assert torch.equal(module(x, x, x), 2 * x) and torch.equal(copied(x, x, x), x - 2)
