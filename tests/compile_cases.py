@@ -384,8 +384,9 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     # the windowed case runs flex, the one kernel that caches per block (its masks): ring
     # steps under a window, batch after batch, with the cache keys read from each batch
     # recompute_exchange on FULL_MESH, where GQA 8/4 makes two head groups, each exchanged
-    # again, and on 1 x 4, where there is no exchange and only the ring's KV is packed again
-    recompute = [CompiledAttentionCase("gqa-recompute-exchange", ("mixed",), 8, 4, True,
+    # again, and on 1 x 4, where there is no exchange and only the ring's KV is packed again;
+    # its second batch exchanges nothing (the graph without collectives, with recompute)
+    recompute = [CompiledAttentionCase("gqa-recompute-exchange", ("mixed", "no-ring"), 8, 4, True,
                                        recompute_exchange=True, inductor_decompositions=True)
                  ] if mesh in RECOMPUTE_MESHES else []
     # the all-gather scheme where there is a ring: GQA 8/4 makes two head groups on 2 x 2

@@ -64,6 +64,9 @@ DOC_MIXES = {
     "16.0": (16, 0),
     # short documents and one long one: local, group and ring placements on a 2 x 2 mesh
     "many": (3, 2, 4, 1, 2, 3, 5, 2, 1, 3, 2, 4, 6, 2, 3, 40, 1, 2, 5, 3, 2, 4, 1, 3),
+    # every document whole on one rank, with pads, on 1 x 2, 2 x 1 and 2 x 2: nothing is
+    # exchanged there, so no rank issues a collective (schedule.exchanged_head_groups)
+    "short": (0, 1) + (2,) * 32 + (0,),
 }
 MATRIX_DOCS = ("mixed", "long")
 HEADS = ((4, 4), (4, 2), (4, 1))  # (Hq, Hkv): MHA, GQA, MQA (Hkv < ulysses for ulysses >= 2)
@@ -307,6 +310,7 @@ def recompute_exchange_cases() -> list[RecomputeExchangeCase]:
         RecomputeExchangeCase("long", 4, 1, True),  # MQA: KV heads repeated on ulysses >= 2
         RecomputeExchangeCase("long", 4, 2, True, placement="zigzag"),
         RecomputeExchangeCase("mixed", 4, 2, False, (3, 5)),
+        RecomputeExchangeCase("short", 4, 2, True),  # nothing exchanged on most meshes
     ]
 
 
@@ -337,6 +341,8 @@ def attention_cases() -> list[AttentionCase]:
         *recompute_exchange_cases(),
         SmallQueryBlockCase("long", 4, 1, False),
         *(AttentionCase("many", 4, 2, causal, window) for causal, window in MASKS.values()),
+        *(AttentionCase("short", 4, hkv, True) for hkv in (2, 1)),
+        AttentionCase("short", 4, 2, False, (3, 5)),
         AttentionCase("many", 4, 1, True, placement="zigzag"),
         *(AttentionCase(docs, 4, 2, causal, window, placement="zigzag")
           for docs in MATRIX_DOCS for causal, window in MASKS.values()),
