@@ -83,18 +83,20 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, placement: str, kernel: str,
-                 heads: str, head_dim: int, device_kind: str) -> tuple[float, float | None, float | None]:
+                 heads: str, head_dim: int, device_kind: str,
+                 window: int = -1) -> tuple[float, float | None, float | None]:
     """The advisor's time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses rank
     ``rank % ulysses``, as ``make_mesh`` numbers them) alone, for the batch of document
     ``lengths``: its compute; its compute bounded by its host time per phase (None where
     kernels/host_measured.json has no eager host times for the device and kernel); and each
     phase's compute plus its GPU work besides attention, bounded by the host time where that is
-    measured (None where kernels/gpu_other_measured.json has no constants for them)."""
+    measured (None where kernels/gpu_other_measured.json has no constants for them).
+    ``window``: the call's causal sliding window (-1: none)."""
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule(placement))
     heads_q, heads_kv = HEADS[heads]
-    call = CallShape(heads_q, heads_kv, head_dim, torch.bfloat16)
+    call = CallShape(heads_q, heads_kv, head_dim, torch.bfloat16, window=window)
     ring_rank, ulysses_rank = rank // ulysses, rank % ulysses
-    times = compute_times(block_work(batch), ring_rank, ulysses_rank, call, kernel, device_kind)
+    times = compute_times(block_work(batch, window), ring_rank, ulysses_rank, call, kernel, device_kind)
     record = host_measured.find(device_kind, "hcp-eager", kernel)
     other = gpu_other_measured.find(device_kind, "hcp-eager", kernel)
     sizes = rank_sizes(batch, ring_rank, ulysses_rank)
@@ -139,8 +141,7 @@ def compare(paths: list[Path], device_kind: str | None, kernel: str | None = Non
         kind = device_kind or run["device"]
         by_name = workloads(options["shrink"])  # the run's batches, drawn as it drew them
         for row in rows:
-            windowed = by_name[row.workload].window_left >= 0
-            if row.mode != "hcp-eager" or row.recompute_exchange or windowed:  # the model has no windows
+            if row.mode != "hcp-eager" or row.recompute_exchange:
                 continue
             ulysses, ring = parse_mesh(row.mesh.split()[0])  # "AxR rank R alone"
             measured = Comparison(row.workload, f"{ulysses}x{ring}", rank, row.placement, row.kernel, row.ms,
@@ -154,9 +155,10 @@ def predicted(measured: Comparison, by_name: dict[str, Workload], heads: str, he
     """``measured`` with the advisor's predictions for the kernel it ran (``kernel``: this one)."""
     ulysses, ring = parse_mesh(measured.mesh)
     try:
+        workload = by_name[measured.workload]
         compute, with_host, with_other = predicted_ms(
-            by_name[measured.workload].lengths, ulysses, ring, measured.rank, measured.placement,
-            kernel or measured.kernel, heads, head_dim, device_kind)
+            workload.lengths, ulysses, ring, measured.rank, measured.placement,
+            kernel or measured.kernel, heads, head_dim, device_kind, workload.window_left)
         return replace(measured, predicted_ms=compute, predicted_host_ms=with_host, predicted_other_ms=with_other)
     except InputError as model_error:  # a kernel or device the measurements do not cover
         return replace(measured, predicted_ms=None, predicted_host_ms=None, predicted_other_ms=None,

@@ -205,6 +205,63 @@ def test_block_pairs_sum_to_each_ranks_causal_work():
         torch.testing.assert_close(total, layout.attention_work(batch).double(), rtol=2e-7, atol=0)
 
 
+def enumerated_work(batch: layout.BatchLayout, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local [R, A], steps [R, R])`` by enumerating every visible pair of every document on
+    the ranks the layout gives it (zigzag chunks of RING documents at their positions)."""
+    ring, ulysses = batch.ring, batch.ulysses
+    local, steps = torch.zeros(ring, ulysses, dtype=torch.float64), torch.zeros(ring, ring, dtype=torch.float64)
+
+    def pairs(queries, keys) -> int:
+        return sum(1 for q in queries for k in keys if 0 <= q - k and (window < 0 or q - k <= window))
+
+    for kind, length, r, a, chunk in zip(batch.kind.tolist(), batch.lengths.tolist(), batch.ring_rank.tolist(),
+                                         batch.ulysses_rank.tolist(), batch.chunk.tolist()):
+        if length == 0:
+            continue
+        if kind == layout.Kind.LOCAL:
+            local[r, a] += pairs(range(length), range(length))
+        elif kind == layout.Kind.GROUP:
+            steps[r, 0] += pairs(range(length), range(length)) / ulysses
+        else:
+            def held(rank):
+                return [p for c in (rank, 2 * ring - 1 - rank) for p in range(c * chunk, (c + 1) * chunk) if p < length]
+            for rank in range(ring):
+                for step in range(ring):
+                    steps[rank, step] += pairs(held(rank), held((rank - step) % ring)) / ulysses
+    return local, steps
+
+
+@pytest.mark.parametrize("window", [-1, 0, 3, 11])
+def test_block_pairs_under_a_window_match_an_enumeration(window):
+    cu = advise.cu_seqlens_of([0, 1, 7, 13, 29, 5, 40, 2, 17])
+    for ulysses, ring, placement in [(2, 2, "balanced"), (1, 3, "zigzag"), (2, 1, "balanced"), (1, 4, "zigzag")]:
+        batch = layout.batch_layout(cu, ulysses, ring, placement_rule(placement))
+        work = advise.block_work(batch, window)
+        local, steps = enumerated_work(batch, window)
+        torch.testing.assert_close(work.local, local, rtol=0, atol=1e-9)
+        torch.testing.assert_close(work.steps, steps, rtol=0, atol=1e-9)
+
+
+def test_visible_pairs_count_every_pair_in_the_window():
+    for q0, nq, k0, nk, window in [(5, 4, 0, 3, 4), (0, 6, 0, 6, -1), (0, 6, 0, 6, 0), (10, 3, 2, 9, 5), (0, 3, 7, 4, 9)]:
+        expected = sum(1 for q in range(q0, q0 + nq) for k in range(k0, k0 + nk)
+                       if 0 <= q - k and (window < 0 or q - k <= window))
+        got = advise.visible_pairs(*(torch.tensor([x]) for x in (q0, nq, k0, nk)), window)
+        assert int(got) == expected, (q0, nq, k0, nk, window)
+
+
+def test_a_window_under_cp_takes_the_fastest_kernel_that_masks_by_position():
+    windowed = {name: value for name, value in H200["window"].items() if name in ("flex", "torch")}
+    assert advise.cuda_kernel("NVIDIA H200", windowed=True) == max(windowed, key=windowed.__getitem__) == "flex"
+    assert H200["window"]["cudnn"] > H200["window"]["flex"]  # premise: the fastest cannot take it
+    advice = advise.advise(advise.cu_seqlens_of([3000, 900, 5000, 131]), world=2, gpus_per_node=8, heads_q=32,
+                           heads_kv=8, head_dim=128, window=1024)
+    assert advice.kernel == "flex"
+    whole = advise.advise(advise.cu_seqlens_of([3000, 900, 5000, 131]), world=2, gpus_per_node=8, heads_q=32,
+                          heads_kv=8, head_dim=128, kernel="flex")
+    assert prediction(advice, 2, 1, "balanced").compute_s < prediction(whole, 2, 1, "balanced").compute_s
+
+
 def test_rank_sizes_match_the_prepared_batch():
     cu = advise.cu_seqlens_of(log_uniform_lengths(30000, 16, 6000, seed=5))
     for ulysses, ring, placement in [(2, 2, "balanced"), (1, 3, "zigzag"), (3, 2, "balanced")]:

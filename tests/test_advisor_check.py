@@ -8,6 +8,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the benchmarks package
+
+from benchmarks.advisor_check import predicted_ms  # noqa: E402
+from benchmarks.speed import workloads  # noqa: E402
+
 DEVICE = "NVIDIA H200"
 
 
@@ -18,9 +23,14 @@ def test_one_rank_measured_and_predicted_on_cpu(tmp_path):
                "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    # rank 5 is not of a 2-rank mesh: skipped; the windowed W4 is not modelled: left out
-    (comparison,) = json.loads((tmp_path / "advisor_check.json").read_text())
+    # rank 5 is not of a 2-rank mesh: skipped
+    comparison, windowed = json.loads((tmp_path / "advisor_check.json").read_text())
     assert (comparison["workload"], comparison["mesh"], comparison["rank"]) == ("W1-128K", "2x1", 0)
+    assert (windowed["workload"], windowed["mesh"], windowed["rank"]) == ("W4-128K", "2x1", 0)
+    # the window (8 keys back, shrunk 512 times) leaves fewer pairs than the same batch without it
+    w4 = workloads(512)["W4-128K"]
+    unwindowed, _, _ = predicted_ms(w4.lengths, 2, 1, 0, "balanced", "cudnn", "gqa", 128, DEVICE)
+    assert 0 < windowed["predicted_ms"] < unwindowed and windowed["measured_ms"] > 0
     assert comparison["error"] is None and comparison["measured_ms"] > 0
     # W1 shrunk 512 times: one document of 256 tokens, exchanged over the 2 Ulysses ranks (each
     # with 16 of the 32 query heads), a document shorter than 2048 rows: cuDNN's "short

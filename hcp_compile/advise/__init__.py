@@ -45,8 +45,11 @@ ranks leave out that work). Not modelled: the attention op's copies of the ring'
 halves (inside the op, missing from measured.json's single-device throughputs), the host work
 of a compiled call, the host cost of real
 collectives beyond the fake process group's the host part was measured with, contention
-between an all-to-all and ring hops on one NVLink domain, windows (only causal attention is
-measured for every kernel).
+between an all-to-all and ring hops on one NVLink domain. A causal sliding window
+(``window``) limits every block's pairs (:func:`visible_pairs`, exact) and times them at the
+windowed throughput of the kernel CP takes for it (one that masks by position: flex on an
+H200); its host and GPU-other parts are those of calls without a window, and against one rank
+alone on W4 it predicts 15-24 % short (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from .records import (
     Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, GpuOtherBytes, HopTimes,
     HostCounts, Links, Option, PhaseTimes, Prediction, SCHEME,
 )
-from .compute import block_composition, block_work, compute_times
+from .compute import block_composition, block_work, compute_times, visible_pairs
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .host import bounded_by_host, host_counts, host_times, kernel_calls
 from .gpu_other import gpu_other_bytes, gpu_other_times, kernel_own_bytes
@@ -82,6 +85,7 @@ __all__ = [
     "batches_from",
     "block_composition",
     "block_work",
+    "visible_pairs",
     "bounded_by_host",
     "compute_times",
     "cu_seqlens_of",

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import layout
-from ..kernels import gpu_other_measured, host_measured, measured
+from ..kernels import KERNELS, gpu_other_measured, host_measured, measured
 from ..kernels.gpu_other_measured import GpuOtherRecord
 from ..kernels.host_measured import HostRecord
 from ..placements import PLACEMENTS, placement_rule
@@ -65,7 +65,7 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
     ``other``: the measured host and GPU-other constants (None: that part not modelled)."""
     ulysses, ring = option.ulysses, option.ring
     batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(option.placement))
-    work = block_work(batch)
+    work = block_work(batch, call.window)
     groups = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
     link = ring_link(ulysses, ring, gpus_per_node)
     ranks = []
@@ -110,27 +110,38 @@ def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call:
     )
 
 
-def cuda_kernel(device_kind: str) -> str:
+def cuda_kernel(device_kind: str, windowed: bool = False) -> str:
     """The kernel ``kernel="auto"`` takes under CP on ``device_kind`` with every measured
-    kernel installed: the best mean over the unwindowed compositions (docs/design.md §8.2)."""
-    table = measured.throughputs()
+    kernel installed: the best mean over the unwindowed compositions (docs/design.md §8.2);
+    under a window the best measured on the windowed composition among the kernels that mask a
+    window by positions in the document, as a ring step needs (``Kernel.masks_by_position``)."""
+    table = measured.throughputs(measured.WINDOW) if windowed else measured.throughputs()
     if device_kind not in table:
         raise InputError(f"device_kind: no measurements for {device_kind!r} in "
                          f"kernels/measured.json; expected one of {sorted(table)}")
-    return max(table[device_kind], key=table[device_kind].__getitem__)
+    able = {name: value for name, value in table[device_kind].items()
+            if not windowed or (name in KERNELS and KERNELS[name].masks_by_position)}
+    if not able:
+        raise InputError(f"window: no kernel measured on {device_kind!r} masks a window by positions "
+                         "in the document, as ring steps need; measure flex there (scripts/measure_kernels.py)")
+    return max(able, key=able.__getitem__)
 
 
 def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int, heads_q: int,
            heads_kv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
            placements: Sequence[str] = tuple(PLACEMENTS), kernel: str = "auto",
-           device_kind: str = DEFAULT_DEVICE, links: Links = Links(), mode: str = "hcp-eager") -> Advice:
+           device_kind: str = DEFAULT_DEVICE, links: Links = Links(), mode: str = "hcp-eager",
+           window: int = -1) -> Advice:
     """Predict every valid mesh and placement (:func:`mesh_options`) on ``batches`` (one
     global int32 ``cu_seqlens`` or a sample of them) and rank them, fastest first:
     ``advice.best`` has ``ulysses``, ``ring`` and ``placement`` for ``make_mesh`` and
     ``shard_plan``. ``kernel="auto"``: the one CP's auto takes on ``device_kind``. ``mode``:
     whose host times (kernels/host_measured.json) bound each rank's step, and whose GPU work
     besides attention (kernels/gpu_other_measured.json) adds to it; where none were measured
-    that part is 0 and ``advice.host_modelled`` (``advice.gpu_other_modelled``) False."""
+    that part is 0 and ``advice.host_modelled`` (``advice.gpu_other_modelled``) False.
+    ``window``: a causal sliding window of that many keys back (-1: none), which limits every
+    block's pairs and picks the windowed throughputs; the host and GPU-other parts are those
+    of calls without one."""
     started = time.perf_counter()
     batches = [batches] if isinstance(batches, Tensor) else list(batches)
     if not batches:
@@ -142,13 +153,15 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
                              "non-decreasing, with at least one document; pass the global "
                              "cumulative document lengths")
     _check_positive(head_dim=head_dim)
+    if isinstance(window, bool) or not isinstance(window, int) or window < -1:
+        raise InputError(f"window: expected the keys a query sees back (an int >= 0), or -1 for none; got {window!r}")
     if not isinstance(dtype, torch.dtype):
         raise InputError(f"dtype: expected a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     if mode not in host_measured.MODES:
         raise InputError(f"mode: expected one of {host_measured.MODES} (the modes whose host work the "
                          f"advisor counts), got {mode!r}")
-    kernel = cuda_kernel(device_kind) if kernel == "auto" else kernel
-    call = CallShape(heads_q, heads_kv, head_dim, dtype)
+    kernel = cuda_kernel(device_kind, window >= 0) if kernel == "auto" else kernel
+    call = CallShape(heads_q, heads_kv, head_dim, dtype, window=window)
     options = mesh_options(world, gpus_per_node, heads_q, heads_kv, placements)
     if not options:
         raise InputError(f"world: no ulysses x ring = {world} has a Ulysses group inside a node "

@@ -72,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--kernel", default="auto")
     parser.add_argument("--device-kind", default=DEFAULT_DEVICE)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--window", type=int, default=-1,
+                        help="a causal sliding window: the keys each query sees back (default -1: none)")
     defaults = Links()
     parser.add_argument("--all-to-all-gbs", type=float, default=defaults.all_to_all_bytes_per_s / 1e9,
                         help="NVLink all-to-all GB/s per GPU and direction")
@@ -88,5 +90,5 @@ def main(argv: Sequence[str] | None = None) -> str:
     advice = advise(batches, world=args.world, gpus_per_node=args.gpus_per_node, heads_q=heads_q,
                     heads_kv=heads_kv, head_dim=args.head_dim, dtype=getattr(torch, args.dtype),
                     placements=[p for p in args.placements.split(",") if p], kernel=args.kernel,
-                    device_kind=args.device_kind, links=links)
+                    device_kind=args.device_kind, links=links, window=args.window)
     return format_advice(advice)

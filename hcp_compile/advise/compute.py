@@ -13,29 +13,56 @@ from ..validation import InputError
 from .records import BlockWork, ComputeTimes, FLOPS_PER_PAIR_HEAD_DIM, FORWARD_SHARE
 
 
-def block_composition(segments: int, longest: int) -> str | None:
+def block_composition(segments: int, longest: int, windowed: bool = False) -> str | None:
     """The measured composition a block is timed by; None for a block without segments.
     Unlike ``measured.composition`` (which judges a whole batch), a block whose longest
     segment is short is short whatever its segment count: a ring step of one document cut
     into 1K chunks runs at short-segment speed (the dense kernel hands such segments to
-    flash), not at one 131K document's."""
+    flash), not at one 131K document's. ``windowed``: a sliding window masks part of the
+    block (some document of it is longer than the window)."""
     if segments == 0:
         return None
+    if windowed:
+        return measured.WINDOW
     if longest < measured.SHORT_DOCUMENT_ROWS:
         return measured.SHORT
     return measured.composition(False, segments, longest)
 
 
-def block_work(batch: BatchLayout) -> BlockWork:
+def visible_pairs(q0: Tensor, nq: Tensor, k0: Tensor, nk: Tensor, window: int = -1) -> Tensor:
+    """The query-key pairs with ``0 <= q - k <= window`` (``window`` -1: causal, unbounded) of
+    queries at positions ``[q0, q0 + nq)`` and keys at ``[k0, k0 + nk)`` of one document,
+    elementwise over int64 tensors, exactly (closed forms, no enumeration)."""
+    reach = (q0 + nq) if window < 0 else torch.full_like(q0, window)  # unbounded: past every key
+    return _pairs_within(q0, nq, k0, nk, reach) - _pairs_within(q0, nq, k0, nk, torch.full_like(q0, -1))
+
+
+def _pairs_within(q0: Tensor, nq: Tensor, k0: Tensor, nk: Tensor, d: Tensor) -> Tensor:
+    """Pairs with ``q - k <= d``: a query ``q`` sees ``min(nk, max(0, k0 + nk + d - q))`` keys,
+    summed over the queries as ``H(top) - H(bottom)`` with ``H(x) = sum_{u=1..x} min(nk, u)``."""
+    top = k0 + nk + d - q0
+    bottom = top - nq
+
+    def prefix(x: Tensor) -> Tensor:
+        x = x.clamp(min=0)
+        inside = x.minimum(nk)
+        return inside * (inside + 1) // 2 + (x - inside) * nk
+
+    return prefix(top) - prefix(bottom)
+
+
+def block_work(batch: BatchLayout, window: int = -1) -> BlockWork:
     """The pairs and compositions of every rank's blocks under ``batch``'s layout: the local
     region, the own ring step (the ring rank's own ring section, causal inside each document,
     and its GROUP documents) and the ring steps ``s`` against ring rank ``r - s``'s section
     (docs/design.md §3.3: ``LOWER`` for an earlier source, ``UPPER`` for a later one). Real
-    tokens only: pads see nothing."""
+    tokens only: pads see nothing. ``window``: a causal sliding window of that many keys back
+    (-1: none), which every block masks by position in the document."""
     lengths, ring, ulysses = batch.lengths, batch.ring, batch.ulysses
     # empty documents are no segments of any block (communication.rank_sizes drops them too)
     is_local, is_group, is_ring = ((batch.kind == k) & (lengths > 0) for k in (Kind.LOCAL, Kind.GROUP, Kind.RING))
-    whole = (lengths * (lengths + 1) // 2).double()
+    start = torch.zeros_like(lengths)
+    whole = visible_pairs(start, lengths, start, lengths, window).double()
     slot = torch.where(is_local, batch.ring_rank * ulysses + batch.ulysses_rank, 0)
     local = torch.zeros(ring * ulysses, dtype=torch.float64).scatter_add(
         0, slot, torch.where(is_local, whole, 0)).view(ring, ulysses)
@@ -58,23 +85,48 @@ def block_work(batch: BatchLayout) -> BlockWork:
     def real(chunk_index: Tensor) -> Tensor:
         return (ring_lengths - chunk_index * chunk).clamp(min=0).minimum(chunk).double()
 
-    first, second = real(index), real(2 * ring - 1 - index)  # [R, n_ring]
-    own = (first * (first + 1) / 2 + second * (second + 1) / 2 + first * second).sum(1)
-    lower = (first + second) @ first.T  # [r, src]: every held query, the source's first chunk
-    upper = second @ (first + second).T  # [r, src]: the second chunk's queries, both chunks
     source = (index - torch.arange(ring)[None, :]) % ring  # [r, s]: step s reads r - s
-    rows = index.expand(ring, ring)
-    steps = torch.where(source < rows, lower[rows, source], upper[rows, source])
-    steps[:, 0] = own + group
+    if window < 0:  # causal pairs factorize over the chunks: products of their token counts
+        first, second = real(index), real(2 * ring - 1 - index)  # [R, n_ring]
+        own = (first * (first + 1) / 2 + second * (second + 1) / 2 + first * second).sum(1)
+        lower = (first + second) @ first.T  # [r, src]: every held query, the source's first chunk
+        upper = second @ (first + second).T  # [r, src]: the second chunk's queries, both chunks
+        rows = index.expand(ring, ring)
+        steps = torch.where(source < rows, lower[rows, source], upper[rows, source])
+        steps[:, 0] = own
+    else:
+        steps = torch.stack([_window_step(chunk, ring_lengths, index[:, 0], source[:, s], ring, window)
+                             for s in range(ring)], dim=1)
+    steps[:, 0] += group
     n_ring, chunk_max = int(is_ring.sum()), int(chunk.max()) if chunk.numel() else 0
+    ring_longest = int(ring_lengths.max()) if n_ring else 0
+
+    def masked(longest: int) -> bool:  # a document of the block is longer than the window
+        return 0 <= window < longest
+
     step_kind = [
-        [block_composition(n_ring + int(group_count[r]), max(2 * chunk_max, int(group_longest[r])))]
-        + [block_composition(n_ring, chunk_max)] * (ring - 1)
+        [block_composition(n_ring + int(group_count[r]), max(2 * chunk_max, int(group_longest[r])),
+                           masked(max(ring_longest, int(group_longest[r]))))]
+        + [block_composition(n_ring, chunk_max, masked(ring_longest))] * (ring - 1)
         for r in range(ring)
     ]
-    local_kind = [[block_composition(int(local_count[r, a]), int(local_longest[r, a]))
+    local_kind = [[block_composition(int(local_count[r, a]), int(local_longest[r, a]), masked(int(local_longest[r, a])))
                    for a in range(ulysses)] for r in range(ring)]
     return BlockWork(local, steps / ulysses, local_kind, step_kind)
+
+
+def _window_step(chunk: Tensor, lengths: Tensor, rank: Tensor, source: Tensor, ring: int, window: int) -> Tensor:
+    """``[R]`` windowed pairs of one ring step: ring rank ``rank[i]``'s queries (its zigzag
+    chunks ``r`` and ``2R-1-r`` of every RING document) against ring rank ``source[i]``'s keys
+    (its two chunks), each chunk at its place in the document, real tokens only."""
+    total = torch.zeros(rank.shape[0], dtype=torch.int64)
+    for q_chunk in (rank, 2 * ring - 1 - rank):
+        for k_chunk in (source, 2 * ring - 1 - source):
+            q0, k0 = q_chunk[:, None] * chunk, k_chunk[:, None] * chunk  # [R, n_ring]
+            nq = (lengths - q0).clamp(min=0).minimum(chunk)
+            nk = (lengths - k0).clamp(min=0).minimum(chunk)
+            total += visible_pairs(q0, nq, k0, nk, window).sum(1)
+    return total.double()
 
 
 def kernel_throughput(kernel: str, device_kind: str, composition: str) -> float:

@@ -191,6 +191,9 @@ class Kernel(Protocol):
     they are, without repeating them."""
 
     name: str
+    # whether it can mask a window by positions inside the document (a ring step under a
+    # window, ``BlockRequest.window_by_position``), not only by offsets inside its segments
+    masks_by_position: bool
 
     def supports(self, request: BlockRequest) -> str | None:
         """None when the kernel can run ``request``, else what it needs ("needs ...",

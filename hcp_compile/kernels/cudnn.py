@@ -392,6 +392,7 @@ def uninitialized(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | Non
 
 class CudnnKernel:
     name = "cudnn"
+    masks_by_position = False
 
     def supports(self, request: BlockRequest) -> str | None:
         _, missing = frontend()
@@ -401,7 +402,7 @@ class CudnnKernel:
                 and request.head_dim % 16 == 0 and request.head_dim <= MAX_HEAD_DIM):
             return (f"needs CUDA tensors in fp16/bf16 with head_dim a multiple of 16 and at most {MAX_HEAD_DIM}; "
                     f"got {request.dtype} on {request.device} with head_dim {request.head_dim}")
-        if request.window_by_position:
+        if request.window_by_position and not self.masks_by_position:
             return _NO_WINDOW_BY_POSITION
         left, right = request.window
         if left >= 0 and right != 0:

@@ -52,6 +52,7 @@ _NO_WINDOW_BY_POSITION = (
 
 class FlashKernel:
     name = "flash"
+    masks_by_position = False
 
     def supports(self, request: BlockRequest) -> str | None:
         if not (request.device.type == "cuda" and request.dtype in SUPPORTED_DTYPES
@@ -60,7 +61,7 @@ class FlashKernel:
                 f"needs CUDA tensors in fp16/bf16 with head_dim a multiple of 8 and at most "
                 f"256; got {request.dtype} on {request.device} with head_dim {request.head_dim}"
             )
-        if request.window_by_position:
+        if request.window_by_position and not self.masks_by_position:
             return _NO_WINDOW_BY_POSITION
         return None
 

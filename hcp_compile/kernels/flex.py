@@ -65,6 +65,7 @@ STATIC_SHAPES = 4
 
 class FlexKernel:
     name = "flex"
+    masks_by_position = True
 
     def supports(self, request: BlockRequest) -> str | None:
         if request.device.type not in ("cuda", "cpu"):

@@ -117,6 +117,7 @@ class TorchKernel:
     """Any device and float dtype (the reference the other kernels are tested against)."""
 
     name = "torch"
+    masks_by_position = True
 
     def supports(self, request: BlockRequest) -> str | None:
         return None

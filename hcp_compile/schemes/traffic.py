@@ -24,6 +24,7 @@ class CallShape:
     dtype: torch.dtype
     returns_lse: bool = False
     recompute_exchange: bool = False
+    window: int = -1  # a causal sliding window of this many keys back (-1: none); moves nothing else
 
 
 def call_traffic(scheme: str, sizes: RankSizes, call: CallShape, ulysses: int, ring: int,
