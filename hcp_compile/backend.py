@@ -179,7 +179,7 @@ class HcpBackend:
         shape_env = context.fake_mode.shape_env if context is not None and context.fake_mode is not None else None
         return GraphVariants(
             full, compile_for, inputs, MeshShape(groups.ulysses_size, groups.ring_size, options.placement),
-            guard_count=(lambda: len(shape_env.guards)) if shape_env is not None else None,
+            guards=(lambda: shape_env.guards) if shape_env is not None else None,
         )
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], config: RewriteConfig,

@@ -70,7 +70,7 @@ class GraphVariants:
     compile_for: Callable[[Exchanges], Callable]  # the graph for batches of these exchanges
     inputs: tuple[int, ...]  # positions of the graph's cu_seqlens inputs
     mesh: MeshShape
-    guard_count: Callable[[], int] | None = None  # the guards of Dynamo's shape environment
+    guards: Callable[[], Sequence[Any]] | None = None  # Dynamo's shape environment's guards
     graphs: dict[Exchanges, Callable | None] = field(default_factory=dict, init=False)  # None: refused
 
     def __call__(self, *args):
@@ -95,13 +95,15 @@ class GraphVariants:
         return self.full
 
     def _compiled(self, kind: Exchanges) -> Callable | None:
-        before = self.guard_count() if self.guard_count is not None else 0
+        before = len(self.guards()) if self.guards is not None else 0
         try:
             compiled = self.compile_for(kind)
         except Exception as error:  # a broader graph stays right for the batch
             return self._refuse(kind, f"compiling it failed ({type(error).__name__}: {error})")
-        if self.guard_count is not None and self.guard_count() != before:
-            return self._refuse(kind, "it would add guards on the inputs that Dynamo does not check")
+        added = list(self.guards())[before:] if self.guards is not None else []
+        if added:
+            shown = "; ".join(str(getattr(guard, "expr", guard)) for guard in added[:3])
+            return self._refuse(kind, f"it would add guards on the inputs that Dynamo does not check ({shown})")
         return compiled
 
     def _refuse(self, kind: Exchanges, why: str) -> None:

@@ -43,7 +43,7 @@ class Graphs:
     def __init__(self, fail: tuple[Exchanges, ...] = (), guards_added: int = 0):
         self.ran: list[str] = []
         self.compiled: list[Exchanges] = []
-        self.guards = 0
+        self.guards: list[str] = []
         self.fail, self.guards_added = fail, guards_added
 
     def full(self, *args):
@@ -52,7 +52,7 @@ class Graphs:
 
     def compile_for(self, exchanges: Exchanges):
         self.compiled.append(exchanges)
-        self.guards += self.guards_added
+        self.guards += [f"Eq(s{len(self.guards)}, 7)"] * self.guards_added
         if exchanges in self.fail:
             raise RuntimeError("no graph today")
 
@@ -63,7 +63,7 @@ class Graphs:
         return graph
 
     def variants(self, mesh: MeshShape = MESH, inputs: tuple[int, ...] = (1,)) -> GraphVariants:
-        return GraphVariants(self.full, self.compile_for, inputs, mesh, guard_count=lambda: self.guards)
+        return GraphVariants(self.full, self.compile_for, inputs, mesh, guards=lambda: self.guards)
 
 
 def test_each_batch_runs_the_narrowest_graph_and_each_compiles_once():
@@ -102,6 +102,8 @@ def test_an_unusable_graph_leaves_the_next_broader_one_for_its_batches(why, grap
         broader = variants("x", cu(NOTHING), "y")
     assert [str(w.message).split("exchange ")[1].split(" ")[0] for w in warned] == refused
     assert all(why in str(w.message) for w in warned)
+    if graphs.guards_added:  # the warning names the guards, for a report
+        assert [str(w.message).count("Eq(s") for w in warned] == [1, 1]
     # the graph for batches that exchange heads serves them, unless it is unusable too
     assert broader == ("heads" if len(refused) == 1 else "ring")
     assert variants("x", cu(NOTHING), "y") == broader
