@@ -193,6 +193,45 @@ def test_the_block_ops_give_rows_past_the_segments_the_results_of_rows_without_k
     assert local is out and _join_regions(local, exchange, sched) is out
 
 
+class _LocalBlock(torch.autograd.Function):
+    """One local-region block (one segmentation for queries and keys, pad rows after it) through
+    the ops, as hierarchical.py runs it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, covered):
+        spec = BlockSpec(cu, cu, max(SPLIT_DOCS), max(SPLIT_DOCS), True, HEAD_DIM ** -0.5, covered_rows=covered)
+        out, lse = run_forward("leaves-rows", q, k, v, spec)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        spec = dataclasses.replace(ctx.spec, cu_q=cu, cu_k=cu)
+        return (*run_backward("leaves-rows", dout.contiguous(), q, k, v, out, lse, spec), None, None)
+
+
+def test_a_compiled_graph_keeps_one_segmentation_so_keys_past_it_get_no_gradient(monkeypatch):
+    """The ops tell that keys share the queries' segmentation by the buffer both ``cu`` are
+    (``BlockSpec.one_segmentation``): Inductor must hand the op the same buffer twice, or the
+    keys' pad rows would keep what the kernel left there (flash: unwritten memory) and reach
+    the user's k and v."""
+    monkeypatch.setitem(KERNELS, "leaves-rows", LeavesRowsPastSegments())
+    tokens, pads = sum(SPLIT_DOCS), 3
+    q, k, v = (seeded(f"one-seg/{n}", tokens + pads, h, HEAD_DIM).requires_grad_() for n, h in zip("qkv", (4, 2, 2)))
+
+    def attend(q, k, v, cu):
+        return _LocalBlock.apply(q * 1, k * 1, v * 1, cu, tokens) * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(attend, backend="inductor", fullgraph=True)(q, k, v, cu_seqlens(SPLIT_DOCS))
+    out.sum().backward()
+    for name, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.equal(got[tokens:], torch.zeros_like(got[tokens:])), name
+        assert torch.isfinite(got).all(), name
+
+
 # --------------------------------------------------------------------------------------------
 # flex's block masks
 # --------------------------------------------------------------------------------------------
