@@ -22,6 +22,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import batch_check, layout, validation
 from .hierarchical import HierarchicalAttention
 from .kernels import KeysByValue
+from .layout import RankSizes
 from .mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
 from .prepared import Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values
 from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
@@ -172,10 +173,10 @@ def hierarchical_varlen_attention(
     *values, first_cache_key = batch.sizes
     for size in values[1:]:
         _check_is_size(size)
-    values = _sizes_for_graph(values, Exchanges(graph_for), groups.ulysses_size)
-    rank_sizes = dataclasses.replace(
-        layout.rank_sizes(values, groups.ulysses_rank, groups.ulysses_size), tokens=q.shape[0]
-    )
+    rank_sizes = _sizes_for_graph(layout.rank_sizes(values, groups.ulysses_rank, groups.ulysses_size),
+                                  Exchanges(graph_for))
+    values = layout.size_values(rank_sizes)
+    rank_sizes = dataclasses.replace(rank_sizes, tokens=q.shape[0])
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
     steps = schedule_steps(rank_sizes, groups.ring_size)
@@ -214,16 +215,15 @@ def _(cu_on_host, device, ulysses, ring, placement, ring_rank, ulysses_rank, ste
             torch.empty(sum(positions), dtype=torch.int64, device=device))
 
 
-def _sizes_for_graph(values: list, graph_for: Exchanges, ulysses: int) -> list:
-    """The rank's size values (:func:`layout.rank_size_values`) with those that the batches of
-    ``graph_for`` leave empty as the constant 0, each checked when the graph runs: the ring
-    width for batches without a ring section, and every exchange region too for batches
-    without an exchange."""
-    empty = {Exchanges.RING: (), Exchanges.HEADS: (2,), Exchanges.NOTHING: range(2, 3 + ulysses)}[graph_for]
-    for index in empty:
-        torch._check(values[index] == 0, lambda: (
-            f"a batch that exchanges more ran in the graph built for batches that exchange {graph_for.value}"))
-    return [0 if index in empty else value for index, value in enumerate(values)]
+def _sizes_for_graph(sizes: RankSizes, graph_for: Exchanges) -> RankSizes:
+    """The rank's sizes with those that the batches of ``graph_for`` leave empty as the
+    constant 0 (:meth:`prepared.Exchanges.narrowed`), each checked when the graph runs."""
+    narrowed = graph_for.narrowed(sizes)
+    for size, constant in zip((sizes.ring_width, *sizes.exchange), (narrowed.ring_width, *narrowed.exchange)):
+        if constant is not size:
+            torch._check(size == 0, lambda: (
+                f"a batch that exchanges more ran in the graph built for batches that exchange {graph_for.value}"))
+    return narrowed
 
 
 def _check_is_size(size: int | torch.SymInt) -> None:

@@ -159,6 +159,11 @@ def rank_size_values(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> 
     ])
 
 
+def size_values(sizes: RankSizes) -> list:
+    """Inverse of :func:`rank_sizes`: the values in :func:`rank_size_values`' order."""
+    return [sizes.tokens, sizes.local, sizes.ring_width, *sizes.exchange, sizes.local_entries, *sizes.step_entries]
+
+
 def rank_sizes(values: list, ulysses_rank: int, ulysses: int) -> RankSizes:
     """:class:`RankSizes` from the values of :func:`rank_size_values` (read to the host)."""
     tokens, local, ring_width, *rest = values

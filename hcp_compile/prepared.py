@@ -11,6 +11,7 @@ as it is by every path once ``shard_plan`` adopts it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import threading
@@ -112,6 +113,14 @@ class Exchanges(enum.Enum):
         """Whether a graph for batches of ``self`` runs batches of ``other`` too."""
         order = list(Exchanges)
         return order.index(self) <= order.index(other)
+
+    def narrowed(self, sizes: RankSizes) -> RankSizes:
+        """``sizes`` with what batches of these exchanges leave empty as the constant 0: the ring
+        width without a ring section, and every exchange region too without an exchange."""
+        if self is Exchanges.RING:
+            return sizes
+        exchange = (0,) * len(sizes.exchange) if self is Exchanges.NOTHING else sizes.exchange
+        return dataclasses.replace(sizes, ring_width=0, exchange=exchange)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ for batches without a ring section (one step) or without an exchange (no collect
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tabulate import tabulate
 
@@ -43,11 +43,7 @@ def traffic(node: Rewritten, groups: CPGroups) -> Traffic:
     round the ring (``node.local_tokens`` per rank), as far as its graph has them."""
     ulysses, ring = groups.ulysses_size, groups.ring_size
     call = CallShape(node.heads_q, node.heads_kv, node.head_dim, node.dtype, node.returns_lse)
-    sizes = whole_exchange_sizes(node.local_tokens, ulysses, ring)
-    if node.graph_for is not Exchanges.RING:
-        sizes = replace(sizes, ring_width=0)
-    if node.graph_for is Exchanges.NOTHING:
-        sizes = replace(sizes, exchange=(0,) * ulysses)
+    sizes = node.graph_for.narrowed(whole_exchange_sizes(node.local_tokens, ulysses, ring))
     return call_traffic(node.scheme, sizes, call, ulysses, ring, steps=ring_steps(node, groups))
 
 

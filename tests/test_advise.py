@@ -260,6 +260,9 @@ def test_a_window_under_cp_takes_the_fastest_kernel_that_masks_by_position():
     whole = advise.advise(advise.cu_seqlens_of([3000, 900, 5000, 131]), world=2, gpus_per_node=8, heads_q=32,
                           heads_kv=8, head_dim=128, kernel="flex")
     assert prediction(advice, 2, 1, "balanced").compute_s < prediction(whole, 2, 1, "balanced").compute_s
+    with pytest.raises(InputError, match="kernel: 'cudnn' cannot mask a window by positions"):
+        advise.advise(advise.cu_seqlens_of([3000, 900]), world=2, gpus_per_node=8, heads_q=32, heads_kv=8,
+                      head_dim=128, kernel="cudnn", window=1024)
 
 
 def test_rank_sizes_match_the_prepared_batch():

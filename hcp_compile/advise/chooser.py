@@ -161,6 +161,9 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
         raise InputError(f"mode: expected one of {host_measured.MODES} (the modes whose host work the "
                          f"advisor counts), got {mode!r}")
     kernel = cuda_kernel(device_kind, window >= 0) if kernel == "auto" else kernel
+    if window >= 0 and kernel in KERNELS and not KERNELS[kernel].masks_by_position:
+        raise InputError(f"kernel: {kernel!r} cannot mask a window by positions in the document, as ring "
+                         "steps under a window need; pass kernel='auto' or one that can (flex)")
     call = CallShape(heads_q, heads_kv, head_dim, dtype, window=window)
     options = mesh_options(world, gpus_per_node, heads_q, heads_kv, placements)
     if not options:
