@@ -32,7 +32,7 @@ KV heads (``gqa``) or 32 (``mha``), on these packed batches (lengths seeded, the
 rank and in every run):
 - W1-128K, W1-256K: one document of 128K / 256K tokens;
 - W2-128K, W2-256K: document lengths log-uniform in 256..32K, 128K / 256K tokens in all;
-- W3-128K: lengths log-uniform in 128..2K, 128K tokens;
+- W3-128K, W3-256K: lengths log-uniform in 128..2K, 128K / 256K tokens;
 - W4-128K, W4-256K: the W2 batches under a sliding window (left 4096, right 0);
 - W2-1M: W2's lengths, 1M tokens (131K per rank of 8: the ring-8 ceilings; only when named).
 
@@ -112,6 +112,15 @@ step of ``cu_seqlens`` to the device plus the plan or mask, part of the step tim
 tenth of the steps = the time at the end of step ceil(N i / 10), i = 1..10 (``cumulative_s``,
 the last the total). The JSON keeps every step's ms (``step_ms``) and ``stream_steps``,
 ``stream_layers``; the plot draws each stream's cumulative time against the step.
+``--plan-ahead``: the CP modes take each step's prepared batch (``hcp_compile.prepare_batch``
+for this rank) from one DataLoader worker process that runs two steps ahead, as a trainer's
+loader can; taking it is part of the step (a worker that falls behind shows), ``shard_plan``
+then adopts it (plan ahead = yes). ``--trace DIR``: after the stream, two more steps of new
+batches, the second traced (host and GPU) into ``DIR/<workload>_<heads>_<mode>_<placement>
+_u<A>r<R>_stream_rank<r>.json.gz``: traced step / busy / plan ms = its host-clock time, the
+time some kernel runs in it, and the plan's part (``traced_step_ms``, ``traced_busy_ms``,
+``traced_plan_ms``); step minus busy is the time the GPU waited for the host (no
+communication in a one-GPU or fake-rank stream).
 """
 
 from __future__ import annotations
@@ -144,10 +153,11 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 import hcp_compile
 from benchmarks.common import (
-    exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths, stream_seed,
+    exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths, stream_seed, union_intervals,
 )
 from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
 from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, KeysByValue, resolve_kernel
+from hcp_compile.prepared import BoundedCache, PreparedBatch
 
 HEADS = {"gqa": (32, 8), "mha": (32, 32)}
 ONE_GPU_MODES = ("one-gpu-flex", "one-gpu-flash", "one-gpu-sdpa", "one-gpu-hcp")
@@ -197,7 +207,7 @@ def workloads(shrink: int = 1) -> dict[str, Workload]:
 
     result = [Workload(f"W1-{k}K", (tokens(k),)) for k in (128, 256)]
     result += [Workload(f"W2-{k}K", drawn(k, long), spread=long) for k in (128, 256)]
-    result.append(Workload("W3-128K", drawn(128, short), spread=short))
+    result += [Workload(f"W3-{k}K", drawn(k, short), spread=short) for k in (128, 256)]
     result += [Workload(f"W4-{k}K", drawn(k, long), size(WINDOW_LEFT), spread=long) for k in (128, 256)]
     result.append(Workload("W2-1M", drawn(1024, long), spread=long))
     return {w.name: w for w in result}
@@ -245,10 +255,15 @@ class Row:
     graphs: int | None = None  # Dynamo graphs compiled during the stream (recompiles included)
     cumulative_s: list[float] | None = None  # time at the end of each tenth of the steps
     step_ms: list[float] | None = None
+    plan_ahead: bool = False  # --plan-ahead: a CP stream's plans prepared by a DataLoader worker
+    # --trace with --stream: one traced step after the stream (a new batch), on the host clock
+    traced_step_ms: float | None = None  # the step, from its lengths to the end of its backward
+    traced_busy_ms: float | None = None  # the time some kernel of the step runs
+    traced_plan_ms: float | None = None  # the host's plan (or mask) inside it
 
     def key(self) -> tuple[str | bool | int | None, ...]:
         return (self.workload, self.heads, self.mode, self.placement, self.mesh, self.recompute_exchange,
-                self.stream_steps, self.stream_layers)
+                self.stream_steps, self.stream_layers, self.plan_ahead)
 
 
 @dataclass
@@ -262,6 +277,7 @@ class Measurement:
     step_ms: list[float] | None = None  # a stream's steps
     prepare_ms: float | None = None
     graphs: int | None = None
+    traced: "TracedStep | None" = None  # --trace with --stream
 
 
 @dataclass
@@ -480,6 +496,11 @@ def record(row: Row, run: Callable[[], Measurement], setup: Setup, *, together: 
         if measured.step_ms is not None:
             row.step_ms = [_significant(t) for t in measured.step_ms]
             row.graphs = measured.graphs
+        if measured.traced is not None:
+            traced = measured.traced
+            row.traced_step_ms, row.traced_busy_ms, row.traced_plan_ms = (
+                _significant(v) for v in (traced.step_ms, traced.busy_ms, traced.plan_ms))
+            setup.say(f"  traced step: {traced.summary}")
     return row
 
 
@@ -687,6 +708,7 @@ class Step:
     workload: Workload  # the step's lengths
     cu: Tensor
     longest: int
+    prepared: PreparedBatch | None = None  # --plan-ahead: this rank's plan, built by a DataLoader worker
 
     @property
     def tokens(self) -> int:
@@ -732,14 +754,18 @@ class LayerInputs:
 
 def stream(
     setup: Setup, steps: list[Workload], heads: str, prepare: Prepare, *, together: bool, bhtd: bool = False,
-    context: contextlib.AbstractContextManager | None = None,
+    context: contextlib.AbstractContextManager | None = None, ahead: Iterator[PreparedBatch] | None = None,
+    traced: tuple[list[Workload], Path] | None = None,
 ) -> Measurement:
     """A stream: every step's batch through ``--layers`` attention calls (one per layer, each
     on its own q, k and v, all on the step's ``cu_seqlens``), forward, then backward. A step is
     timed on the host clock from its lengths on the host to the end of its backward on the
     device (synchronized), ``cu_seqlens`` to the device and ``prepare`` (the plan or the mask;
     its time is kept apart too) included. ``together``: every rank runs it, each step starting
-    together. Peak memory: the largest allocated beyond the layers' inputs."""
+    together. Peak memory: the largest allocated beyond the layers' inputs. ``ahead``: each
+    step's prepared batch (``--plan-ahead``), taken inside the step: a step waits for a worker
+    that has not finished. ``traced``: two more steps of these batches, after the stream, the
+    second traced into this file (:func:`traced_step`)."""
     device, cuda = setup.device, setup.device.type == "cuda"
     tokens = sum(steps[0].lengths)
     rows = -(-tokens * 5 // (4 * setup.world)) if together else tokens  # a rank's share, room for pads
@@ -749,28 +775,64 @@ def stream(
         torch.cuda.reset_peak_memory_stats()
         held = torch.cuda.memory_allocated()
     graphs = counters["stats"]["unique_graphs"]
-    step_ms, prepare_ms = [], []
-    with context if context is not None else contextlib.nullcontext():
-        for workload in steps:
-            if together:
-                dist.barrier()
-            _synchronize(device)
-            started = time.perf_counter()
-            step = Step(workload, cu_seqlens(workload.lengths, device), max(workload.lengths))
+
+    def run_step(workload: Workload) -> tuple[float, float]:
+        """One step: its ms and its plan's."""
+        if together:
+            dist.barrier()
+        _synchronize(device)
+        started = time.perf_counter()
+        with torch.profiler.record_function("plan"):
+            step = Step(workload, cu_seqlens(workload.lengths, device), max(workload.lengths),
+                        next(ahead) if ahead is not None else None)
             rows, attend = prepare(step)
             _synchronize(device)
-            prepared = time.perf_counter()
-            layers, dout = inputs.take(rows)
-            outs = [attend(*qkv) for qkv in layers]
-            torch.autograd.backward(outs, [dout] * len(outs))
-            _synchronize(device)
-            stopped = time.perf_counter()
-            step_ms.append((stopped - started) * 1e3)
-            prepare_ms.append((prepared - started) * 1e3)
-            del outs, layers
-    peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else None
-    return Measurement(None, peak, step_ms=step_ms, prepare_ms=statistics.median(prepare_ms),
-                       graphs=counters["stats"]["unique_graphs"] - graphs)
+        prepared = time.perf_counter()
+        layers, dout = inputs.take(rows)
+        outs = [attend(*qkv) for qkv in layers]
+        torch.autograd.backward(outs, [dout] * len(outs))
+        _synchronize(device)
+        stopped = time.perf_counter()
+        return (stopped - started) * 1e3, (prepared - started) * 1e3
+
+    with context if context is not None else contextlib.nullcontext():
+        step_ms, prepare_ms = zip(*(run_step(workload) for workload in steps))
+        peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else None
+        found = traced_step(run_step, *traced) if traced is not None else None
+    return Measurement(None, peak, step_ms=list(step_ms), prepare_ms=statistics.median(prepare_ms),
+                       graphs=counters["stats"]["unique_graphs"] - graphs, traced=found)
+
+
+@dataclass
+class TracedStep:
+    """One step of a stream under the profiler (``--trace``): its host-clock time, the time some
+    kernel ran, and the plan's (host) part; the rest of the step the GPU waited for the host
+    (in a fake-rank or one-GPU stream there is no communication to wait for)."""
+
+    step_ms: float
+    busy_ms: float
+    plan_ms: float
+    summary: str
+
+
+def traced_step(run_step: Callable[[Workload], tuple[float, float]], batches: list[Workload],
+                path: Path) -> TracedStep:
+    """``run_step`` on the two new ``batches``, the second traced (CPU and CUDA) into ``path``
+    (the first warms the profiler up: its first traced launch waits for its buffers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=1),
+                 on_trace_ready=lambda done: done.export_chrome_trace(str(path))) as prof:
+        for workload in batches:
+            step_ms, plan_ms = run_step(workload)
+            prof.step()
+    trace = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
+    comm, compute = kernel_intervals(trace)
+    busy = sum(stop - start for start, stop in union_intervals(comm + compute)) / 1e3
+    summary = kernel_summary(trace) if comm or compute else "no kernels"
+    return TracedStep(step_ms, busy, plan_ms, summary)
 
 
 def flex_stream(setup: Setup) -> Prepare:
@@ -810,7 +872,8 @@ def hcp_cp_stream(setup: Setup, workload: Workload, placement: str,
     mesh, eager = setup.hcp_mesh(), PackedAttention(workload.window)
 
     def prepare(step: Step) -> tuple[int, Attend]:
-        plan = hcp_compile.shard_plan(step.cu, mesh, placement=placement)
+        plan = hcp_compile.shard_plan(step.prepared if step.prepared is not None else step.cu, mesh,
+                                      placement=placement)
         if compiled is None:
             return plan.local_tokens, lambda q, k, v: eager(q, k, v, step.cu, step.longest)
         torch._dynamo.maybe_mark_dynamic(step.cu, 0)
@@ -837,8 +900,41 @@ def forget_batches() -> None:
         for value in list(vars(module).values()):
             if isinstance(value, KeysByValue):
                 value._keys.clear()
+            elif isinstance(value, BoundedCache):
+                value.clear()
             elif callable(getattr(value, "cache_parameters", None)) and value.cache_parameters()["maxsize"] is not None:
                 value.cache_clear()
+
+
+class PlannedSteps(torch.utils.data.Dataset):
+    """Each step's batch prepared on the host for one rank (``hcp_compile.prepare_batch``), as a
+    trainer's DataLoader worker builds it while the previous steps run (``--plan-ahead``)."""
+
+    def __init__(self, steps: list[Workload], ulysses: int, ring: int, placement: str, rank: int):
+        self.steps, self.ulysses, self.ring, self.placement, self.rank = steps, ulysses, ring, placement, rank
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, index: int) -> PreparedBatch:
+        workload = self.steps[index]
+        return hcp_compile.prepare_batch(
+            cu_seqlens(workload.lengths, torch.device("cpu")), ulysses=self.ulysses, ring=self.ring,
+            placement=self.placement, rank=self.rank, window=workload.window)
+
+
+@contextlib.contextmanager
+def plans_ahead(setup: Setup, steps: list[Workload], placement: str) -> Iterator[Iterator[PreparedBatch]]:
+    """The steps' prepared batches from one DataLoader worker process, two steps ahead (the
+    worker is stopped on the way out)."""
+    loader = torch.utils.data.DataLoader(
+        PlannedSteps(steps, setup.args.ulysses, setup.args.ring, placement, setup.rank),
+        batch_size=None, num_workers=1, prefetch_factor=2)
+    batches = iter(loader)
+    try:
+        yield batches
+    finally:
+        del batches
 
 
 def summarize_stream(row: Row, flops: list[float]) -> None:
@@ -957,6 +1053,7 @@ def run_stream(setup: Setup, workload: Workload, heads: str, on_row: Callable[[R
     its own (Inductor's and Triton's caches on disk stay: a second run compiles faster)."""
     args = setup.args
     steps = [workload.step(s) for s in range(args.stream)]  # the data loader's work, untimed
+    traced = [workload.step(s) for s in range(args.stream, args.stream + 2)]  # --trace: new batches
     q_heads = HEADS[heads][0]
     flops = [args.layers * causal_flops(list(w.lengths), q_heads, args.head_dim, w.window_left) for w in steps]
     documents = [len(w.lengths) for w in steps]
@@ -967,16 +1064,21 @@ def run_stream(setup: Setup, workload: Workload, heads: str, on_row: Callable[[R
     def measured(mode: str, placement: str, kernel: str, mesh: str, gpus: int, make: Callable[[], Prepare], *,
                  together: bool, bhtd: bool = False, recompute: bool = False,
                  context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+        plan_ahead = args.plan_ahead and mode in ("hcp-eager", "hcp-compiled")
         row = Row(workload.name, heads, mode, placement, kernel, mesh_label(setup, mesh, gpus), gpus,
-                  recompute_exchange=recompute, stream_steps=args.stream, stream_layers=args.layers)
+                  recompute_exchange=recompute, stream_steps=args.stream, stream_layers=args.layers,
+                  plan_ahead=plan_ahead)
 
         def run() -> Measurement:
             torch._dynamo.reset()
             forget_batches()
             if together and setup.fake and setup.device.type == "cuda":
                 fill_free_memory(setup.device)
-            return stream(setup, steps, heads, make(), together=together, bhtd=bhtd,
-                          context=context() if context is not None else None)
+            name = f"{workload.name}_{heads}_{mode}_{placement}_u{args.ulysses}r{args.ring}_stream"
+            trace = (traced, args.trace / f"{name}_rank{setup.rank}.json.gz") if args.trace else None
+            with plans_ahead(setup, steps + traced, placement) if plan_ahead else contextlib.nullcontext() as ahead:
+                return stream(setup, steps, heads, make(), together=together, bhtd=bhtd,
+                              context=context() if context is not None else None, ahead=ahead, traced=trace)
 
         row = record(row, run, setup, together=together)
         if gpus > 1 and args.share_gpu:  # the ranks took turns on one GPU: the times are no speed
@@ -1068,11 +1170,14 @@ def table(rows: list[Row]) -> str:
     if streams:
         headers = ["workload", "heads", "steps x layers", "mode", "placement", "recompute", "kernel", "mesh",
                    "total s", "TF/s/GPU", "steady TF/s/GPU", "eff", "steady eff", "one-time %", "first step s",
-                   "prepare ms", "graphs", "peak GiB", "peak/1GPU", "cumulative s by tenth of the steps", "error"]
+                   "prepare ms", "plan ahead", "traced step / busy / plan ms", "graphs", "peak GiB", "peak/1GPU",
+                   "cumulative s by tenth of the steps", "error"]
         body = [[r.workload, r.heads, f"{r.stream_steps}x{r.stream_layers}", r.mode, r.placement,
                  "yes" if r.recompute_exchange else "", r.kernel, r.mesh, r.stream_s, r.tflops_per_gpu,
                  r.steady_tflops_per_gpu, r.efficiency, r.steady_efficiency, r.one_time_pct, r.first_step_s,
-                 r.prepare_ms, r.graphs, r.peak_gib, r.peak_vs_one_gpu,
+                 r.prepare_ms, "yes" if r.plan_ahead else "",
+                 f"{r.traced_step_ms} / {r.traced_busy_ms} / {r.traced_plan_ms}" if r.traced_step_ms else None,
+                 r.graphs, r.peak_gib, r.peak_vs_one_gpu,
                  " ".join(f"{c:.3g}" for c in r.cumulative_s) if r.cumulative_s else None,
                  (r.error or "")[:60]] for r in streams]
         tables.append(tabulate(body, headers=headers, missingval="-"))
@@ -1209,6 +1314,10 @@ def parse_args() -> argparse.Namespace:
                              "(no --warmup, --iters, profile)")
     parser.add_argument("--layers", type=int, metavar="L",
                         help="with --stream: the attention calls (layers) per step, sharing its batch (default 1)")
+    parser.add_argument("--plan-ahead", action="store_true",
+                        help="with --stream: the CP modes take each step's prepared batch from a DataLoader "
+                             "worker (hcp_compile.prepare_batch), as a trainer can, instead of planning it "
+                             "on the step")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (exposed comm)")
     parser.add_argument("--share-gpu", action="store_true",
                         help="every rank on cuda:0, collectives over gloo: the CP modes' per-rank peak "
@@ -1240,14 +1349,14 @@ def parse_args() -> argparse.Namespace:
         args.modes = parse_list(args.modes, MODES, "--modes", parser)
     if args.stream is None and args.layers is not None:
         parser.error("--layers counts the attention calls of a stream's step: it needs --stream")
+    if args.stream is None and args.plan_ahead:
+        parser.error("--plan-ahead prepares a stream's batches: it needs --stream")
     if args.stream is not None:
         if args.stream < 2:
             parser.error(f"--stream {args.stream}: expected at least 2 steps (the last half is the steady part)")
         args.layers = 1 if args.layers is None else args.layers
         if args.layers < 1:
             parser.error(f"--layers {args.layers}: expected at least 1")
-        if args.trace is not None:
-            parser.error("--stream profiles no step: it takes no --trace")
         if args.modes is not None and "torch-native-cp" in args.modes:
             parser.error("--stream: torch-native-cp has no stream (its one document is the same batch every "
                          "step); leave it out")

@@ -24,7 +24,7 @@ from .hierarchical import HierarchicalAttention
 from .kernels import KeysByValue
 from .layout import RankSizes
 from .mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
-from .prepared import Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values
+from .prepared import BatchValues, BoundedCache, Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values
 from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
 from .schemes import DEFAULT_SCHEME
 
@@ -103,11 +103,28 @@ def batch_layout_op(
     time in a DataLoader worker: docs/design.md §5.3). The keys are given by the batch's
     values, so the layers and the backward of one batch share what the kernels derive."""
     queries = host_values(cu_seqlens_q)
+    keys = None if cu_seqlens_k is cu_seqlens_q else host_values(cu_seqlens_k)
+    planned = planned_shape(queries)
+    call = (queries.digest, None if keys is None else keys.digest, ulysses, ring, placement, ring_rank,
+            ulysses_rank, tuple(tokens), tuple(max_seqlens), recompute_exchange, scheme, graph_for, planned)
+    on_host = _checked_calls.get(call)
+    if on_host is None:
+        on_host = _checked_calls.put(call, _check_call(queries, keys, planned, *call[2:-1]))
+    cu_on_host = queries.values.clone()
+    remember_values(cu_on_host, queries)  # schedule_tables finds the batch without hashing it again
+    return on_host.clone(), cu_on_host
+
+
+def _check_call(
+    queries: BatchValues, keys: BatchValues | None, planned: MeshShape | None, ulysses: int, ring: int,
+    placement: str, ring_rank: int, ulysses_rank: int, tokens: tuple[int, ...], max_seqlens: tuple[int, ...],
+    recompute_exchange: bool, scheme: str, graph_for: str,
+) -> Tensor:
+    """``batch_layout``'s ``on_host`` for one call of the batch ``queries``."""
     prepared = prepare(queries, MeshShape(ulysses, ring, placement))
     call = batch_check.BatchCall(
         dict(zip("qkv", tokens)), {"max_seqlen_q": max_seqlens[0], "max_seqlen_k": max_seqlens[1]},
-        keys=None if cu_seqlens_k is cu_seqlens_q else host_values(cu_seqlens_k),
-        rank=(ring_rank, ulysses_rank), planned=planned_shape(queries),
+        keys=keys, rank=(ring_rank, ulysses_rank), planned=planned,
     )
     failed = batch_check.flags(batch_check.check(prepared, call))
     fingerprint = prepared.fingerprint(recompute_exchange, scheme, Exchanges(graph_for))
@@ -115,15 +132,19 @@ def batch_layout_op(
         sizes = prepared.rank_size_values(ring_rank, ulysses_rank)
     else:
         sizes = torch.zeros(_sizes_length(ulysses, ring), dtype=torch.int64)
+    # keys are never reused within a process, so a kept result stays right after its batch
+    # left _batch_keys: it names the same segmentations
     key = _batch_keys.key((queries.digest, ulysses, ring, placement, ring_rank, ulysses_rank), cache_keys_needed(ring))
-    on_host = torch.tensor([*failed, fingerprint, -fingerprint, *sizes.tolist(), key], dtype=torch.int64)
-    cu_on_host = queries.values.clone()
-    remember_values(cu_on_host, queries)  # schedule_tables finds the batch without hashing it again
-    return on_host, cu_on_host
+    return torch.tensor([*failed, fingerprint, -fingerprint, *sizes.tolist(), key], dtype=torch.int64)
 
 
 # the keys of the batches seen last (a compiled model's graphs see one batch per step)
 _batch_keys = KeysByValue(64)
+# batch_layout's result per call: a model's graphs check the same call of a batch again (each
+# graph of a model split by graph breaks, every step of a benchmark), and the check and the
+# layout's sizes cost the host a few hundred microseconds of Python that the GPU waits for
+# at the start of a step (docs/benchmarks.md, "Compiled host work")
+_checked_calls = BoundedCache(64)
 
 
 def _sizes_length(ulysses: int, ring: int) -> int:

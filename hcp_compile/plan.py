@@ -57,7 +57,6 @@ class ShardPlan:
         self.global_index = tokens.global_index.to(device)
         self.valid = tokens.valid.to(device)
         self.position_ids = tokens.position.to(device)
-        self._unshard_index = self.prepared.unshard_rows()
 
     def shard(self, x: Tensor, pad_value: float = 0) -> Tensor:
         """Global ``[num_tokens, ...]`` -> this rank's ``[local_tokens, ...]`` (pads filled)."""
@@ -87,7 +86,9 @@ class ShardPlan:
             )
         agree_on_error(self.groups, error, caller="plan.unshard")
         gathered = _GatherShards.apply(x_local, self.groups)
-        return gathered.index_select(0, self._unshard_index.to(x_local.device))
+        # derived on first use: the other ranks' tokens, which a step that never unshards
+        # does not need (a prepared batch for one rank leaves them out)
+        return gathered.index_select(0, self.prepared.unshard_rows().to(x_local.device))
 
     def summary(
         self, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,

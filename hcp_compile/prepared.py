@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import layout, validation
+from . import layout, pickling, validation
 from .layout import BatchLayout, RankSizes, StreamTokens
 from .placements import DEFAULT_PLACEMENT, check_placement, placement_rule
 from .schedule import ScheduleTables, schedule_steps, schedule_tables
@@ -283,8 +283,10 @@ class PreparedBatch:
              window: tuple[int, int] = (-1, -1)) -> "PreparedBatch":
         """Derive now what the attention and ``shard_plan`` of the CP ``ranks`` (``r * A + a``;
         None: every rank) would derive on first use, for calls with this mask: their tokens,
-        the unshard rows, their schedule tables and the steps a window skips. For a
-        DataLoader worker, so that the training step finds it all done; returns ``self``."""
+        their schedule tables, the steps a window skips and, for every rank, the unshard rows
+        (``ShardPlan.unshard``: every rank's tokens; a worker preparing one rank's batch leaves
+        them out, which halves what it sends). For a DataLoader worker, so that the training
+        step finds it all done; returns ``self``."""
         if not self.laid_out:
             return self
         mesh = self.mesh
@@ -294,7 +296,8 @@ class PreparedBatch:
             steps = schedule_steps(self.rank_sizes(ring_rank, ulysses_rank), mesh.ring)
             self.tables(ring_rank, ulysses_rank, steps, causal, window != (-1, -1))
             self.steps_seeing_keys(ring_rank, ulysses_rank, causal, window)
-        self.unshard_rows()
+        if ranks is None:
+            self.unshard_rows()
         return self
 
     def device_tables(
@@ -313,9 +316,18 @@ class PreparedBatch:
             pinned[key] = tuple(t.pin_memory() for t in flat)
         return tuple(t.to(device, copy=True, non_blocking=True) for t in pinned[key])
 
-    def __getstate__(self) -> dict:
-        # pinned memory is this process's: a worker's would arrive as plain memory
-        return {k: v for k, v in self.__dict__.items() if k != "_pinned"}
+    def __reduce__(self) -> tuple:
+        # its tensors as one buffer (hcp_compile/pickling.py: a DataLoader moves each tensor
+        # through a shared-memory segment of its own); pinned memory is this process's: a
+        # worker's would arrive as plain memory
+        state = {k: v for k, v in self.__dict__.items() if k != "_pinned"}
+        return _unpickled, pickling.pack(state)
+
+
+def _unpickled(buffer: Tensor, data: bytes) -> PreparedBatch:
+    prepared = PreparedBatch.__new__(PreparedBatch)
+    prepared.__dict__.update(pickling.unpack(buffer, data))
+    return prepared
 
 
 def check_rank(rank: int, mesh: MeshShape) -> int:
@@ -339,52 +351,64 @@ def _build(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
 # the by-value cache and the record of what shard_plan laid out
 # --------------------------------------------------------------------------------------------
 
-_CAPACITY = 8  # batches kept: a training step's, the next one's from the loader, a few more
-_PREPARED: OrderedDict[tuple[bytes, MeshShape | None], PreparedBatch] = OrderedDict()
-# digest -> the mesh shape shard_plan last laid those values out for
-_PLANNED: OrderedDict[bytes, MeshShape] = OrderedDict()
-_PLANNED_CAPACITY = 64
-_LOCK = threading.Lock()
+class BoundedCache:
+    """A map, safe across threads (a DataLoader's worker threads adopt batches), that keeps the
+    ``capacity`` entries used last."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: object) -> object | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, key: object, value: object, *, keep_existing: bool = False) -> object:
+        """Keep ``value`` under ``key`` and return what is kept (with ``keep_existing``, an entry
+        already there stays and is returned)."""
+        with self._lock:
+            if not keep_existing or key not in self._entries:
+                self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+            return self._entries[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+# batches kept: a training step's, the next one's from the loader, a few more
+_PREPARED = BoundedCache(8)  # (digest, mesh shape) -> PreparedBatch
+_PLANNED = BoundedCache(64)  # digest -> the mesh shape shard_plan last laid those values out for
 
 
 def prepare(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
     """The batch prepared for ``mesh``: from the cache when these values were prepared (or
     adopted) for it before, else built now and kept."""
-    key = (batch.digest, mesh)
-    with _LOCK:
-        found = _PREPARED.get(key)
-        if found is not None:
-            _PREPARED.move_to_end(key)
-            return found
-    return adopt(_build(batch, mesh))
+    found = _PREPARED.get((batch.digest, mesh))
+    return found if found is not None else adopt(_build(batch, mesh))
 
 
 def adopt(prepared: PreparedBatch) -> PreparedBatch:
     """Keep ``prepared`` (built here or unpickled from a worker) where every path finds it by
     value; returns the one kept (an equal one already there wins)."""
-    key = (prepared.batch.digest, prepared.mesh)
-    with _LOCK:
-        kept = _PREPARED.setdefault(key, prepared)
-        _PREPARED.move_to_end(key)
-        while len(_PREPARED) > _CAPACITY:
-            _PREPARED.popitem(last=False)
-    return kept
+    return _PREPARED.put((prepared.batch.digest, prepared.mesh), prepared, keep_existing=True)
 
 
 def record_plan(prepared: PreparedBatch) -> None:
     """Remember that ``shard_plan`` laid these values out for ``prepared.mesh`` (last)."""
-    digest = prepared.batch.digest
-    with _LOCK:
-        _PLANNED.pop(digest, None)
-        _PLANNED[digest] = prepared.mesh
-        while len(_PLANNED) > _PLANNED_CAPACITY:
-            _PLANNED.popitem(last=False)
+    _PLANNED.put(prepared.batch.digest, prepared.mesh)
 
 
 def planned_shape(batch: BatchValues) -> MeshShape | None:
     """The mesh shape ``shard_plan`` laid these values out for last (None: never, here)."""
-    with _LOCK:
-        return _PLANNED.get(batch.digest)
+    return _PLANNED.get(batch.digest)
 
 
 def prepare_batch(

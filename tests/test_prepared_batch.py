@@ -8,6 +8,7 @@ exactly the broken rules.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import subprocess
@@ -25,7 +26,7 @@ from attention_reference import reference_with_grads
 from checks import assert_matches, assert_raised, local_rows
 from compile_cases import VarlenAttention, fresh_dynamo
 from cp_cases import World, cu_seqlens, seeded
-from hcp_compile import batch_check, layout, prepared, schedule
+from hcp_compile import batch_check, layout, pickling, prepared, schedule
 from hcp_compile.placements import PLACEMENTS
 from hcp_compile.prepared import BatchValues, MeshShape, PreparedBatch, prepare_batch
 
@@ -241,6 +242,50 @@ def test_pickled_batch_holds_what_the_host_derives():
     want = schedule.schedule_tables(fresh, sizes, 1, 2, causal=True, windowed=False).flat()
     for got, expected in zip(batch.tables(1, 1, 2, True, False).flat(), want):
         assert torch.equal(got, expected)
+
+
+def test_pickled_batch_crosses_as_one_tensor():
+    """A DataLoader moves each tensor of a worker's result through a shared-memory segment of
+    its own: a prepared batch hands its pickler one tensor (its buffer), and the unshard rows,
+    which a worker preparing one rank's batch leaves out, are derived again on first use."""
+    cu = cu_seqlens(DOCS)
+    prepared_batch = prepare_batch(cu, ulysses=2, ring=2, rank=3, causal=True)
+    assert "unshard" not in prepared_batch._derived
+
+    class Counting(pickle.Pickler):
+        tensors = 0
+
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.Tensor):
+                Counting.tensors += 1
+            return None
+
+    Counting(io.BytesIO()).dump(prepared_batch)
+    assert Counting.tensors == 1
+    every_rank = prepare_batch(cu, ulysses=2, ring=2, causal=True)
+    batch = pickle.loads(pickle.dumps(prepared_batch))
+    assert torch.equal(batch.unshard_rows(), every_rank.unshard_rows())
+
+
+def test_pack_restores_every_tensor_and_the_rest():
+    """Tensors of every dtype and shape (0-d, empty, strided, one held twice) come back equal,
+    the one held twice as one tensor, beside the rest of the object."""
+    shared = torch.arange(6, dtype=torch.int32)
+    obj = {
+        "shared": shared, "again": [shared, (shared,)], "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5, dtype=torch.float64), "empty": torch.empty(0, 4, dtype=torch.int64),
+        "strided": torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)[:, ::2], "text": "x", "number": 7,
+    }
+    buffer, data = pickling.pack(obj)
+    assert buffer.dtype == torch.uint8 and buffer.dim() == 1
+    back = pickle.loads(pickle.dumps(pickling.unpack(buffer, data)))
+    for name in ("shared", "bool", "scalar", "empty", "strided"):
+        got, want = back[name], obj[name]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+    assert back["again"][0] is back["shared"] and back["again"][1][0] is back["shared"]
+    assert (back["text"], back["number"]) == ("x", 7)
+    with pytest.raises(ValueError, match="only CPU tensors"):
+        pickling.pack({"t": torch.empty(2, device="meta")})
 
 
 @pytest.mark.parametrize("arguments, match", [

@@ -169,3 +169,30 @@ def test_stream_on_cpu(tmp_path):
     assert rows["one-gpu-hcp"]["efficiency"] == 1.0
     assert rows["hcp-eager"]["mesh"] == "1x2 rank 1 alone" and rows["hcp-eager"]["graphs"] == 0
     assert rows["hcp-compiled"]["graphs"] >= 1  # its compile, in the stream
+
+
+def test_stream_plans_ahead_and_traces_a_step_on_cpu(tmp_path):
+    """--plan-ahead: the CP modes take each step's prepared batch from a DataLoader worker;
+    --trace: one more step of a new batch is traced per mode, its host time, busy time and plan
+    kept in the row, its trace in the folder (a one-GPU row plans nothing ahead)."""
+    import json
+    import subprocess
+
+    out, traces = tmp_path / "stream.json", tmp_path / "traces"
+    command = [sys.executable, "-m", "benchmarks.speed", "--device", "cpu", "--fake-rank", "0", "--ulysses", "1",
+               "--ring", "2", "--stream", "3", "--layers", "2", "--shrink", "1024", "--head-dim", "16",
+               "--dtype", "float32", "--heads", "gqa", "--workloads", "W3-128K", "--placements", "balanced",
+               "--modes", "one-gpu-hcp,hcp-eager,hcp-compiled", "--plan-ahead", "--trace", str(traces),
+               "--out", str(out)]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"one-gpu-hcp", "hcp-eager", "hcp-compiled"}
+    for mode, row in rows.items():
+        assert row["error"] is None, row["error"]
+        assert row["plan_ahead"] == (mode != "one-gpu-hcp")
+        assert row["traced_step_ms"] >= row["traced_plan_ms"] > 0 and row["traced_busy_ms"] == 0  # no GPU
+        placement = "-" if mode == "one-gpu-hcp" else "balanced"
+        assert (traces / f"W3-128K_gqa_{mode}_{placement}_u1r2_stream_rank0.json.gz").exists()
+    assert "plan ahead" in done.stdout and "traced step / busy / plan ms" in done.stdout
