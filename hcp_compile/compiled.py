@@ -24,7 +24,9 @@ from .hierarchical import HierarchicalAttention
 from .kernels import KeysByValue
 from .layout import RankSizes
 from .mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
-from .prepared import BatchValues, BoundedCache, Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values
+from .prepared import (
+    BatchValues, BoundedCache, Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values,
+)
 from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
 from .schemes import DEFAULT_SCHEME
 
@@ -109,32 +111,38 @@ def batch_layout_op(
             ulysses_rank, tuple(tokens), tuple(max_seqlens), recompute_exchange, scheme, graph_for, planned)
     on_host = _checked_calls.get(call)
     if on_host is None:
-        on_host = _checked_calls.put(call, _check_call(queries, keys, planned, *call[2:-1]))
+        on_host = _checked_calls.put(call, _check_call(
+            queries, keys, planned, MeshShape(ulysses, ring, placement), (ring_rank, ulysses_rank), tokens,
+            max_seqlens, recompute_exchange, scheme, graph_for,
+        ))
     cu_on_host = queries.values.clone()
     remember_values(cu_on_host, queries)  # schedule_tables finds the batch without hashing it again
     return on_host.clone(), cu_on_host
 
 
 def _check_call(
-    queries: BatchValues, keys: BatchValues | None, planned: MeshShape | None, ulysses: int, ring: int,
-    placement: str, ring_rank: int, ulysses_rank: int, tokens: tuple[int, ...], max_seqlens: tuple[int, ...],
-    recompute_exchange: bool, scheme: str, graph_for: str,
+    queries: BatchValues, keys: BatchValues | None, planned: MeshShape | None, mesh: MeshShape,
+    rank: tuple[int, int], tokens: list[int], max_seqlens: list[int], recompute_exchange: bool, scheme: str,
+    graph_for: str,
 ) -> Tensor:
-    """``batch_layout``'s ``on_host`` for one call of the batch ``queries``."""
-    prepared = prepare(queries, MeshShape(ulysses, ring, placement))
+    """``batch_layout``'s ``on_host`` for one call of the batch ``queries`` on rank ``rank``
+    (ring rank, Ulysses rank) of ``mesh``."""
+    prepared = prepare(queries, mesh)
+    ring_rank, ulysses_rank = rank
     call = batch_check.BatchCall(
         dict(zip("qkv", tokens)), {"max_seqlen_q": max_seqlens[0], "max_seqlen_k": max_seqlens[1]},
-        keys=keys, rank=(ring_rank, ulysses_rank), planned=planned,
+        keys=keys, rank=rank, planned=planned,
     )
     failed = batch_check.flags(batch_check.check(prepared, call))
     fingerprint = prepared.fingerprint(recompute_exchange, scheme, Exchanges(graph_for))
     if prepared.laid_out:
         sizes = prepared.rank_size_values(ring_rank, ulysses_rank)
     else:
-        sizes = torch.zeros(_sizes_length(ulysses, ring), dtype=torch.int64)
+        sizes = torch.zeros(_sizes_length(mesh.ulysses, mesh.ring), dtype=torch.int64)
     # keys are never reused within a process, so a kept result stays right after its batch
     # left _batch_keys: it names the same segmentations
-    key = _batch_keys.key((queries.digest, ulysses, ring, placement, ring_rank, ulysses_rank), cache_keys_needed(ring))
+    key = _batch_keys.key((queries.digest, mesh.ulysses, mesh.ring, mesh.placement, ring_rank, ulysses_rank),
+                          cache_keys_needed(mesh.ring))
     return torch.tensor([*failed, fingerprint, -fingerprint, *sizes.tolist(), key], dtype=torch.int64)
 
 

@@ -26,7 +26,7 @@ from attention_reference import reference_with_grads
 from checks import assert_matches, assert_raised, local_rows
 from compile_cases import VarlenAttention, fresh_dynamo
 from cp_cases import World, cu_seqlens, seeded
-from hcp_compile import batch_check, layout, pickling, prepared, schedule
+from hcp_compile import batch_check, layout, pickling, prepared, schedule, validation
 from hcp_compile.placements import PLACEMENTS
 from hcp_compile.prepared import BatchValues, MeshShape, PreparedBatch, prepare_batch
 
@@ -242,6 +242,35 @@ def test_pickled_batch_holds_what_the_host_derives():
     want = schedule.schedule_tables(fresh, sizes, 1, 2, causal=True, windowed=False).flat()
     for got, expected in zip(batch.tables(1, 1, 2, True, False).flat(), want):
         assert torch.equal(got, expected)
+
+
+def test_compiled_check_keeps_each_calls_own_verdict():
+    """``hcp::batch_layout`` keeps its result per call: the same batch with other token counts,
+    or after ``shard_plan`` laid its values out for another mesh shape, gets the verdict that
+    ``batch_check`` gives that call, not the one kept for the first."""
+    import hcp_compile.compiled  # noqa: F401 -- registers hcp::batch_layout
+    from hcp_compile.schemes import DEFAULT_SCHEME
+
+    cu = cu_seqlens(DOCS)
+    batch = prepared.prepare(prepared.host_values(cu), MeshShape(2, 2, "balanced"))
+    prepared.record_plan(batch)
+    tokens, rules = batch.rank_tokens(1, 1), len(validation.BATCH_RULES)
+
+    def verdict(count: int) -> list[bool]:
+        on_host, _ = torch.ops.hcp.batch_layout(cu, cu, 2, 2, "balanced", 1, 1, [count] * 3, [max(DOCS)] * 2,
+                                                False, DEFAULT_SCHEME, "ring")
+        return [bool(flag) for flag in on_host[:rules].tolist()]
+
+    def expected(count: int) -> list[bool]:
+        call = batch_check.BatchCall({n: count for n in "qkv"}, {"max_seqlen_q": max(DOCS), "max_seqlen_k": max(DOCS)},
+                                     rank=(1, 1), planned=prepared.planned_shape(batch.batch))
+        return batch_check.flags(batch_check.check(batch, call))
+
+    assert verdict(tokens) == expected(tokens) and not any(expected(tokens))
+    assert verdict(tokens + 1) == expected(tokens + 1) and any(expected(tokens + 1))
+    assert verdict(tokens) == expected(tokens)  # the first call's, kept
+    prepared.record_plan(prepared.prepare(batch.batch, MeshShape(1, 4, "balanced")))
+    assert verdict(tokens) == expected(tokens) and any(expected(tokens))  # now planned for 1 x 4
 
 
 def test_pickled_batch_crosses_as_one_tensor():
