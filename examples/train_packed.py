@@ -23,6 +23,12 @@ shard. What a trainer must do beyond single-device training is in ``train_step``
 On the first step, rank 0 checks the loss and the synchronized gradients against the same
 model run in this one process without CP (plain ``hcp_compile.varlen_attention`` on each
 whole batch). Without torchrun the script spawns ``data x ulysses x ring`` processes itself.
+
+``--loader-workers N`` moves the batch and its plan off the step: DataLoader workers build each
+step's batch and ``hcp_compile.prepare_batch`` for this rank while earlier steps train, and the
+step only adopts it (``shard_plan(prepared, mesh)``). On a GPU host the plan's small CPU ops on
+the step cost milliseconds, more after a compile has left work on the cores
+(docs/benchmarks.md, "One CP rank's stream").
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--loader-workers", type=int, default=0,
+                        help="DataLoader workers that build each step's batch and its prepared plan ahead "
+                             "(0: both on the step)")
     parser.add_argument("--inner", choices=INNER_COMPILERS, default=None,
                         help="compiler after the rewrite; default inductor on cuda, aot_eager on cpu")
     parser.add_argument("--plot", default="train_packed_loss.png",
@@ -74,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.loader_workers < 0:
+        parser.error("--loader-workers must be at least 0")
     if not 2 * args.max_doc <= args.tokens:
         parser.error("--tokens must be at least 2 * --max-doc: every batch packs >= 2 documents")
     return args
@@ -182,6 +194,38 @@ def batch_for(step: int, replica: int, args: argparse.Namespace, device: torch.d
     return pack(synthetic_documents(generator, args), device)
 
 
+class PlannedBatches(torch.utils.data.Dataset):
+    """``--loader-workers``: each step's batch (on the CPU) with its plan prepared for this CP
+    rank (``hcp_compile.prepare_batch``: no process group, it pickles), built in a worker."""
+
+    def __init__(self, args: argparse.Namespace, replica: int, cp_rank: int):
+        self.args, self.replica, self.cp_rank = args, replica, cp_rank
+
+    def __len__(self) -> int:
+        return self.args.steps
+
+    def __getitem__(self, step: int) -> tuple[PackedBatch, hcp_compile.PreparedBatch]:
+        batch = batch_for(step, self.replica, self.args, torch.device("cpu"))
+        prepared = hcp_compile.prepare_batch(batch.cu_seqlens, ulysses=self.args.ulysses, ring=self.args.ring,
+                                             rank=self.cp_rank)
+        return batch, prepared
+
+
+def step_batches(args: argparse.Namespace, replica: int, cp_mesh: DeviceMesh,
+            device: torch.device) -> Iterator[tuple[PackedBatch, hcp_compile.PreparedBatch | None]]:
+    """Each step's batch on ``device``, with its prepared plan where workers built it."""
+    if args.loader_workers == 0:
+        for step in range(args.steps):
+            yield batch_for(step, replica, args, device), None
+        return
+    cp_rank = cp_mesh.get_local_rank("ring") * args.ulysses + cp_mesh.get_local_rank("ulysses")
+    loader = torch.utils.data.DataLoader(PlannedBatches(args, replica, cp_rank), batch_size=None,
+                                         num_workers=args.loader_workers)
+    for batch, prepared in loader:
+        moved = (t.to(device) for t in (batch.input_ids, batch.position_ids, batch.labels, batch.cu_seqlens))
+        yield PackedBatch(*moved, batch.max_seqlen), prepared
+
+
 # --------------------------------------------------------------------------- one training step
 
 
@@ -194,11 +238,13 @@ class Trainer:
     data: int  # data-parallel replicas
 
 
-def train_step(trainer: Trainer, batch: PackedBatch) -> tuple[float, int]:
+def train_step(
+    trainer: Trainer, batch: PackedBatch, prepared: hcp_compile.PreparedBatch | None = None
+) -> tuple[float, int]:
     """Forward, backward and gradient synchronization on this rank's shard of ``batch``
-    (the optimizer has not stepped yet). Returns the loss averaged over replicas and the real
-    tokens of all replicas' batches."""
-    plan = hcp_compile.shard_plan(batch.cu_seqlens, trainer.cp_mesh)
+    (the optimizer has not stepped yet), planned from ``prepared`` where a worker built it.
+    Returns the loss averaged over replicas and the real tokens of all replicas' batches."""
+    plan = hcp_compile.shard_plan(prepared if prepared is not None else batch.cu_seqlens, trainer.cp_mesh)
     tokens = plan.shard(batch.input_ids)  # pads get token 0: masked below and in attention
     labels = plan.shard(batch.labels, pad_value=IGNORE)  # (1) pads carry no loss
     positions = plan.position_ids  # RoPE positions inside each document, for this shard
@@ -350,10 +396,11 @@ def worker(me: Worker, args: argparse.Namespace) -> bool:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // me.world_size))
     trainer, reference, replica = build_trainer(me, args)
     ok, losses = True, []
+    steps = step_batches(args, replica, trainer.cp_mesh, me.device)
     for step in range(args.steps):
         tick = time.perf_counter()
-        batch = batch_for(step, replica, args, me.device)
-        loss, tokens = train_step(trainer, batch)
+        batch, prepared = next(steps)
+        loss, tokens = train_step(trainer, batch, prepared)
         seconds = time.perf_counter() - tick
         if step == 0 and reference is not None:
             batches = [batch_for(0, r, args, me.device) for r in range(args.data)]

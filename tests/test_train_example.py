@@ -55,7 +55,9 @@ def losses(output: str) -> list[float]:
 
 
 def test_example_trains_and_matches_one_process(tmp_path: Path) -> None:
-    output = run_example(*SMALL, "--steps", "3", plot=tmp_path / "loss.png")
+    """With its batches and their plans built by a DataLoader worker (the in-process path runs
+    in the data-parallel case below): the first step matches one process without CP."""
+    output = run_example(*SMALL, "--steps", "3", "--loader-workers", "1", plot=tmp_path / "loss.png")
     assert "data 1 x ulysses 2 x ring 2" in output
     assert re.search(r"^first-step check .*: PASS$", output, re.MULTILINE), output
     curve = losses(output)
