@@ -923,18 +923,13 @@ class PlannedSteps(torch.utils.data.Dataset):
             placement=self.placement, rank=self.rank, window=workload.window)
 
 
-@contextlib.contextmanager
-def plans_ahead(setup: Setup, steps: list[Workload], placement: str) -> Iterator[Iterator[PreparedBatch]]:
+def plans_ahead(setup: Setup, steps: list[Workload], placement: str) -> Iterator[PreparedBatch]:
     """The steps' prepared batches from one DataLoader worker process, two steps ahead (the
-    worker is stopped on the way out)."""
+    worker stops when the iterator is dropped)."""
     loader = torch.utils.data.DataLoader(
         PlannedSteps(steps, setup.args.ulysses, setup.args.ring, placement, setup.rank),
         batch_size=None, num_workers=1, prefetch_factor=2)
-    batches = iter(loader)
-    try:
-        yield batches
-    finally:
-        del batches
+    return iter(loader)
 
 
 def summarize_stream(row: Row, flops: list[float]) -> None:
@@ -1076,9 +1071,9 @@ def run_stream(setup: Setup, workload: Workload, heads: str, on_row: Callable[[R
                 fill_free_memory(setup.device)
             name = f"{workload.name}_{heads}_{mode}_{placement}_u{args.ulysses}r{args.ring}_stream"
             trace = (traced, args.trace / f"{name}_rank{setup.rank}.json.gz") if args.trace else None
-            with plans_ahead(setup, steps + traced, placement) if plan_ahead else contextlib.nullcontext() as ahead:
-                return stream(setup, steps, heads, make(), together=together, bhtd=bhtd,
-                              context=context() if context is not None else None, ahead=ahead, traced=trace)
+            ahead = plans_ahead(setup, steps + traced, placement) if plan_ahead else None
+            return stream(setup, steps, heads, make(), together=together, bhtd=bhtd,
+                          context=context() if context is not None else None, ahead=ahead, traced=trace)
 
         row = record(row, run, setup, together=together)
         if gpus > 1 and args.share_gpu:  # the ranks took turns on one GPU: the times are no speed
