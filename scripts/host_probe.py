@@ -2,12 +2,15 @@
 CPU ops before and after an Inductor compile (one rank alone over the fake process group).
 
     python scripts/host_probe.py --parts ops,threads
+    python scripts/host_probe.py --parts contention --device cpu     # any machine
 
 ops      the cached path of hcp::batch_layout, hcp::raise_if_rejected and hcp::schedule_tables
          (W3-128K's batch, rank 0 of 1 x 2), and what they call, microseconds per call;
 threads  shard_plan of new W3-128K batches, ms, before an Inductor compile of the hcp backend, after
          it, 5 s later, after torch's compile workers are shut down and with one intra-op thread,
-         with the processes that use the CPU after each (ps).
+         with the processes that use the CPU after each (ps);
+contention  shard_plan of new W3-128K batches, ms, with torch's intra-op threads and with one,
+         on an idle machine and with one core kept busy by another process.
 docs/benchmarks.md ("Host work on the step") records what it found.
 """
 
@@ -99,6 +102,34 @@ def threads(device: torch.device) -> None:
     plans("one intra-op thread")
 
 
+def contention(device: torch.device) -> None:
+    mesh = hcp_compile.make_mesh(1, 2, device.type)
+    step = iter(range(1, 10**6))
+    threads = torch.get_num_threads()
+
+    def plans(tag: str) -> None:
+        times = []
+        for _ in range(8):
+            cu = cu_seqlens(WORKLOAD.step(next(step)).lengths, device)
+            time.sleep(0.05)  # as a step's plan follows a wait for the GPU
+            started = time.perf_counter()
+            hcp_compile.shard_plan(cu, mesh)
+            times.append(round(1e3 * (time.perf_counter() - started), 1))
+        print(f"{tag:20s} {torch.get_num_threads():3d} threads: {times} ms", flush=True)
+
+    for count in (threads, 1):
+        torch.set_num_threads(count)
+        plans("idle")
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.5)
+            plans("one core busy")
+        finally:
+            spinner.kill()
+            spinner.wait()
+    torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="ops,threads")
@@ -107,7 +138,7 @@ def main() -> None:
     init_fake(0, 2)
     device = torch.device(args.device)
     for part in args.parts.split(","):
-        {"ops": ops, "threads": threads}[part](device)
+        {"ops": ops, "threads": threads, "contention": contention}[part](device)
 
 
 if __name__ == "__main__":
