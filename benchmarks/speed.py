@@ -156,8 +156,8 @@ from benchmarks.common import (
     exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths, stream_seed, union_intervals,
 )
 from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
-from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, KeysByValue, resolve_kernel
-from hcp_compile.prepared import BoundedCache, PreparedBatch
+from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, BoundedCache, KeysByValue, resolve_kernel
+from hcp_compile.prepared import PreparedBatch
 
 HEADS = {"gqa": (32, 8), "mha": (32, 32)}
 ONE_GPU_MODES = ("one-gpu-flex", "one-gpu-flash", "one-gpu-sdpa", "one-gpu-hcp")
@@ -1071,7 +1071,7 @@ def run_stream(setup: Setup, workload: Workload, heads: str, on_row: Callable[[R
                 fill_free_memory(setup.device)
             name = f"{workload.name}_{heads}_{mode}_{placement}_u{args.ulysses}r{args.ring}_stream"
             trace = (traced, args.trace / f"{name}_rank{setup.rank}.json.gz") if args.trace else None
-            ahead = plans_ahead(setup, steps + traced, placement) if plan_ahead else None
+            ahead = plans_ahead(setup, steps + traced if trace else steps, placement) if plan_ahead else None
             return stream(setup, steps, heads, make(), together=together, bhtd=bhtd,
                           context=context() if context is not None else None, ahead=ahead, traced=trace)
 

@@ -21,11 +21,11 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import batch_check, layout, validation
 from .hierarchical import HierarchicalAttention
-from .kernels import KeysByValue
+from .kernels import BoundedCache, KeysByValue
 from .layout import RankSizes
 from .mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
 from .prepared import (
-    BatchValues, BoundedCache, Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values,
+    BatchValues, Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values,
 )
 from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
 from .schemes import DEFAULT_SCHEME

@@ -15,7 +15,6 @@ import dataclasses
 import enum
 import hashlib
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import layout, pickling, validation
+from .kernels.contract import BoundedCache
 from .layout import BatchLayout, RankSizes, StreamTokens
 from .placements import DEFAULT_PLACEMENT, check_placement, placement_rule
 from .schedule import ScheduleTables, schedule_steps, schedule_tables
@@ -350,38 +350,6 @@ def _build(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
 # --------------------------------------------------------------------------------------------
 # the by-value cache and the record of what shard_plan laid out
 # --------------------------------------------------------------------------------------------
-
-class BoundedCache:
-    """A map, safe across threads (a DataLoader's worker threads adopt batches), that keeps the
-    ``capacity`` entries used last."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._entries: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: object) -> object | None:
-        with self._lock:
-            found = self._entries.get(key)
-            if found is not None:
-                self._entries.move_to_end(key)
-            return found
-
-    def put(self, key: object, value: object, *, keep_existing: bool = False) -> object:
-        """Keep ``value`` under ``key`` and return what is kept (with ``keep_existing``, an entry
-        already there stays and is returned)."""
-        with self._lock:
-            if not keep_existing or key not in self._entries:
-                self._entries[key] = value
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-            return self._entries[key]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
 
 # batches kept: a training step's, the next one's from the loader, a few more
 _PREPARED = BoundedCache(8)  # (digest, mesh shape) -> PreparedBatch

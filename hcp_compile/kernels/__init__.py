@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..precision import accumulate_dtype
 from ..validation import InputError
-from .contract import BlockRequest, BlockSpec, Kernel, KeysByValue, new_cache_key
+from .contract import BlockRequest, BlockSpec, BoundedCache, Kernel, KeysByValue, new_cache_key
 from .cudnn import CudnnKernel
 from .dense import DenseKernel
 from .flash import FlashKernel

@@ -92,23 +92,51 @@ def new_cache_key(count: int = 1) -> int:
     return first
 
 
+class BoundedCache:
+    """A map, safe across threads (a DataLoader's worker threads adopt prepared batches), that
+    keeps the ``capacity`` entries used last."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: object) -> object | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, key: object, value: object, *, keep_existing: bool = False) -> object:
+        """Keep ``value`` under ``key`` and return what is kept (with ``keep_existing``, an entry
+        already there stays and is returned)."""
+        with self._lock:
+            if not keep_existing or key not in self._entries:
+                self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+            return self._entries[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
 class KeysByValue:
     """Cache keys for segmentations given by value on the host: the same values (and
     ``count``) get the same first key of ``count`` fresh ones, for as long as the last
     ``capacity`` distinct values are remembered."""
 
     def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._keys: OrderedDict[tuple, int] = OrderedDict()
+        self._keys = BoundedCache(capacity)
 
     def key(self, values: tuple, count: int = 1) -> int:
         identity = (*values, count)
-        if identity in self._keys:
-            self._keys.move_to_end(identity)
-            return self._keys[identity]
-        first = self._keys[identity] = new_cache_key(count)
-        while len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
+        first = self._keys.get(identity)
+        if first is None:
+            first = self._keys.put(identity, new_cache_key(count), keep_existing=True)
         return first
 
 
