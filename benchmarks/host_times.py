@@ -227,9 +227,14 @@ def record(path: Path, into: Path = HOST_FILE, parse: Callable[[Any, str], objec
     for kind, entry in devices.items():
         old = data["devices"].get(kind, {})
         modes = old.get("modes", {})
+        kept = any(set(modes.get(mode, {})) - set(kernels) for mode, kernels in entry["modes"].items())
         for mode, kernels in entry["modes"].items():
             modes[mode] = {**modes.get(mode, {}), **kernels}
-        data["devices"][kind] = {**old, **{k: v for k, v in entry.items() if k != "modes"}, "modes": modes}
+        merged = {**old, **{k: v for k, v in entry.items() if k != "modes"}, "modes": modes}
+        if kept and old.get("setup") not in (None, entry.get("setup")):  # the kept kernels' setup stays said
+            added = sorted({kernel for kernels in entry["modes"].values() for kernel in kernels})
+            merged["setup"] = f"{old['setup']}; {', '.join(added)}: {entry.get('setup')}"
+        data["devices"][kind] = merged
     into.write_text(json.dumps(data, indent=2) + "\n")
     load.cache_clear()
     read(into)  # what was written reads back

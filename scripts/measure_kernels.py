@@ -15,6 +15,13 @@ query against the keys up to it, or inside its window; forward 2 products, backw
 device's entry of the JSON file (keyed by ``torch.cuda.get_device_name()``) is replaced; other
 devices' entries are kept. The cost hook of the compiled path uses the mean over the unwindowed
 compositions.
+
+``--sizes 4096,16384,...`` measures the same compositions on batches of those token counts
+and of ``--tokens`` (``--size-kernels``, default the measured ones) by the time some GPU kernel
+runs (torch.profiler), not the wall time: a small call's wall time is its host's, which the
+advisor counts apart (kernels/host_measured.json). It records them under ``sizes`` with the
+mean work of one call; the advisor's compute part times a CP rank's calls by them
+(``measured.throughput_at``); ``kernel="auto"`` keeps judging by the main table.
 """
 
 from __future__ import annotations
@@ -23,13 +30,16 @@ import argparse
 import datetime
 import json
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
-from benchmarks.common import log_uniform_lengths, stream_seed  # noqa: E402
+from benchmarks.common import kernel_intervals, log_uniform_lengths, stream_seed, union_intervals  # noqa: E402
 from benchmarks.cp_throughput import causal_flops  # noqa: E402
 from hcp_compile.kernels import KERNELS, BlockRequest  # noqa: E402
 from hcp_compile.kernels import measured  # noqa: E402
@@ -51,9 +61,11 @@ def batches(tokens: int, window: int, count: int) -> dict[str, tuple[list[list[i
     }
 
 
-def stream_ms(kernel: str, stream: list[list[int]], window: int, args: argparse.Namespace) -> float:
+def stream_ms(kernel: str, stream: list[list[int]], window: int, args: argparse.Namespace,
+              busy: bool = False) -> float:
     """Total fwd+bwd time of one kernel over the stream's batches after the first (a warm-up),
-    CUDA events around the whole."""
+    CUDA events around the whole; ``busy``: the time some kernel runs instead (a profiler trace
+    of the same calls), what the GPU itself spends however fast the host issues."""
     tokens, dtype = sum(stream[0]), getattr(torch, args.dtype)
     q = torch.randn(tokens, args.heads_q, args.head_dim, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(tokens, args.heads_kv, args.head_dim, device="cuda", dtype=dtype,
@@ -69,6 +81,8 @@ def stream_ms(kernel: str, stream: list[list[int]], window: int, args: argparse.
 
     for _ in range(args.layers):
         step(stream[0])
+    if busy:
+        return profiled_busy_ms(lambda: [step(lengths) for lengths in stream[1:] for _ in range(args.layers)])
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -78,6 +92,40 @@ def stream_ms(kernel: str, stream: list[list[int]], window: int, args: argparse.
     stop.record()
     torch.cuda.synchronize()
     return start.elapsed_time(stop)
+
+
+def profiled_busy_ms(run: Callable[[], object]) -> float:
+    """Ms during which some CUDA kernel of ``run`` runs (the union of their intervals)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        comm, compute = kernel_intervals(json.loads(path.read_text()))
+    return sum(stop - start for start, stop in union_intervals(comm + compute)) / 1e3
+
+
+def measure(tokens: int, kernel_names: list[str] | None, args: argparse.Namespace, busy: bool = False) -> list[dict]:
+    """One record per composition on streams of ``tokens``-token batches: the composition, the
+    mean TFLOP of one call and each kernel's TFLOP/s (``busy``: by GPU busy time)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    probe_q = torch.empty(1, args.heads_q, args.head_dim, dtype=getattr(torch, args.dtype), device=device)
+    probe_k = torch.empty(1, args.heads_kv, args.head_dim, dtype=probe_q.dtype, device=device)
+    records = []
+    for name, (stream, window) in batches(tokens, args.window, args.batches).items():
+        request = BlockRequest.of(probe_q, probe_k, (window, -1 if window < 0 else 0))
+        kernels = [n for n in (kernel_names or KERNELS) if n != "torch" and KERNELS[n].supports(request) is None]
+        flops = args.layers * sum(causal_flops(lengths, args.heads_q, args.head_dim, window) for lengths in stream[1:])
+        row: dict[str, float] = {}
+        for kernel in kernels:
+            ms = stream_ms(kernel, stream, window, args, busy)
+            row[kernel] = round(flops / (ms * 1e-3) / 1e12, 1)
+            print(f"{tokens} tokens, {name} ({len(stream) - 1} batches): {kernel} {ms:.1f} ms, "
+                  f"{row[kernel]} TFLOP/s", flush=True)
+        call_tflop = flops / (args.layers * (len(stream) - 1)) / 1e12
+        records.append({"tokens": tokens, "composition": name, "call_tflop": round(call_tflop, 6), "tflops": row})
+    return records
 
 
 def main() -> None:
@@ -91,24 +139,23 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", help="default: every kernel but torch that can run the call")
     parser.add_argument("--batches", type=int, default=20, help="timed batches per composition")
     parser.add_argument("--layers", type=int, default=4, help="calls per batch")
+    parser.add_argument("--sizes", type=lambda text: [int(n) for n in text.split(",")], default=[],
+                        help="token counts of smaller calls to measure too, comma-separated")
+    parser.add_argument("--size-kernels", nargs="+", help="the kernels measured at --sizes (default: --kernels)")
     parser.add_argument("--out", type=Path, default=MEASURED_FILE)
     args = parser.parse_args()
 
     device = torch.device("cuda", torch.cuda.current_device())
-    probe_q = torch.empty(1, args.heads_q, args.head_dim, dtype=getattr(torch, args.dtype), device=device)
-    probe_k = torch.empty(1, args.heads_kv, args.head_dim, dtype=probe_q.dtype, device=device)
-    table: dict[str, dict[str, float]] = {}
-    for name, (stream, window) in batches(args.tokens, args.window, args.batches).items():
-        request = BlockRequest.of(probe_q, probe_k, (window, -1 if window < 0 else 0))
-        kernels = [n for n in (args.kernels or KERNELS) if n != "torch" and KERNELS[n].supports(request) is None]
-        flops = args.layers * sum(causal_flops(lengths, args.heads_q, args.head_dim, window) for lengths in stream[1:])
-        row = table[name] = {}
-        for kernel in kernels:
-            ms = stream_ms(kernel, stream, window, args)
-            row[kernel] = round(flops / (ms * 1e-3) / 1e12, 1)
-            print(f"{name} ({len(stream) - 1} batches): {kernel} {ms:.1f} ms, {row[kernel]} TFLOP/s", flush=True)
+    main_sizes = measure(args.tokens, args.kernels, args)
+    table = {record["composition"]: record["tflops"] for record in main_sizes}
     print(tabulate([[name, *(f"{kernel} {tflops}" for kernel, tflops in row.items())] for name, row in table.items()],
                    headers=["composition", "TFLOP/s per kernel"]))
+    sizes = [record for tokens in sorted({*args.sizes, args.tokens}) if args.sizes
+             for record in measure(tokens, args.size_kernels or args.kernels, args, busy=True)]
+    if sizes:
+        print(tabulate([[r["tokens"], r["composition"], r["call_tflop"],
+                         *(f"{kernel} {tflops}" for kernel, tflops in r["tflops"].items())] for r in sizes],
+                       headers=["tokens", "composition", "TFLOP per call", "TFLOP/s per kernel"]))
 
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {"devices": {}}
     recorded.setdefault("devices", {})[device_kind(device)] = {
@@ -116,8 +163,10 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "setup": (f"scripts/measure_kernels.py: {args.tokens} tokens, {args.heads_q}/{args.heads_kv} "
                   f"heads of {args.head_dim}, {args.dtype}, causal, forward + backward, {args.batches} new "
-                  f"batches per composition (one document: 2) after one warm-up, {args.layers} calls each"),
+                  f"batches per composition (one document: 2) after one warm-up, {args.layers} calls each"
+                  + (f"; sizes: {sorted({*args.sizes, args.tokens})} tokens by GPU busy time" if sizes else "")),
         "tflops": table,
+        **({"sizes": sizes} if sizes else {}),
     }
     args.out.write_text(json.dumps(recorded, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -155,6 +155,39 @@ def forget_measurements() -> None:
     """Drop what measured.py keeps of the file (read and derived): the next call reads it."""
     measured.recorded.cache_clear()
     measured._throughputs.cache_clear()
+    measured.recorded_sizes.cache_clear()
+
+
+def test_a_calls_throughput_follows_its_work_between_the_recorded_sizes(monkeypatch, tmp_path):
+    """Linear in log(FLOPs per call) between two recorded sizes, the nearest size's outside
+    them; no size term where a kernel or composition has fewer than two sizes, and the main
+    table alone still decides ``kernel="auto"``."""
+    short = measured.SHORT
+    recorded = {"devices": {"A": {
+        "tflops": {short: {"cudnn": 250, "flash": 180}},
+        "sizes": [
+            {"tokens": 4096, "composition": short, "call_tflop": 0.1, "tflops": {"cudnn": 100, "flash": 90}},
+            {"tokens": 131072, "composition": short, "call_tflop": 10.0, "tflops": {"cudnn": 300}},
+            {"tokens": 16384, "composition": short, "call_tflop": 1.0, "tflops": {"cudnn": 200}},
+        ],
+    }}}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(recorded))
+    monkeypatch.setattr(measured, "MEASURED_FILE", path)
+    forget_measurements()
+    try:
+        assert measured.throughput_at("cudnn", "A", short, 1e12) == pytest.approx(200e12)
+        # halfway in log between 0.1 and 1 TFLOP (about 0.316): halfway between 100 and 200 TF/s
+        assert measured.throughput_at("cudnn", "A", short, 10 ** -0.5 * 1e12) == pytest.approx(150e12)
+        assert measured.throughput_at("cudnn", "A", short, 10 ** 0.25 * 1e12) == pytest.approx(225e12)
+        assert measured.throughput_at("cudnn", "A", short, 1e9) == pytest.approx(100e12)  # below: the smallest
+        assert measured.throughput_at("cudnn", "A", short, 1e15) == pytest.approx(300e12)  # above: the largest
+        assert measured.throughput_at("flash", "A", short, 1e12) is None  # one size only
+        assert measured.throughput_at("cudnn", "A", measured.LOG_UNIFORM, 1e12) is None
+        assert measured.throughput_at("cudnn", "B", short, 1e12) is None
+        assert measured.throughputs(short)["A"] == {"cudnn": 250e12, "flash": 180e12}
+    finally:
+        forget_measurements()
 
 
 def test_calls_are_judged_by_the_measurements_of_their_composition(monkeypatch, tmp_path):
@@ -196,3 +229,10 @@ def test_the_recorded_measurements_load():
         assert all(1e12 < v < 1e16 for per_kernel in table.values() for v in per_kernel.values())
     assert set(measured.recorded()["NVIDIA H200"]) == {
         measured.ONE_DOCUMENT, measured.LOG_UNIFORM, measured.SHORT, measured.WINDOW}
+    sizes = measured.recorded_sizes()["NVIDIA H200"]
+    assert set(sizes) == set(measured.recorded()["NVIDIA H200"])
+    for per_kernel in sizes.values():
+        for points in per_kernel.values():
+            work = [w for w, _ in points]
+            assert len(points) >= 2 and work == sorted(set(work))
+            assert all(1e9 < w < 1e16 and 1e12 < f < 1e16 for w, f in points)

@@ -211,3 +211,20 @@ def test_the_measuring_command_runs_on_cpu_and_its_record_reads_back(tmp_path, m
     recorded = host_measured.recorded(into)
     assert set(recorded) == {"NVIDIA H200", "cpu"} and set(recorded["cpu"]["hcp-eager"]) == {"torch"}
     assert recorded["NVIDIA H200"]["hcp-eager"]["cudnn"].forward.floor_s == 1e-4  # kept
+
+
+def test_a_record_for_another_kernel_keeps_the_setup_of_the_kernels_it_keeps(tmp_path):
+    """Recording flex beside cudnn's constants: both kernels' setups stay said; recording
+    cudnn again over the only kernel there replaces the setup."""
+    into, flex, cudnn = tmp_path / "host_measured.json", tmp_path / "flex.json", tmp_path / "cudnn.json"
+    into.write_text(json.dumps({"devices": {"H": {"setup": "nine meshes", "modes": {"hcp-eager": {"cudnn": GOOD}}}}}))
+    flex.write_text(json.dumps({"devices": {"H": {"setup": "six meshes", "modes": {"hcp-eager": {"flex": GOOD}}}}}))
+    host_times.record(flex, into)
+    entry = json.loads(into.read_text())["devices"]["H"]
+    assert entry["setup"] == "nine meshes; flex: six meshes"
+    assert set(entry["modes"]["hcp-eager"]) == {"cudnn", "flex"}
+    alone = tmp_path / "alone.json"
+    alone.write_text(json.dumps({"devices": {"H": {"setup": "nine meshes", "modes": {"hcp-eager": {"cudnn": GOOD}}}}}))
+    cudnn.write_text(json.dumps({"devices": {"H": {"setup": "again", "modes": {"hcp-eager": {"cudnn": GOOD}}}}}))
+    host_times.record(cudnn, alone)
+    assert json.loads(alone.read_text())["devices"]["H"]["setup"] == "again"

@@ -12,8 +12,11 @@ report.py, command.py):
 - compute (:func:`compute_times`): each block's visible query-key pairs (from the real layout
   of the placement rule, :mod:`hcp_compile.layout`) times ``14 * head_dim`` FLOPs per pair
   and query head, at the TF/s that kernels/measured.json records for the kernel on the
-  device kind and the block's composition (one document, log-uniform or short documents);
-  the forward takes 1/3.5 of it (2 of the 7 products, docs/design.md §7);
+  device kind and the block's composition (one document, log-uniform or short documents)
+  and, where the device recorded several call sizes, for calls of the block's work (the
+  local region one call, a ring step one per head group; by GPU busy time, so that the host
+  part below counts the host once); the forward takes 1/3.5 of it (2 of the 7 products,
+  docs/design.md §7);
 - all-to-all (:func:`exchange_times`) and ring (:func:`hop_times`): the bytes that
   ``schemes.traffic.call_traffic`` counts for the rank, over the link of each level
   (:class:`Links`), plus a latency per collective;
@@ -38,10 +41,11 @@ report.py, command.py):
   0 and the report says it is not modelled.
 
 A step's time is its slowest rank's. Measured against one rank alone on an H200
-(``benchmarks/advisor_check.py``, docs/benchmarks.md, "Advisor check"): within 10 % in 19 of
-24 cases with the host part (6 of 6 at 2 ranks, 7 of 9 at 4, 6 of 9 at 8), 15 of 24 on compute
-alone (before the GPU-other part, whose constants are not yet measured; the misses at 4 and 8
-ranks leave out that work). Not modelled: the attention op's copies of the ring's strided K/V
+(``benchmarks/advisor_check.py``, docs/benchmarks.md, "Advisor check"; the seventh session's
+27 points, W1-W3 on every mesh of 2, 4 and 8 ranks): within 10 % in 17 of 27 cases with the
+host part (15 without the call sizes): every W1 point, 6 of 9 on W2, 2 of 9 on W3, whose 4- and
+8-rank calls of 1.5-4 ms run 14-35 % longer than predicted (host work the GPU does not hide:
+the host bound takes the longer of the two, a sum overshoots by 8-28 %). Not modelled: the attention op's copies of the ring's strided K/V
 halves (inside the op, missing from measured.json's single-device throughputs), the host work
 of a compiled call, the host cost of real
 collectives beyond the fake process group's the host part was measured with, contention

@@ -8,12 +8,20 @@ call on new document lengths, so a kernel that builds something per new batch (t
 kernel's cuDNN graphs, flex's block masks) pays for it there as a trainer does. A call is
 judged by the composition its lengths are known to have before anything runs
 (:func:`composition`).
+
+A device may also record the compositions at several call sizes (``sizes``: records of the
+token count, the composition, the mean work of one call in TFLOP and TFLOP/s per kernel): a
+kernel runs a call of little work below a large call's speed (fixed work per call, a grid that
+no longer fills the GPU), which the advisor's compute part reads through :func:`throughput_at`.
+``kernel="auto"`` judges by the main table alone.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
+import math
 from pathlib import Path
 from statistics import mean
 
@@ -98,3 +106,40 @@ def throughput(kernel: str, kind: str) -> float:
         return table[kind][kernel]
     elsewhere = [per_kernel[kernel] for per_kernel in table.values() if kernel in per_kernel]
     return mean(elsewhere or [v for per_kernel in table.values() for v in per_kernel.values()])
+
+
+
+@functools.cache
+def recorded_sizes() -> dict[str, dict[str, dict[str, tuple[tuple[float, float], ...]]]]:
+    """Device kind -> composition -> kernel -> ``(FLOPs per call, FLOP/s)`` points of the
+    device's ``sizes`` records, the smallest call first."""
+    devices = json.loads(MEASURED_FILE.read_text())["devices"]
+    result: dict[str, dict[str, dict[str, tuple[tuple[float, float], ...]]]] = {}
+    for device, entry in devices.items():
+        points: dict[str, dict[str, list[tuple[float, float]]]] = {}
+        for record in entry.get("sizes", ()):
+            for kernel, tflops in record["tflops"].items():
+                points.setdefault(record["composition"], {}).setdefault(kernel, []).append(
+                    (record["call_tflop"] * 1e12, tflops * 1e12))
+        result[device] = {kind: {kernel: tuple(sorted(p)) for kernel, p in per_kernel.items()}
+                          for kind, per_kernel in points.items()}
+    return result
+
+
+def throughput_at(kernel: str, kind: str, kind_of_call: str, call_flops: float) -> float | None:
+    """FLOP/s of ``kernel`` on device ``kind`` for one call of composition ``kind_of_call``
+    doing ``call_flops`` FLOPs: linear in ``log(call_flops)`` between the recorded sizes, the
+    nearest one's outside them; None where fewer than two sizes were recorded for that kernel
+    and composition (then the main table alone speaks)."""
+    points = recorded_sizes().get(kind, {}).get(kind_of_call, {}).get(kernel, ())
+    if len(points) < 2:
+        return None
+    work = [w for w, _ in points]
+    if call_flops <= work[0]:
+        return points[0][1]
+    if call_flops >= work[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(work, call_flops)
+    (w0, f0), (w1, f1) = points[i - 1], points[i]
+    share = (math.log(call_flops) - math.log(w0)) / (math.log(w1) - math.log(w0))
+    return f0 + share * (f1 - f0)
