@@ -53,7 +53,7 @@ between an all-to-all and ring hops on one NVLink domain. A causal sliding windo
 (``window``) limits every block's pairs (:func:`visible_pairs`, exact) and times them at the
 windowed throughput of the kernel CP takes for it (one that masks by position: flex on an
 H200); its host and GPU-other parts are those of calls without a window, and against one rank
-alone on W4 it predicts 15-24 % short (docs/benchmarks.md).
+alone on W4 it predicts 15-28 % short (flex's per-step block masks under CP; docs/benchmarks.md).
 """
 
 from __future__ import annotations
