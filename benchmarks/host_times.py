@@ -231,9 +231,8 @@ def record(path: Path, into: Path = HOST_FILE, parse: Callable[[Any, str], objec
         for mode, kernels in entry["modes"].items():
             modes[mode] = {**modes.get(mode, {}), **kernels}
         merged = {**old, **{k: v for k, v in entry.items() if k != "modes"}, "modes": modes}
-        if kept and old.get("setup") not in (None, entry.get("setup")):  # the kept kernels' setup stays said
-            added = sorted({kernel for kernels in entry["modes"].values() for kernel in kernels})
-            merged["setup"] = f"{old['setup']}; {', '.join(added)}: {entry.get('setup')}"
+        if kept and old.get("setup") not in (None, entry.get("setup")):
+            merged["setup"] = _setup_beside(old["setup"], entry["modes"], entry.get("setup"))
         data["devices"][kind] = merged
     into.write_text(json.dumps(data, indent=2) + "\n")
     load.cache_clear()
@@ -241,6 +240,15 @@ def record(path: Path, into: Path = HOST_FILE, parse: Callable[[Any, str], objec
     added = ", ".join(f"{kind} {mode} {sorted(kernels)}" for kind, entry in devices.items()
                       for mode, kernels in entry["modes"].items())
     print(f"recorded {added} into {into}")
+
+
+def _setup_beside(old: str, modes: dict, setup: str | None) -> str:
+    """The device's setup text after recording ``modes``' kernels with ``setup`` beside kernels
+    it keeps: the kept kernels' text, then ``"; KERNELS: setup"``, replacing an earlier such
+    part for the same kernels (so that recording them again does not grow it)."""
+    added = ", ".join(sorted({kernel for kernels in modes.values() for kernel in kernels}))
+    parts = [part for part in old.split("; ") if not part.startswith(f"{added}: ")]
+    return "; ".join([*parts, f"{added}: {setup}"])
 
 
 def measuring_parser(description: str, meshes: str, record_help: str) -> argparse.ArgumentParser:

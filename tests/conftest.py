@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 import distributed
@@ -38,3 +40,25 @@ def mask_builds(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(flex_mask, "build_document_mask", counting)
     return builds
+
+
+@pytest.fixture
+def recorded_measurements(monkeypatch, tmp_path):
+    """``use(recorded)``: kernels/measured.py reads the dict ``recorded`` as its measured.json
+    from here on; what it keeps of either file is dropped now and after the test."""
+    from hcp_compile.kernels import measured
+
+    caches = (measured.recorded, measured._throughputs, measured.recorded_sizes)
+
+    def forget() -> None:
+        for cache in caches:
+            cache.cache_clear()
+
+    def use(recorded: dict) -> None:
+        path = tmp_path / "measured.json"
+        path.write_text(json.dumps(recorded))
+        monkeypatch.setattr(measured, "MEASURED_FILE", path)
+        forget()
+
+    yield use
+    forget()

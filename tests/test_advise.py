@@ -166,34 +166,24 @@ def test_compute_splits_forward_and_backward_as_two_products_of_seven():
     assert got.step_backward == pytest.approx((step * 5 / 7, 0.0), rel=1e-12)
 
 
-def test_a_block_is_timed_at_the_speed_of_calls_of_its_work(monkeypatch, tmp_path):
+def test_a_block_is_timed_at_the_speed_of_calls_of_its_work(recorded_measurements):
     """With sizes recorded (kernels/measured.py): a 1-TFLOP local block runs at the speed
     halfway in log between the 0.1- and 10-TFLOP calls (200 TF/s); a 0.2-TFLOP ring step on
     ulysses 2 with 8 KV heads runs as two head groups' calls of 0.1 TFLOP each (100 TF/s), not
     as one call of 0.2 (130 TF/s); the main table (250 TF/s) is not used."""
     short = measured.SHORT
-    recorded = {"devices": {"G": {
+    recorded_measurements({"devices": {"G": {
         "tflops": {short: {"cudnn": 250}},
         "sizes": [{"tokens": 4096, "composition": short, "call_tflop": 0.1, "tflops": {"cudnn": 100}},
                   {"tokens": 131072, "composition": short, "call_tflop": 10.0, "tflops": {"cudnn": 300}}],
-    }}}
-    path = tmp_path / "measured.json"
-    path.write_text(json.dumps(recorded))
-    monkeypatch.setattr(measured, "MEASURED_FILE", path)
-    caches = (measured.recorded, measured._throughputs, measured.recorded_sizes)
-    for cache in caches:
-        cache.cache_clear()
-    try:
-        local_flops, step_flops = 1e12, 0.2e12
-        work = advise.BlockWork(torch.tensor([[local_flops / FLOPS_PER_PAIR, 0.0]], dtype=torch.float64),
-                                torch.tensor([[step_flops / FLOPS_PER_PAIR]], dtype=torch.float64),
-                                [[short, None]], [[short]])
-        got = advise.compute_times(work, 0, 0, CallShape(32, 8, D, torch.bfloat16), "cudnn", "G")
-        assert got.local_forward + got.local_backward == pytest.approx(local_flops / 200e12, rel=1e-9)
-        assert sum(got.step_forward) + sum(got.step_backward) == pytest.approx(step_flops / 100e12, rel=1e-9)
-    finally:
-        for cache in caches:
-            cache.cache_clear()
+    }}})
+    local_flops, step_flops = 1e12, 0.2e12
+    work = advise.BlockWork(torch.tensor([[local_flops / FLOPS_PER_PAIR, 0.0]], dtype=torch.float64),
+                            torch.tensor([[step_flops / FLOPS_PER_PAIR]], dtype=torch.float64),
+                            [[short, None]], [[short]])
+    got = advise.compute_times(work, 0, 0, CallShape(32, 8, D, torch.bfloat16), "cudnn", "G")
+    assert got.local_forward + got.local_backward == pytest.approx(local_flops / 200e12, rel=1e-9)
+    assert sum(got.step_forward) + sum(got.step_backward) == pytest.approx(step_flops / 100e12, rel=1e-9)
 
 
 def test_exposed_ring_counts_every_head_groups_ring():

@@ -151,14 +151,7 @@ def test_unmeasured_devices_and_kernels_fall_back_to_other_measurements(monkeypa
     assert measured.fastest("unknown GPU", ["flash", "flex"]) is None
 
 
-def forget_measurements() -> None:
-    """Drop what measured.py keeps of the file (read and derived): the next call reads it."""
-    measured.recorded.cache_clear()
-    measured._throughputs.cache_clear()
-    measured.recorded_sizes.cache_clear()
-
-
-def test_a_calls_throughput_follows_its_work_between_the_recorded_sizes(monkeypatch, tmp_path):
+def test_a_calls_throughput_follows_its_work_between_the_recorded_sizes(recorded_measurements):
     """Linear in log(FLOPs per call) between two recorded sizes, the nearest size's outside
     them; no size term where a kernel or composition has fewer than two sizes, and the main
     table alone still decides ``kernel="auto"``."""
@@ -171,26 +164,20 @@ def test_a_calls_throughput_follows_its_work_between_the_recorded_sizes(monkeypa
             {"tokens": 16384, "composition": short, "call_tflop": 1.0, "tflops": {"cudnn": 200}},
         ],
     }}}
-    path = tmp_path / "measured.json"
-    path.write_text(json.dumps(recorded))
-    monkeypatch.setattr(measured, "MEASURED_FILE", path)
-    forget_measurements()
-    try:
-        assert measured.throughput_at("cudnn", "A", short, 1e12) == pytest.approx(200e12)
-        # halfway in log between 0.1 and 1 TFLOP (about 0.316): halfway between 100 and 200 TF/s
-        assert measured.throughput_at("cudnn", "A", short, 10 ** -0.5 * 1e12) == pytest.approx(150e12)
-        assert measured.throughput_at("cudnn", "A", short, 10 ** 0.25 * 1e12) == pytest.approx(225e12)
-        assert measured.throughput_at("cudnn", "A", short, 1e9) == pytest.approx(100e12)  # below: the smallest
-        assert measured.throughput_at("cudnn", "A", short, 1e15) == pytest.approx(300e12)  # above: the largest
-        assert measured.throughput_at("flash", "A", short, 1e12) is None  # one size only
-        assert measured.throughput_at("cudnn", "A", measured.LOG_UNIFORM, 1e12) is None
-        assert measured.throughput_at("cudnn", "B", short, 1e12) is None
-        assert measured.throughputs(short)["A"] == {"cudnn": 250e12, "flash": 180e12}
-    finally:
-        forget_measurements()
+    recorded_measurements(recorded)
+    assert measured.throughput_at("cudnn", "A", short, 1e12) == pytest.approx(200e12)
+    # halfway in log between 0.1 and 1 TFLOP (about 0.316): halfway between 100 and 200 TF/s
+    assert measured.throughput_at("cudnn", "A", short, 10 ** -0.5 * 1e12) == pytest.approx(150e12)
+    assert measured.throughput_at("cudnn", "A", short, 10 ** 0.25 * 1e12) == pytest.approx(225e12)
+    assert measured.throughput_at("cudnn", "A", short, 1e9) == pytest.approx(100e12)  # below: the smallest
+    assert measured.throughput_at("cudnn", "A", short, 1e15) == pytest.approx(300e12)  # above: the largest
+    assert measured.throughput_at("flash", "A", short, 1e12) is None  # one size only
+    assert measured.throughput_at("cudnn", "A", measured.LOG_UNIFORM, 1e12) is None
+    assert measured.throughput_at("cudnn", "B", short, 1e12) is None
+    assert measured.throughputs(short)["A"] == {"cudnn": 250e12, "flash": 180e12}
 
 
-def test_calls_are_judged_by_the_measurements_of_their_composition(monkeypatch, tmp_path):
+def test_calls_are_judged_by_the_measurements_of_their_composition(recorded_measurements):
     """A device's row for the call's composition decides; a composition it did not record, or
     an unknown one, the mean over its unwindowed rows."""
     recorded = {"devices": {
@@ -199,25 +186,19 @@ def test_calls_are_judged_by_the_measurements_of_their_composition(monkeypatch, 
                          "window": {"flash": 250, "flex": 150}}},
         "B": {"tflops": {"one document": {"flash": 100}}},
     }}
-    path = tmp_path / "measured.json"
-    path.write_text(json.dumps(recorded))
-    monkeypatch.setattr(measured, "MEASURED_FILE", path)
-    forget_measurements()
-    try:
-        assert measured.throughputs() == {"A": {"dense": 400e12, "cudnn": 450e12}, "B": {"flash": 100e12}}
-        assert measured.throughputs(measured.WINDOW) == {"A": {"flash": 250e12, "flex": 150e12},
-                                                         "B": {"flash": 100e12}}
-        one = measured.composition(False, segments=1, longest=131_072)
-        many = measured.composition(False, segments=20, longest=30_000)
-        assert (one, many) == (measured.ONE_DOCUMENT, measured.LOG_UNIFORM)
-        assert measured.fastest("A", ["dense", "cudnn"], one) == "dense"
-        assert measured.fastest("A", ["dense", "cudnn"], many) == "cudnn"
-        assert measured.fastest("A", ["dense", "cudnn"], None) == "cudnn"  # by the means
-        # short documents: A did not record them, so the means decide
-        assert measured.fastest("A", ["dense", "cudnn"], measured.composition(False, 200, 1500)) == "cudnn"
-        assert measured.fastest("A", ["flash", "flex"], measured.composition(True, 20, 30_000)) == "flash"
-    finally:
-        forget_measurements()
+    recorded_measurements(recorded)
+    assert measured.throughputs() == {"A": {"dense": 400e12, "cudnn": 450e12}, "B": {"flash": 100e12}}
+    assert measured.throughputs(measured.WINDOW) == {"A": {"flash": 250e12, "flex": 150e12},
+                                                     "B": {"flash": 100e12}}
+    one = measured.composition(False, segments=1, longest=131_072)
+    many = measured.composition(False, segments=20, longest=30_000)
+    assert (one, many) == (measured.ONE_DOCUMENT, measured.LOG_UNIFORM)
+    assert measured.fastest("A", ["dense", "cudnn"], one) == "dense"
+    assert measured.fastest("A", ["dense", "cudnn"], many) == "cudnn"
+    assert measured.fastest("A", ["dense", "cudnn"], None) == "cudnn"  # by the means
+    # short documents: A did not record them, so the means decide
+    assert measured.fastest("A", ["dense", "cudnn"], measured.composition(False, 200, 1500)) == "cudnn"
+    assert measured.fastest("A", ["flash", "flex"], measured.composition(True, 20, 30_000)) == "flash"
 
 
 def test_the_recorded_measurements_load():

@@ -108,7 +108,6 @@ def throughput(kernel: str, kind: str) -> float:
     return mean(elsewhere or [v for per_kernel in table.values() for v in per_kernel.values()])
 
 
-
 @functools.cache
 def recorded_sizes() -> dict[str, dict[str, dict[str, tuple[tuple[float, float], ...]]]]:
     """Device kind -> composition -> kernel -> ``(FLOPs per call, FLOP/s)`` points of the
