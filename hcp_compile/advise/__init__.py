@@ -44,7 +44,7 @@ A step's time is its slowest rank's. Measured against one rank alone on an H200
 (``benchmarks/advisor_check.py``, docs/benchmarks.md, "Advisor check"; the seventh session's
 27 points, W1-W3 on every mesh of 2, 4 and 8 ranks): within 10 % in 17 of 27 cases with the
 host part (15 without the call sizes): every W1 point, 6 of 9 on W2, 2 of 9 on W3, whose 4- and
-8-rank calls of 1.5-4 ms run 14-35 % longer than predicted (host work the GPU does not hide:
+8-rank calls of 3-5 ms run 14-35 % longer than predicted (host work the GPU does not hide:
 the host bound takes the longer of the two, a sum overshoots by 8-28 %). Not modelled: the attention op's copies of the ring's strided K/V
 halves (inside the op, missing from measured.json's single-device throughputs), the host work
 of a compiled call, the host cost of real
