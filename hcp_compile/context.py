@@ -30,8 +30,9 @@ class CPOptions:
     placement: the token layout rule, as given to ``shard_plan`` (``"balanced"``: short
         documents whole on one rank, or ``"zigzag"``: every document round the ring).
     kernel: ``"auto"`` (the fastest kernel measured on the device that supports the call,
-        kernels/measured.json; unmeasured devices: flash where it can run, else the
-        plain-PyTorch kernel), ``"dense"``, ``"cudnn"`` (with nvidia-cudnn-frontend installed),
+        kernels/measured.json; unmeasured devices: cudnn, else flash where it can run, else
+        the plain-PyTorch kernel), ``"dense"``, ``"cudnn"`` (where its package loads and it
+        passes its check on the device),
         ``"flex"``, ``"flash"`` or ``"torch"``.
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
         outside it (costs one small device-to-host read per new ``cu_seqlens``).

@@ -14,16 +14,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import layout, pickling, validation
-from .kernels.contract import BoundedCache
+from .kernels.contract import HOST_READS, BoundedCache
 from .layout import BatchLayout, RankSizes, StreamTokens
 from .placements import DEFAULT_PLACEMENT, check_placement, placement_rule
 from .schedule import ScheduleTables, schedule_steps, schedule_tables
@@ -75,19 +73,13 @@ def _digest(values: Tensor) -> bytes:
     return hashlib.sha256(memoryview(values.numpy())).digest()
 
 
-# tensor -> (its version, BatchValues): every layer of a model passes the same tensor, so only
-# the first one reads it from the device and hashes it
-_READ = WeakIdKeyDictionary()
-_READ_LOCK = threading.Lock()
-
-
 def host_values(cu_seqlens: Tensor) -> BatchValues:
     """The values of ``cu_seqlens`` (already checked by :func:`validation.check_cu_seqlens_dtype`),
-    read to the host once per tensor and version."""
-    with _READ_LOCK:
-        cached = _READ.get(cu_seqlens)
-    if cached is not None and cached[0] == cu_seqlens._version:
-        return cached[1]
+    read to the host once per tensor and version (kept in ``HOST_READS``, where the kernels find
+    them too)."""
+    cached = HOST_READS.get(cu_seqlens)
+    if cached is not None:
+        return cached
     read = BatchValues.of(cu_seqlens.detach().to("cpu", torch.int64))
     remember_values(cu_seqlens, read)
     return read
@@ -96,8 +88,7 @@ def host_values(cu_seqlens: Tensor) -> BatchValues:
 def remember_values(tensor: Tensor, values: BatchValues) -> None:
     """Let :func:`host_values` answer for ``tensor`` (a host copy of known values) without
     reading and hashing it again."""
-    with _READ_LOCK:
-        _READ[tensor] = (tensor._version, values)
+    HOST_READS.put(tensor, values)
 
 
 class Exchanges(enum.Enum):

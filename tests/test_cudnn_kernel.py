@@ -20,6 +20,7 @@ from cp_cases import AttentionCase, World, cu_seqlens, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, new_cache_key, resolve_kernel, \
     run_backward, run_forward
 from hcp_compile.kernels.cudnn import block_calls
+from hcp_compile.prepared import host_values
 from test_dense_kernel import check_second_halves
 
 HAS_FRONTEND = cudnn.frontend()[0] is not None
@@ -90,8 +91,9 @@ def cuda_request(window=(-1, -1), cp=False, head_dim=128) -> BlockRequest:
 
 @pytest.fixture
 def cudnn_fastest(monkeypatch):
-    """Measurements that rank cudnn first on a device kind "NVIDIA X"."""
+    """Measurements that rank cudnn first on a device kind "NVIDIA X", whose device check passes."""
     recorded = {"NVIDIA X": {"cudnn": 500e12, "dense": 480e12, "flash": 300e12}}
+    monkeypatch.setattr(cudnn, "device_check", lambda device: None)
     monkeypatch.setattr(measured, "throughputs", lambda kind_of_call=None: recorded)
     monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "NVIDIA X")
 
@@ -163,18 +165,26 @@ class RaggedStandIn:
 
     def __init__(self):
         self.calls: list[tuple[cudnn.Mask, bool]] = []
+        self.rows: list[int] = []  # the query rows of each call
 
     def get(self, shape: cudnn.Shape, backward: bool) -> "RaggedStandIn.Call":
-        self.calls.append((shape.mask, backward))
-        return self.Call(shape, backward)
+        return self.Call(self, shape, backward)
 
     class Call:
-        def __init__(self, shape: cudnn.Shape, backward: bool):
-            self.shape, self.backward = shape, backward
+        def __init__(self, graphs: "RaggedStandIn", shape: cudnn.Shape, backward: bool):
+            self.graphs, self.shape, self.backward = graphs, shape, backward
+            # cuDNN's backward workspace: an fp32 dQ accumulator and, under GQA, fp32 dK and dV
+            # per query head, over the packed rows
+            per_row = shape.heads_q * shape.head_dim * 4
+            self.workspace_bytes = 0 if not backward else shape.rows_q * per_row + (
+                2 * shape.rows_k * per_row if shape.heads_q != shape.heads_kv else 0)
 
         def run(self, device: torch.device, t: dict[str, torch.Tensor]) -> None:
+            self.graphs.calls.append((self.shape.mask, self.backward))
+            self.graphs.rows.append(t["q"].shape[0])
             shape, mask = self.shape, self.shape.mask
             hq, hk, d = shape.heads_q, shape.heads_kv, shape.head_dim
+            assert t["q"].shape[0] <= shape.rows_q and t["k"].shape[0] <= shape.rows_k, "more rows than the graph's bounds"
             q_starts = (t["q_offsets"].flatten() // (hq * d)).tolist()
             k_starts = (t["k_offsets"].flatten() // (hk * d)).tolist()
             assert (t["stats_offsets"].flatten() // hq).tolist() == q_starts
@@ -438,3 +448,42 @@ def test_under_context_parallelism_matches_reference(cp_world, case):
         index = result["global_index"]
         for name in ("out", "dq", "dk", "dv"):
             assert_matches(result[name], local_rows(reference[name], index), f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("share, known, causal, call_rows", [
+    (1e9, True, True, [1234]),
+    (0.3, True, True, [305, 129, 370, 330, 330, 100]),  # the 700-row document in tiles of 370
+    (0.0, True, True, [300, 134, 300, 300, 300, 100, 100, 100, 100]),
+    (0.0, True, False, [300, 134] + [300] * 6 + [100] * 3 + [100]),
+    (0.0, False, True, [1234])], ids=["whole", "chunks", "smallest-chunks", "smallest-chunks-full", "batch-unknown"])
+def test_a_backward_over_its_workspace_budget_runs_in_chunks_of_documents(device, share, known, causal, call_rows,
+                                                                           request, monkeypatch):
+    """A backward whose workspace exceeds ``WORKSPACE_SHARE`` of its inputs, where the host
+    knows the batch (a single device's op reads cu_seqlens for its checks), runs over
+    consecutive documents at a time on row views, a document longer than a chunk in tiles
+    (causal squares on the diagonal, full rectangles elsewhere), and gives the whole call's
+    results (the float64 reference); where the host does not know it, in one call. On CPU the
+    stand-in's workspace (cuDNN's fp32 dQ and per-query-head dK/dV over the packed rows) fixes
+    the chunks, at least ``MIN_CHUNK_ROWS`` (here 300) rows unless one document is longer."""
+    where, dtype, tolerance = on(device, request)
+    monkeypatch.setattr(cudnn, "WORKSPACE_SHARE", share)
+    monkeypatch.setattr(cudnn, "MIN_CHUNK_ROWS", 300)
+    lengths = (300, 5, 129, 700, 100)
+    tokens = sum(lengths)
+    cu = cu_seqlens(lengths).to(where)
+    if known:
+        host_values(cu)
+    q, dout = (seeded(f"chunks/{n}", tokens, 8, 64).to(where, dtype) for n in ("q", "dout"))
+    k, v = (seeded(f"chunks/{n}", tokens, 4, 64).to(where, dtype) for n in ("k", "v"))
+    spec = BlockSpec(cu, cu, max(lengths), max(lengths), causal, 0.125, cache_key=new_cache_key(), covered_rows=tokens)
+    kernel = KERNELS["cudnn"]
+    out, lse = kernel.forward(q, k, v, spec)
+    grads = kernel.backward(dout, q, k, v, out, lse, spec)
+    if device == "cpu":
+        stand_in = request.getfixturevalue("stand_in")
+        assert [rows for (_, backward), rows in zip(stand_in.calls, stand_in.rows) if backward] == call_rows
+    expected = reference_with_grads(*(t.double().cpu() for t in (q, k, v, dout)), cu.tolist(), cu.tolist(),
+                                    causal=causal)
+    for name, got in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+        assert_matches(got.float().cpu(), expected[name], name, **tolerance)

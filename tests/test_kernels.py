@@ -22,7 +22,7 @@ from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seede
 from hcp_compile.hierarchical import _join_regions, _split_regions
 from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import (
-    KERNELS, BlockRequest, BlockSpec, dense, flex, flex_mask, measured, resolve_kernel, run_backward,
+    KERNELS, BlockRequest, BlockSpec, cudnn, dense, flex, flex_mask, measured, resolve_kernel, run_backward,
     run_forward,
 )
 
@@ -489,6 +489,61 @@ def test_traced_flex_compiles_each_static_combination_within_its_own_recompile_b
                 assert_matches(got[name], expected[name], f"{case.id} {name}")
 
 
+
+def test_flex_builds_graphs_whose_code_holds_no_string_globals(traced_flex):
+    """The graphs the flex kernel builds and hands to the compiler: torch 2.11's FX graph cache
+    cannot pickle generated code with a string global (a string annotation, as ``from
+    __future__ import annotations`` makes them), and logs a traceback per compile."""
+    case = AttentionCase("mixed", 4, 2, True, (4, 0))
+    flex_with_grads(case)
+    graphs = [module._orig_mod for module, _ in flex._backward_graphs._graphs.values()]
+    assert graphs
+    for graph in graphs:
+        for name, module in graph.named_modules():
+            if isinstance(module, torch.fx.GraphModule):
+                found = module.graph.python_code("self").globals
+                assert not {n: v for n, v in found.items() if isinstance(v, str)}, name or "the backward graph"
+
+
+def test_traced_flex_runs_again_after_dynamo_forgets_its_graphs(traced_flex):
+    """``torch._dynamo.reset()`` between batches (a notebook, a fixture, a trainer compiling a
+    new model): the next forward and backward trace flex again and match the reference. Dynamo
+    refuses to trace one backward graph twice, so without a new graph the backward raised."""
+    torch._dynamo.reset()
+    for docs in ("mixed", "long", "mixed"):
+        case = AttentionCase(docs, 4, 2, True, (4, 0))
+        got, expected = flex_with_grads(case), expected_for(case)
+        for name in ("out", "dq", "dk", "dv"):
+            assert_matches(got[name], expected[name], f"{docs} {name}")
+        torch._dynamo.reset()
+
+
+def test_traced_flex_runs_inside_models_compiled_around_it(traced_flex):
+    """Flex (traced) inside the compiled graphs of two models compiled around the single-device
+    op, then again after ``torch._dynamo.reset()``: no kernel raises, every result matches the
+    reference."""
+    case = AttentionCase("mixed", 4, 2, True, (4, 0))
+    x, cu = case.inputs(), cu_seqlens(case.lengths)
+    longest, scale = max(case.lengths), case.head_dim ** -0.5
+    expected = expected_for(case)
+
+    def attend(q, k, v):
+        return torch.ops.hcp.varlen_attention(q, k, v, cu, cu, longest, longest, True, scale, *case.window,
+                                              "flex")[0]
+
+    def scaled_attend(q, k, v):
+        return attend(q * 1.0, k, v) * 1.0
+
+    for round_ in range(2):
+        for model in (attend, scaled_attend):
+            leaves = [x[n].clone().requires_grad_() for n in "qkv"]
+            out = torch.compile(model, backend="aot_eager", fullgraph=True)(*leaves)
+            out.backward(x["dout"])
+            got = {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+            for name in ("out", "dq", "dk", "dv"):
+                assert_matches(got[name], expected[name], f"round {round_} {model.__name__} {name}")
+        torch._dynamo.reset()
+
 @pytest.fixture
 def one_rank_mesh():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -606,14 +661,36 @@ def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypat
     assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "flex"
 
 
-def test_auto_falls_back_to_flash_on_cuda_and_torch_elsewhere_when_unmeasured(monkeypatch):
+def test_auto_falls_back_to_cudnn_then_flash_on_cuda_and_torch_elsewhere_when_unmeasured(monkeypatch):
     monkeypatch.setattr(measured, "throughputs", lambda kind_of_call=None: {})
     monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "unmeasured")
+    monkeypatch.setattr(cudnn, "frontend", lambda: (object(), None))
+    monkeypatch.setattr(cudnn, "device_check", lambda device: None)
     assert resolve_kernel("auto", request("cpu")) == "torch"
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "cudnn"
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16, head_dim=8)) == "flash"  # cudnn: 16s only
+    monkeypatch.setattr(cudnn, "device_check", lambda device: "failed its check on device 0")
     assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flash"
     assert resolve_kernel("auto", request("cuda", torch.float32)) == "torch"
     # a window by position (a ring step) rules flash out
     assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "torch"
+
+
+def test_cudnn_that_fails_its_device_check_is_skipped_by_auto_and_named_raises_why(monkeypatch):
+    """Where cuDNN's graphs fail on the device (an older cuDNN or GPU, a frontend that does not
+    match the library), "auto" takes the next measured kernel without a word, and
+    ``kernel="cudnn"`` raises the check's reason."""
+    fastest_first = {"NVIDIA X": {"cudnn": 500e12, "flex": 400e12, "flash": 300e12}}
+    monkeypatch.setattr(measured, "throughputs", lambda kind_of_call=None: fastest_first)
+    monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "NVIDIA X")
+    monkeypatch.setattr(cudnn, "frontend", lambda: (object(), None))
+    monkeypatch.setattr(cudnn, "device_check", lambda device: None)
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "cudnn"
+    reason = "failed its check on device 0 (RuntimeError: no graph)"
+    monkeypatch.setattr(cudnn, "device_check", lambda device: reason)
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flex"
+    with pytest.raises(hc.InputError, match=re.escape(f"kernel='cudnn' {reason}")):
+        resolve_kernel("cudnn", request("cuda", torch.bfloat16))
 
 
 def test_a_named_kernel_that_cannot_run_the_call_raises_its_reason(monkeypatch):

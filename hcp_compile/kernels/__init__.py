@@ -15,7 +15,8 @@ A kernel is one class in one file implementing :class:`Kernel` (``name``, ``supp
 ``forward``, ``backward``), registered in ``KERNELS``. ``kernel="auto"`` takes the fastest
 supporting kernel measured on the device for the call's composition (measured.json: one
 document, log-uniform or short documents, a window; measured.py), else the first supporting
-one of ``FALLBACK``. A kernel behind an optional package (cudnn) supports nothing without it.
+one of ``FALLBACK``. The cudnn kernel supports nothing where its package does not load or where
+it fails its check on the device (``cudnn.device_check``): "auto" then takes another.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ KERNELS: dict[str, Kernel] = {
 }
 KERNEL_CHOICES = ("auto", *KERNELS)
 # "auto" on a device kind without measurements: the first of these that supports the call
-FALLBACK = ("flash", "torch")
+FALLBACK = ("cudnn", "flash", "torch")
 
 
 def resolve_kernel(name: str, request: BlockRequest, how_to_choose: str = "kernel=...") -> str:

@@ -11,6 +11,7 @@ from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,28 @@ def new_cache_key(count: int = 1) -> int:
         first = _next_cache_key
         _next_cache_key += count
     return first
+
+
+class HostReads:
+    """What was read to the host from a device tensor, kept per tensor and version while the
+    tensor lives: a batch's ``cu_seqlens`` is read once for its checks (prepared.host_values),
+    and a kernel may use the values without another read."""
+
+    def __init__(self) -> None:
+        self._reads = WeakIdKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, tensor: Tensor) -> object | None:
+        with self._lock:
+            kept = self._reads.get(tensor)
+        return kept[1] if kept is not None and kept[0] == tensor._version else None
+
+    def put(self, tensor: Tensor, read: object) -> None:
+        with self._lock:
+            self._reads[tensor] = (tensor._version, read)
+
+
+HOST_READS = HostReads()
 
 
 class BoundedCache:

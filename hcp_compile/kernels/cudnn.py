@@ -1,5 +1,7 @@
-"""cuDNN's ragged (THD) attention through the optional ``nvidia-cudnn-frontend`` package
-(docs/design.md §8.8).
+"""cuDNN's ragged (THD) attention through the ``nvidia-cudnn-frontend`` package, a dependency
+on Linux (docs/design.md §8.8). Where the package does not load, or its graphs fail a small
+check on the device (:func:`device_check`: an older GPU or cuDNN), the kernel supports nothing
+and ``kernel="auto"`` takes another.
 
 cuDNN takes a packed batch as ``entries`` padded sequences of at most ``s_max`` rows whose
 rows lie at ragged offsets of the packed tensors, with one length per entry. A graph is built
@@ -40,27 +42,62 @@ full rectangle and a top-left causal square, one call each over all segments, me
 A segment without a rectangle has no keys in A, so its rows leave A (its lse -inf there).
 Where every segment with queries and keys has as many of each (``BlockSpec.equal_lengths``:
 the own ring step), no segment has a rectangle and the square alone is one top-left call.
+
+Note [a backward in chunks of documents]
+cuDNN's backward takes a workspace that grows with the rows of the call and the width of the
+packed rows (an fp32 dQ accumulator and, under GQA, fp32 dK and dV for every query head,
+addressed by the ragged offsets): over a whole batch, more than twice the bytes of q, k, v and
+dout (docs/design.md §8.8). Documents do not see each other, so where the host knows the
+block's segmentation (a single device's ``cu_seqlens``, read once for its checks:
+``HOST_READS``) and the workspace would exceed ``WORKSPACE_SHARE`` of those bytes, the backward
+runs over consecutive documents at a time, each chunk on row views of the packed tensors
+starting at its first row, through a graph sized for at most ``limit`` rows:
+
+    rows    [ d0 d0 d0 | d1 d1 | d2 d2 d2 d2 d2 d2 | d3 ]
+    chunks    [ d0 d1 ]          [ d2 ]              [ d3 ]     (d2 alone is longer than limit)
+
+A document longer than ``limit`` is a chunk of its own.
+
+Note [a long document in tiles]
+A document longer than ``limit`` rows (its queries its keys, no window) runs in tiles: its rows
+cut into pieces of ``limit``, each query piece against each key piece it sees, a causal square
+on the diagonal and full rectangles below it. The backward is given the whole document's out
+and lse, so each tile's gradients are its exact share (as a ring step's are), summed into the
+document's rows:
+
+    keys ->   p0  p1  p2
+    p0        ◣
+    p1        ■   ◣             ◣ causal square (top-left), ■ full rectangle
+    p2        ■   ■   ◣
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..merge import accumulate, merge_partials
-from .contract import BlockRequest, BlockSpec, SpecCache
+from .contract import HOST_READS, BlockRequest, BlockSpec, SpecCache, new_cache_key
 
 # the name nvidia-cudnn-frontend installs its module under
 FRONTEND_MODULE = "cudnn"
-INSTALL_HINT = "pip install 'hcp_compile[cudnn]' (the nvidia-cudnn-frontend package)"
+INSTALL_HINT = ("pip install nvidia-cudnn-frontend (a dependency of hcp_compile on Linux; "
+                "reinstall hcp_compile to bring it)")
+# cuDNN's fused attention for fp16/bf16 runs from Ampere on
+MIN_CAPABILITY = (8, 0)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
+# chunks of the backward span at least this many rows (smaller ones would cost speed for little memory)
+MIN_CHUNK_ROWS = 4096
 # the smallest bucket of entries: batches of up to this many documents share a graph
 MIN_ENTRIES = 64
 # the smallest s_max: cuDNN's graphs for fewer rows take other paths (a 1-row graph failed the
@@ -71,6 +108,9 @@ MIN_SEGMENT_ROWS = 128
 ROW_BOUND_BITS = 4
 # graphs kept per process; each is a few MiB of host memory and its plan
 MAX_GRAPHS = 64
+# a backward's workspace may take this share of the bytes of its q, k, v and dout before the
+# call runs in chunks of documents (Note [a backward in chunks of documents])
+WORKSPACE_SHARE = 0.15
 # blocks whose calls are kept (small int tensors each): a schedule's ring steps and local region
 # for a few batches
 CACHED_BLOCKS = 256
@@ -218,10 +258,14 @@ class Shape:
     scale: float
 
     @classmethod
-    def of(cls, q: Tensor, k: Tensor, spec: BlockSpec, mask: Mask) -> "Shape":
+    def of(cls, q: Tensor, k: Tensor, spec: BlockSpec, mask: Mask, rows: int = 0) -> "Shape":
+        """The shape of a call of ``spec`` over ``q`` and ``k``, its bounds sized for at least
+        ``rows`` rows (the chunks of a backward share a graph: Note [a backward in chunks of
+        documents])."""
+        rows_q, rows_k = max(q.shape[0], rows), max(k.shape[0], rows)
         return cls(q.device.index or 0, q.dtype, q.shape[1], k.shape[1], q.shape[2], entries_for(spec),
-                   bucket(max(q.shape[0], k.shape[0]), MIN_SEGMENT_ROWS), row_bound(q.shape[0]),
-                   row_bound(k.shape[0]), mask, float(spec.scale))
+                   bucket(max(rows_q, rows_k), MIN_SEGMENT_ROWS), row_bound(rows_q), row_bound(rows_k), mask,
+                   float(spec.scale))
 
 
 def entries_for(spec: BlockSpec) -> int:
@@ -265,6 +309,7 @@ class _Graphs:
 
 GRAPHS = _Graphs()
 _CALLS = SpecCache(CACHED_BLOCKS)
+_CHUNKS = SpecCache(CACHED_BLOCKS)
 
 
 class _Graph:
@@ -390,6 +435,58 @@ def uninitialized(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | Non
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
+def device_check(device: torch.device) -> str | None:
+    """None where cuDNN's ragged attention runs right on the CUDA ``device``, else why not
+    (:func:`checked_device`)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA device; none is available"
+    return checked_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def checked_device(index: int) -> str | None:
+    """None where cuDNN's ragged attention runs right on CUDA device ``index``, else why not.
+    Right means: a small causal GQA batch (documents shorter and longer than a tile, one of
+    one row) forward and backward within bf16 tolerance of the plain-PyTorch kernel. An older
+    GPU, a cuDNN library without these graphs or a frontend that does not match it then
+    leaves ``kernel="auto"`` to the other kernels instead of failing a call."""
+    capability = torch.cuda.get_device_capability(index)
+    if capability < MIN_CAPABILITY:
+        return f"needs a GPU of compute capability {MIN_CAPABILITY} or later; device {index} has {capability}"
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            error = _largest_error_against_torch(torch.device("cuda", index))
+    except Exception as failure:  # any failure of the library means: not on this device
+        return f"failed its check on device {index} ({type(failure).__name__}: {failure})"
+    if not error <= CHECK_TOLERANCE:
+        return (f"failed its check on device {index}: results differ from the torch kernel by {error:.3g} "
+                "of their largest value")
+    return None
+
+
+# the device check's largest difference of bf16 results from fp32 ones, relative to the largest value
+CHECK_TOLERANCE = 2e-2
+
+
+def _largest_error_against_torch(device: torch.device) -> float:
+    from .torch_kernel import TorchKernel  # the reference kernel, imported only for the check
+
+    lengths = (1, 200, 57)
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(sum(lengths), 4, 64, generator=generator) for _ in range(2))
+    k, v = (torch.randn(sum(lengths), 2, 64, generator=generator) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    spec = BlockSpec(cu, cu, max(lengths), max(lengths), True, 0.125)
+    half = [t.to(device, torch.bfloat16) for t in (q, k, v, dout)]
+    wide = [t.to(device) for t in (q, k, v, dout)]
+    kernel, reference = CudnnKernel(), TorchKernel()
+    out, lse = kernel.forward(*half[:3], spec)
+    got = (out, *kernel.backward(half[3], *half[:3], out, lse, spec))
+    out_ref, lse_ref = reference.forward(*wide[:3], spec)
+    expected = (out_ref, *reference.backward(wide[3], *wide[:3], out_ref, lse_ref, spec))
+    return max(float((a.float() - b).abs().max() / b.abs().max()) for a, b in zip(got, expected))
+
+
 class CudnnKernel:
     name = "cudnn"
     masks_by_position = False
@@ -408,7 +505,7 @@ class CudnnKernel:
         if left >= 0 and right != 0:
             return ("cannot apply a window with keys on both sides of the diagonal (cuDNN's left bound "
                     "needs a causal mask)")
-        return None
+        return device_check(request.device)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: BlockSpec) -> tuple[Tensor, Tensor]:
         if not (q.shape[0] and k.shape[0]):
@@ -431,17 +528,166 @@ class CudnnKernel:
         if not (q.shape[0] and k.shape[0]):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-        # rows outside every call's entries are not read; a row whose merged lse is -inf (no
-        # key in any block) is outside them (Note [rows that see no key])
-        stats = lse.t().float().contiguous()
-        dq = dk = dv = None
-        written = rows_written(spec)
-        for mask, bounds in _calls(spec, q, k):
-            grads = tuple(initialized_after(t.shape, t, written) for t in (q, k, v))
-            GRAPHS.get(Shape.of(q, k, spec, mask), backward=True).run(q.device, {
-                **bounds, "q": q, "k": k, "v": v, "out": out, "dout": dout, "stats": stats,
-                "dq": grads[0], "dk": grads[1], "dv": grads[2]})
-            # the calls' keys are disjoint (exact sums); their rows are not, summed in fp32
-            dq = accumulate(dq, grads[0], q.dtype)
-            dk, dv = (grads[1], grads[2]) if dk is None else (dk + grads[1], dv + grads[2])
-        return dq, dk, dv
+        chunks = backward_chunks(spec, q, k)
+        if chunks is None:
+            return _backward_block(dout, q, k, v, out, lse, spec)
+        # zeros: rows outside every chunk lie outside every segment, and a chunk's call writes
+        # its gradients into these rows in place
+        grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+        for chunk in chunks:
+            rows, keys = chunk.q_rows, chunk.k_rows
+            views = (grads[0][rows], grads[1][keys], grads[2][keys])
+            if not chunk.tiles:
+                _backward_block(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], chunk.spec,
+                                chunk.bound, into=views)
+            for tile in chunk.tiles:  # each tile's share of the document's gradients, summed
+                tile_rows, tile_keys = _within(rows, tile.q_rows), _within(keys, tile.k_rows)
+                shares = _backward_block(dout[tile_rows], q[tile_rows], k[tile_keys], v[tile_keys], out[tile_rows],
+                                         lse[:, tile_rows], tile.spec, chunk.bound)
+                for view, share, where in zip(views, shares, (tile.q_rows, tile.k_rows, tile.k_rows)):
+                    view[where] += share
+        return grads
+
+
+def _within(outer: slice, inner: slice) -> slice:
+    """``inner`` (relative to ``outer``'s start) as absolute rows."""
+    return slice(outer.start + inner.start, outer.start + inner.stop)
+
+
+def _backward_block(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: BlockSpec,
+                    rows: int = 0, into: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of one block, one call per mask, through graphs sized for at least ``rows``
+    rows; with ``into`` (zeroed buffers), the gradients are written there."""
+    # rows outside every call's entries are not read; a row whose merged lse is -inf (no
+    # key in any block) is outside them (Note [rows that see no key])
+    stats = lse.t().float().contiguous()
+    dq = dk = dv = None
+    written = rows_written(spec)
+    calls = _calls(spec, q, k)
+    for mask, bounds in calls:
+        in_place = into is not None and len(calls) == 1
+        grads = into if in_place else tuple(initialized_after(t.shape, t, written) for t in (q, k, v))
+        GRAPHS.get(Shape.of(q, k, spec, mask, rows), backward=True).run(q.device, {
+            **bounds, "q": q, "k": k, "v": v, "out": out, "dout": dout, "stats": stats,
+            "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+        # the calls' keys are disjoint (exact sums); their rows are not, summed in fp32
+        dq = accumulate(dq, grads[0], q.dtype)
+        dk, dv = (grads[1], grads[2]) if dk is None else (dk + grads[1], dv + grads[2])
+    if into is not None and len(calls) > 1:
+        for buffer, grad in zip(into, (dq, dk, dv)):
+            buffer.copy_(grad)
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Query rows against key rows of one document (relative to its chunk) and their spec."""
+
+    q_rows: slice
+    k_rows: slice
+    spec: BlockSpec
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive documents of a block: their rows, their keys, the block spec of the row
+    views (segments from 0, one segmentation kept), the rows its graphs are sized for, and
+    for a document longer than that, the tiles it runs in (Note [a long document in tiles])."""
+
+    q_rows: slice
+    k_rows: slice
+    spec: BlockSpec
+    bound: int
+    tiles: tuple[Tile, ...] = ()
+
+
+def document_chunks(cu_q: Sequence[int], cu_k: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive segments ``[first, stop)`` grouped greedily, each group spanning at most
+    ``limit`` query rows and ``limit`` key rows unless it is one segment longer than that."""
+    groups, first = [], 0
+    for stop in range(2, len(cu_q)):
+        if cu_q[stop] - cu_q[first] > limit or cu_k[stop] - cu_k[first] > limit:
+            groups.append((first, stop - 1))
+            first = stop - 1
+    groups.append((first, len(cu_q) - 1))
+    return groups
+
+
+def backward_chunks(spec: BlockSpec, q: Tensor, k: Tensor) -> list[Chunk] | None:
+    """The chunks a backward of ``spec`` runs in, None where it runs whole: its workspace fits
+    ``WORKSPACE_SHARE`` of its inputs' bytes, or the host does not know its segmentation
+    (Note [a backward in chunks of documents])."""
+    host_q, host_k = HOST_READS.get(spec.cu_q), HOST_READS.get(spec.cu_k)
+    if host_q is None or host_k is None:
+        return None
+    rows = max(q.shape[0], k.shape[0])
+    per_row = workspace_per_row(Shape.of(q, k, spec, call_masks(spec)[0]))
+    budget = WORKSPACE_SHARE * 2 * (q.nbytes + k.nbytes)  # q and dout, k and v
+    limit = max(int(budget // per_row), MIN_CHUNK_ROWS)
+    if limit >= rows:
+        return None
+    return _CHUNKS.get(spec, (q.shape[0], k.shape[0], limit), lambda: _chunks(spec, host_q.values, host_k.values, limit))
+
+
+_PER_ROW: dict[Shape, float] = {}
+
+
+def workspace_per_row(shape: Shape) -> float:
+    """The backward workspace per row of calls like ``shape``, read off the graph of a call of
+    ``MIN_CHUNK_ROWS`` rows (it grows with the rows: Note [a backward in chunks of documents])."""
+    probe = dataclasses.replace(shape, entries=MIN_ENTRIES, segment_rows=bucket(MIN_CHUNK_ROWS, MIN_SEGMENT_ROWS),
+                                rows_q=MIN_CHUNK_ROWS, rows_k=MIN_CHUNK_ROWS)
+    if probe not in _PER_ROW:
+        _PER_ROW[probe] = max(GRAPHS.get(probe, backward=True).workspace_bytes / MIN_CHUNK_ROWS, 1.0)
+    return _PER_ROW[probe]
+
+
+def _chunks(spec: BlockSpec, cu_q: Tensor, cu_k: Tensor, limit: int) -> list[Chunk]:
+    chunks = []
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for first, stop in document_chunks(cu_q, cu_k, limit):
+        rows, keys = slice(cu_q[first], cu_q[stop]), slice(cu_k[first], cu_k[stop])
+        segments_q = spec.cu_q[first:stop + 1] - rows.start
+        segments_k = segments_q if spec.one_segmentation else spec.cu_k[first:stop + 1] - keys.start
+        positions = {}
+        if spec.q_positions is not None:
+            positions = dict(q_positions=spec.q_positions[rows], k_positions=spec.k_positions[keys])
+        chunk_spec = dataclasses.replace(
+            spec, cu_q=segments_q, cu_k=segments_k, covered_rows=rows.stop - rows.start,
+            cache_key=new_cache_key() if spec.cache_key >= 0 else -1, **positions)
+        long = stop - first == 1 and rows.stop - rows.start > limit
+        tiles = document_tiles(chunk_spec, rows.stop - rows.start, limit) if long and tileable(spec) else ()
+        chunks.append(Chunk(rows, keys, chunk_spec, limit, tiles))
+    return chunks
+
+
+def tileable(spec: BlockSpec) -> bool:
+    """Whether a long document of ``spec`` can run in tiles: its queries are its keys and no
+    window bounds it (a tile is then a full rectangle or a causal square)."""
+    return spec.one_segmentation and spec.q_positions is None and not spec.windowed
+
+
+def document_tiles(spec: BlockSpec, rows: int, size: int) -> tuple[Tile, ...]:
+    """The tiles of one document of ``rows`` rows (``spec``: its chunk, one segment from 0):
+    pieces of ``size`` rows, each query piece against each key piece it sees (Note [a long
+    document in tiles]). The tiles' segmentations come from ``spec.cu_q`` on the device."""
+    pieces = [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+    segmentations: dict[int, Tensor] = {}
+    specs: dict[tuple[int, int, bool], BlockSpec] = {}  # tiles of one shape share a spec and its cache key
+
+    def segmentation(length: int) -> Tensor:  # [0, length], from the chunk's [0, rows]
+        if length not in segmentations:
+            segmentations[length] = spec.cu_q.clamp(max=length)
+        return segmentations[length]
+
+    def tile_spec(rows_q: int, rows_k: int, diagonal: bool) -> BlockSpec:
+        if (rows_q, rows_k, diagonal) not in specs:
+            cu_q = segmentation(rows_q)
+            specs[rows_q, rows_k, diagonal] = dataclasses.replace(
+                spec, cu_q=cu_q, cu_k=cu_q if diagonal else segmentation(rows_k), causal=spec.causal and diagonal,
+                max_q=rows_q, max_k=rows_k, covered_rows=rows_q, equal_lengths=diagonal,
+                cache_key=new_cache_key() if spec.cache_key >= 0 else -1)
+        return specs[rows_q, rows_k, diagonal]
+
+    return tuple(Tile(query, key, tile_spec(query.stop - query.start, key.stop - key.start, i == j))
+                 for i, query in enumerate(pieces) for j, key in enumerate(pieces) if not (spec.causal and j > i))

@@ -15,7 +15,10 @@ alternative, autograd through a recomputed forward of the block with rescaled ou
 gradients, is as exact but runs the forward again in every backward (40 % more backward work).
 Dynamo traces that operator only when its score and mask graphs are submodules of a traced
 graph (how compiled autograd calls it, the form torch 2.11 and 2.14 both accept), so the
-backward is a small ``fx.GraphModule`` built here, compiled like the forward.
+backward is a small ``fx.GraphModule`` built here, compiled like the forward. Dynamo traces
+such a graph once: after ``torch._dynamo.reset()`` (or anything else that drops its compiled
+code) it refuses to trace the same module again, so a graph whose compiled code is gone is
+built anew before it runs (:class:`_BackwardGraphs`).
 
 Without a compiler (CPU) flex runs its unfused reference path: dense scores over the whole
 block, fine for tests, not for long sequences.
@@ -28,12 +31,15 @@ import dataclasses
 import functools
 import math
 import operator
+import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, fx
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._higher_order_ops.flex_attention import create_fw_bw_graph, flex_attention_backward
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import flex_attention as flex_module
@@ -92,7 +98,8 @@ class FlexKernel:
         if backend is not None and shape is None:
             tensors = _mark_rows_dynamic((q4, k4, v4), tensors)
         with _top_level_dispatch():
-            out, aux = _forward_function(backend, static, shape)(q4, k4, v4, tensors, mask.variant, spec.scale)
+            out, aux = _forward_function(backend, static, shape)(q4, k4, v4, tensors, mask_function(mask.variant),
+                                                                 spec.scale)
         del q4, k4, v4  # contiguous copies of q, k, v if they were not: freed first (peak memory)
         lse = aux.lse[0, :, :rows].to(accumulate_dtype(q.dtype)).contiguous()
         return _tokens_first(out)[:rows], lse
@@ -117,7 +124,7 @@ class FlexKernel:
         if backend is not None and shape is None:
             inputs = (*inputs[:6], *_mark_rows_dynamic(inputs[:6], inputs[6:]))
         with _top_level_dispatch():  # also for tracing the graph, on its first use
-            grads = list(_backward_graph(backend, *static, shape)(*inputs))
+            grads = list(_backward_graphs.get(backend, *static, shape)(*inputs))
         # copies of non-contiguous inputs freed, and each gradient freed once in its layout
         # (a copy only where flex's differs; peak memory)
         del inputs, q4, k4, v4, out4, dout4
@@ -182,7 +189,7 @@ _static_rows = _StaticRows()
 def clear_compiled() -> None:
     """Forget the compiled forwards and backwards and the row shapes seen (tests)."""
     _forward_function.cache_clear()
-    _backward_graph.cache_clear()
+    _backward_graphs.clear()
     _static_rows.clear()
 
 
@@ -282,15 +289,15 @@ _BLOCKS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices
 
 
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, tensors: tuple[Tensor, ...], variant: tuple[bool, int, int],
-    scale: float,
+    q: Tensor, k: Tensor, v: Tensor, tensors: tuple[Tensor, ...], mask: Callable[..., Tensor], scale: float,
 ) -> tuple[Tensor, AuxOutput]:
     """Flex's forward with the block mask built from its tensors here, inside the compiled
     region: its sequence lengths are then q's and k's (symbolic) row counts. A ``BlockMask``
     built outside carries them as ints, which Dynamo specializes on, compiling again for every
-    new block shape."""
+    new block shape. ``mask`` is the variant's :func:`mask_function`, looked up by the caller:
+    called here, Dynamo would warn that it traces through that function's cache."""
     *blocks, seg_q, seg_k, pos_q, pos_k = tensors
-    mask_mod = functools.partial(mask_function(variant), seg_q=seg_q, seg_k=seg_k, pos_q=pos_q, pos_k=pos_k)
+    mask_mod = functools.partial(mask, seg_q=seg_q, seg_k=seg_k, pos_q=pos_q, pos_k=pos_k)
     block_mask = BlockMask((q.shape[2], k.shape[2]), *blocks, (BLOCK_SIZE, BLOCK_SIZE), mask_mod)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           return_aux=AuxRequest(lse=True), kernel_options=KERNEL_OPTIONS)
@@ -313,11 +320,43 @@ def _template(layout: tuple) -> tuple:
 _TENSOR = "<tensor>"
 
 
-@functools.cache
+class _BackwardGraphs:
+    """The backward graphs by their arguments (:func:`_backward_graph`), each built anew when
+    Dynamo no longer holds compiled code for it (after ``torch._dynamo.reset()``, for one):
+    Dynamo refuses to trace a graph calling flex's backward operator a second time, "failed to
+    handle argument for FlexAttentionBackward HOP" (torch 2.11 and 2.14)."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, tuple[Callable, bool]] = {}  # arguments -> (graph, has been called)
+        self._lock = threading.Lock()
+
+    def get(self, *arguments: Any) -> Callable:
+        with self._lock:
+            graph, called = self._graphs.get(arguments, (None, False))
+            if graph is None or (called and not _has_compiled_code(graph)):
+                graph = _backward_graph(*arguments)
+            self._graphs[arguments] = (graph, True)
+            return graph
+
+    def clear(self) -> None:
+        with self._lock:
+            self._graphs.clear()
+
+
+def _has_compiled_code(graph: Callable) -> bool:
+    """Whether Dynamo holds compiled code for ``graph`` (a module ``torch.compile`` wrapped;
+    an uncompiled graph needs none)."""
+    module = getattr(graph, "_orig_mod", None)
+    return module is None or bool(_debug_get_cache_entry_list(module.forward.__code__))
+
+
+_backward_graphs = _BackwardGraphs()
+
+
 def _backward_graph(
     backend: str | None, variant: tuple[bool, int, int], scale: float, template: tuple,
     kernel_options: tuple, static_shape: tuple, rows: tuple[int, int] | None,
-):
+) -> Callable:
     """``(q, k, v, out, lse_base2, dout, *block mask tensors, *mask buffers) -> (dq, dk, dv)``
     in flex's ``[1, H, T, D]`` layout, as a compiled graph calling flex's backward operator,
     one per row shape ``rows``, or (``rows`` None) with the sizes the caller marked dynamic
@@ -352,7 +391,10 @@ def _score_graphs() -> tuple[fx.GraphModule, fx.GraphModule]:
     return score, create_fw_bw_graph(score, examples, ())[1]
 
 
-def _identity_score(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+def _identity_score(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    # unannotated: make_fx copies a return annotation into the graph's code, as the string this
+    # module's ``from __future__ import annotations`` makes of it, and torch 2.11's FX graph cache
+    # then fails to pickle the graph (a traceback in the log, nothing cached)
     return score
 
 
