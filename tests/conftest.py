@@ -62,3 +62,32 @@ def recorded_measurements(monkeypatch, tmp_path):
 
     yield use
     forget()
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo world and its 1 x 1 mesh, for one test only (other tests need
+    torch.distributed uninitialized)."""
+    import torch.distributed as dist
+
+    import hcp_compile as hc
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield hc.make_mesh(1, 1, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def traced_flex(monkeypatch):
+    """Flex compiled on CPU with ``aot_eager``: Dynamo traces the same forward and backward
+    graphs as on CUDA (Inductor has no CPU flex backward). No row shape gets a graph of its
+    own (``STATIC_SHAPES`` 0): the graphs with dynamic rows, which must serve every shape."""
+    from hcp_compile.kernels import flex
+
+    monkeypatch.setitem(flex.COMPILE_BACKENDS, "cpu", "aot_eager")
+    monkeypatch.setattr(flex, "STATIC_SHAPES", 0)
+    flex.clear_compiled()
+    yield
+    flex.clear_compiled()

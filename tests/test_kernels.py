@@ -366,18 +366,6 @@ def test_single_device_flex_builds_one_mask_per_batch_and_window(mask_builds):
 # flex traced by Dynamo (as on CUDA, with aot_eager instead of Inductor)
 # --------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def traced_flex(monkeypatch):
-    """Flex compiled on CPU with ``aot_eager``: Dynamo traces the same forward and backward
-    graphs as on CUDA (Inductor has no CPU flex backward). No row shape gets a graph of its
-    own (``STATIC_SHAPES`` 0): the graphs with dynamic rows, which must serve every shape."""
-    monkeypatch.setitem(flex.COMPILE_BACKENDS, "cpu", "aot_eager")
-    monkeypatch.setattr(flex, "STATIC_SHAPES", 0)
-    flex.clear_compiled()
-    yield
-    flex.clear_compiled()
-
-
 def test_traced_flex_matches_reference_without_a_recompile_per_batch(traced_flex):
     """Three batches of different sizes, each with a new mask (new cu_seqlens): one graph for
     the forward and one for the backward."""
@@ -543,15 +531,6 @@ def test_traced_flex_runs_inside_models_compiled_around_it(traced_flex):
             for name in ("out", "dq", "dk", "dv"):
                 assert_matches(got[name], expected[name], f"round {round_} {model.__name__} {name}")
         torch._dynamo.reset()
-
-@pytest.fixture
-def one_rank_mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield hc.make_mesh(1, 1, "cpu")
-    finally:
-        dist.destroy_process_group()
-
 
 @pytest.mark.parametrize("kernel, window", [("flex", (4, 0)), ("dense", (-1, -1))])
 def test_kernel_through_the_hcp_backend(one_rank_mesh, monkeypatch, kernel, window):

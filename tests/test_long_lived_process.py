@@ -22,7 +22,7 @@ import hcp_compile as hc
 from attention_reference import reference_with_grads
 from checks import assert_matches
 from cp_cases import seeded
-from hcp_compile.kernels import KERNELS, BlockRequest, flex
+from hcp_compile.kernels import KERNELS, BlockRequest
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 64
 # bf16 tolerance with GQA (docs/design.md §6); fp32 on CPU
@@ -72,24 +72,6 @@ def run(fn, data: dict) -> dict[str, torch.Tensor]:
     out = fn(*leaves, data["cu_device"], data["longest"])
     out.backward(data["device"]["dout"])
     return {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
-
-
-@pytest.fixture
-def one_rank_mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield hc.make_mesh(1, 1, "cpu")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def traced_flex(monkeypatch):
-    """Flex traced by Dynamo on CPU (``aot_eager``), the graphs it compiles on CUDA."""
-    monkeypatch.setitem(flex.COMPILE_BACKENDS, "cpu", "aot_eager")
-    flex.clear_compiled()
-    yield
-    flex.clear_compiled()
 
 
 def runs_on(kernel: str, device: torch.device, dtype: torch.dtype, window: tuple[int, int]) -> bool:

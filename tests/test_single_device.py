@@ -256,17 +256,6 @@ def test_shard_plan_rejects_something_that_is_not_a_mesh():
 # errors of the hcp backend at compile time reach the user as themselves
 # --------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def one_rank_mesh():
-    """A one-rank gloo world and its 1 x 1 mesh, for one test only (the tests above need
-    torch.distributed uninitialized)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield hc.make_mesh(1, 1, "cpu")
-    finally:
-        dist.destroy_process_group()
-
-
 def flash_attention_with_dropout(q, k, v, cu):
     """Varlen attention whose dropout hierarchical CP cannot reproduce."""
     return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 9, 9, 0.1, True, False)[0]

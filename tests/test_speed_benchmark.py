@@ -11,7 +11,10 @@ from dataclasses import replace  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     exposed_length, kernel_intervals, kernel_summary, stream_seed, union_intervals,
 )
-from benchmarks.speed import Row, relate, summarize_stream, table, workloads  # noqa: E402
+from benchmarks.speed import (  # noqa: E402
+    Row, first_extra_s, mixed_steps, outputs_gib, relate, reset_steps, scale_figures, summarize_stream, table,
+    workloads,
+)
 
 
 def test_union_merges_overlapping_and_touching_intervals():
@@ -196,3 +199,124 @@ def test_stream_plans_ahead_and_traces_a_step_on_cpu(tmp_path):
         placement = "-" if mode == "one-gpu-hcp" else "balanced"
         assert (traces / f"W3-128K_gqa_{mode}_{placement}_u1r2_stream_rank0.json.gz").exists()
     assert "plan ahead" in done.stdout and "traced step / busy / plan ms" in done.stdout
+
+
+COMPOSITIONS = ["W1-128K", "W1-256K", "W2-128K", "W2-256K", "W3-128K", "W3-256K", "W4-128K", "W4-256K"]
+
+
+def test_a_mixed_stream_meets_every_workload_in_seeded_rounds_and_resets_on_schedule():
+    """Rounds of all eight workloads, each round shuffled, the same in every call; every step a
+    new batch of its workload (its own step index); a longer stream starts with these steps;
+    Dynamo resets before every K-th step after the first, never for K = 0."""
+    by_name = workloads()
+    compositions = [by_name[n] for n in COMPOSITIONS]
+    steps = mixed_steps(compositions, 24)
+    names = [w.name for w in steps]
+    assert steps == mixed_steps(compositions, 24) and mixed_steps(compositions, 26)[:24] == steps
+    for start in range(0, 24, 8):
+        assert sorted(names[start:start + 8]) == sorted(COMPOSITIONS)
+    assert names[:8] != COMPOSITIONS and names[:8] != names[8:16]  # shuffled, anew each round
+    assert [w.name for w in mixed_steps(compositions, 24, seed=1)] != names
+    assert all(w == by_name[w.name].step(s) for s, w in enumerate(steps))
+    drawn = [w.lengths for w in steps if not w.name.startswith("W1")]
+    assert len(set(drawn)) == len(drawn)  # no batch repeats another, W4 (W2's lengths) included
+    assert reset_steps(200, 25) == [25, 50, 75, 100, 125, 150, 175]
+    assert reset_steps(50, 25) == [25] and reset_steps(200, 0) == []
+
+
+def test_first_step_of_each_workload_against_its_median():
+    """Per workload: its first step after the stream's first minus the median of its steps after
+    the stream's first, in seconds; the stream's first step belongs to none of them."""
+    names = ["A", "B", "A", "C", "B", "A", "B", "A"]
+    step_ms = [9000.0, 900.0, 700.0, 50.0, 100.0, 500.0, 120.0, 400.0]
+    # A after step 0: 700, 500, 400 (median 500); B: 900, 100, 120 (median 120); C: 50 alone
+    assert first_extra_s(names, step_ms) == {"A": 0.2, "B": 0.78, "C": 0.0}
+    assert first_extra_s(["A", "B", "B"], [5000.0, 300.0, 100.0]) == {"A": None, "B": 0.1}
+
+
+def test_scale_rows_split_the_peak_and_relate_to_the_smallest_size():
+    """out, dq, dk, dv from shapes (GQA 32/8 x 128 bf16 at 128K tokens: 2.5 GiB, as q, k, v and
+    dout); extra = peak - those, over the inputs; ms per FLOP and peak per token over the
+    smallest size's of the same heads and mode; a failed size stays blank."""
+    from types import SimpleNamespace
+
+    import torch
+
+    setup = SimpleNamespace(args=SimpleNamespace(head_dim=128), dtype=torch.bfloat16)
+    assert outputs_gib(131072, "gqa", setup) == 2.5 and outputs_gib(4 * 131072, "mha", setup) == 16.0
+
+    def scale_row(workload: str, mode: str, outputs: float, **measured) -> Row:
+        return Row(workload, "gqa", mode, "-", "cudnn", "1", 1, scale=True, outputs_gib=outputs, **measured)
+
+    small = scale_row("W2-128K", "one-gpu-hcp", 2.5, ms=100.0, peak_gib=3.0)
+    large = scale_row("W2-512K", "one-gpu-hcp", 10.0, ms=1700.0, peak_gib=13.0)
+    failed = scale_row("W2-1M", "one-gpu-hcp", 20.0, error="OutOfMemoryError: CUDA out of memory")
+    flex = scale_row("W2-512K", "one-gpu-flex", 10.0, ms=2000.0, peak_gib=10.5)
+    for row, flops in ((small, 4e13), (large, 64e13), (failed, 256e13), (flex, 64e13)):
+        scale_figures(row, flops)
+    assert (small.tflops_per_gpu, small.extra_gib, small.extra_vs_inputs) == (400.0, 0.5, 0.2)
+    assert (large.tflops_per_gpu, large.extra_gib, large.extra_vs_inputs) == (376.5, 3.0, 0.3)
+    relate([large, failed, flex, small])
+    assert (small.flop_time_vs_smallest, small.token_peak_vs_smallest) == (1.0, 1.0)
+    # 16x the FLOPs in 17x the time; 1.3 GiB per GiB of outputs against 1.2
+    assert (large.flop_time_vs_smallest, large.token_peak_vs_smallest) == (1.062, 1.083)
+    assert (failed.tflops_per_gpu, failed.extra_gib, failed.flop_time_vs_smallest) == (None, None, None)
+    assert (flex.flop_time_vs_smallest, flex.token_peak_vs_smallest) == (1.0, 1.0)  # its own smallest
+    assert Row("W2-128K", "gqa", "one-gpu-hcp", "-", "cudnn", "1", 1).key() != small.key()
+    text = table([small, large, failed, flex])
+    assert "extra/inputs" in text and "1.083" in text and "OutOfMemoryError" in text
+    assert "exposed ms" not in text  # no table of repeated batches without such rows
+
+
+def _run_speed(arguments: list[str], out: Path):
+    import subprocess
+
+    command = [sys.executable, "-m", "benchmarks.speed", "--device", "cpu", "--shrink", "1024", "--head-dim", "16",
+               "--dtype", "float32", "--heads", "gqa", *arguments, "--out", str(out)]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_mixed_stream_on_cpu(tmp_path):
+    """--mixed 8 over four workloads (two rounds), Dynamo reset before steps 3 and 6, as one
+    rank alone: each mode's row holds the seeded order, its stream figures and its figure per
+    workload; hcp's CP mode takes each step's window; flex's error names the step it failed."""
+    import json
+
+    out = tmp_path / "mixed.json"
+    names = ["W1-128K", "W3-128K", "W4-256K", "W2-256K"]
+    done = _run_speed(["--fake-rank", "0", "--ulysses", "1", "--ring", "2", "--mixed", "8", "--layers", "2",
+                       "--mixed-reset", "3", "--workloads", ",".join(names), "--placements", "balanced",
+                       "--modes", "one-gpu-flex,one-gpu-hcp,hcp-eager"], out)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    by_name = workloads(1024)
+    order = [w.name for w in mixed_steps([by_name[n] for n in names], 8)]
+    assert "torch._dynamo.reset() before steps 3, 6" in done.stdout and "mixed streams; per workload" in done.stdout
+    assert rows["one-gpu-flex"]["error"].startswith(f"NotImplementedError at step 0 ({order[0]}): ")
+    for mode in ("one-gpu-hcp", "hcp-eager"):
+        row = rows[mode]
+        assert row["error"] is None, row["error"]
+        assert (row["workload"], row["stream_steps"], row["mixed_reset"]) == ("mixed", 8, 3)
+        assert row["step_workloads"] == order and len(row["step_ms"]) == 8
+        assert list(row["first_extra_s"]) == list(dict.fromkeys(order))
+        assert row["first_step_s"] > 0 and row["steady_tflops_per_gpu"] > 0
+
+
+
+def test_scale_on_cpu(tmp_path):
+    """--scale on CPU: hcp's call at each size (no peak without CUDA), smallest first; flex's row
+    keeps its error (no CPU backward) and the run goes on; flash, which needs CUDA, is skipped."""
+    import json
+
+    out = tmp_path / "scale.json"
+    done = _run_speed(["--scale", "256K,128K", "--warmup", "0", "--iters", "1"], out)
+    rows = json.loads(out.read_text())["rows"]
+    hcp = sorted((r for r in rows if r["mode"] == "one-gpu-hcp"), key=lambda r: r["outputs_gib"])
+    assert [r["workload"] for r in hcp] == ["W2-128K", "W2-256K"] and all(r["scale"] for r in rows)
+    assert all(r["error"] is None and r["ms"] > 0 and r["peak_gib"] is None for r in hcp)
+    assert abs(hcp[1]["outputs_gib"] / hcp[0]["outputs_gib"] - 2) < 1e-3 and hcp[0]["flop_time_vs_smallest"] == 1.0
+    assert {r["workload"] for r in rows if r["mode"] == "one-gpu-flex" and "backward" in r["error"]} == {
+        "W2-128K", "W2-256K"}
+    assert "one-gpu-flash: skipped" in done.stdout and "one call fwd+bwd, one GPU" in done.stdout
