@@ -13,7 +13,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hcp_compile as hc
 from attention_reference import document_mask, reference_with_grads

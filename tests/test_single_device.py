@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
 
 import hcp_compile as hc
