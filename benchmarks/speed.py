@@ -19,6 +19,12 @@ ulysses 1 x ring 2 alone; the per-rank memory of ulysses 2 x ring 1 on one GPU:
         --fake-rank 1 --ulysses 1 --ring 2 --modes one-gpu-hcp,hcp-eager,hcp-compiled
     torchrun --nproc-per-node 2 -m benchmarks.speed --stream 60 --layers 4 --workloads W2-128K \
         --share-gpu --ulysses 2 --ring 1 --modes hcp-eager,hcp-compiled
+Every batch composition in one process (``--mixed``, below), one mode per process, then one table:
+    for m in one-gpu-flash one-gpu-hcp one-gpu-flex; do python -m benchmarks.speed --mixed 200 --layers 4 \\
+        --heads gqa --modes $m --out mixed_$m.json; done
+    python -m benchmarks.speed --merge mixed_one-gpu-*.json --out mixed.json
+Time and memory of one call as the tokens grow (``--scale``, below):
+    python -m benchmarks.speed --scale 128K,256K,512K,1M --heads gqa
 (one process needs no torchrun: plain python runs a world of one.)
 CPU smoke test of the plumbing (gloo, 512-token batches, the torch kernel; under 2 minutes on
 2 cores). Of the one-GPU modes only hcp's and dense SDPA run there (flash needs CUDA; torch's
@@ -34,7 +40,8 @@ rank and in every run):
 - W2-128K, W2-256K: document lengths log-uniform in 256..32K, 128K / 256K tokens in all;
 - W3-128K, W3-256K: lengths log-uniform in 128..2K, 128K / 256K tokens;
 - W4-128K, W4-256K: the W2 batches under a sliding window (left 4096, right 0);
-- W2-1M: W2's lengths, 1M tokens (131K per rank of 8: the ring-8 ceilings; only when named).
+- W2-512K, W2-1M: W2's lengths, 512K / 1M tokens (1M: 131K per rank of 8, the ring-8 ceilings; only
+  when named, and in ``--scale``).
 
 Modes (``--modes``; default all that apply):
 - ``one-gpu-flex``: torch's ``flex_attention``, compiled, on the whole batch with a document +
@@ -59,14 +66,20 @@ measured in the same run as the CP modes. The fastest of them is "best one GPU".
 Columns: ms = median fwd+bwd of ``--iters`` after ``--warmup`` (for compiled modes the first
 call, the compile, is the first warm-up; its seconds are first_call_s in the JSON); TF/s per GPU counts only visible pairs (causal,
 inside the window), 7 products of 2·D FLOPs per pair and query head; eff = best one-GPU ms /
-(GPUs x ms); peak GiB = the largest ``max_memory_allocated`` of a rank during the timed steps
-beyond what it held before (the inputs), and its ratio to the best one-GPU mode's; saved GiB =
-the largest memory a rank's forward allocates and still holds when it returns (the output and
-what the backward needs: what a model holds per layer until its backward), and its ratio; exposed
-comm = in one profiled step of rank 0, the time some NCCL kernel runs while no other kernel
-does, in ms and in % of the traced step (first kernel start to last kernel end). A failing mode
-(compile error, OOM, unsupported) is a row with its error; the run goes on. The JSON file is
-rewritten after every row, so a run cut short keeps what it measured. ``--trace DIR`` also
+(GPUs x ms); peak GiB = the largest ``max_memory_allocated`` of a rank over the warm-ups and
+timed steps (after a compiled mode's first call) beyond what it held before them. Not counted: the
+inputs q, k and v (and flex's block mask, and what a kernel keeps from earlier calls). Counted: the
+output gradient (the first of those steps makes it), the output, dq, dk, dv, what the forward
+saves, the kernel's workspace, and during a forward the previous step's output (dropped when the
+new one is returned). So around one plain call with q, k, v and dout made before it (``--scale``'s
+peak) the allocator's peak is lower by dout's bytes (as many as q's) where the backward sets it,
+and by the previous output's too where a forward does. peak/1GPU = its ratio to the best one-GPU
+mode's; saved GiB = the largest memory a rank's forward allocates and still holds when it returns
+(the output and what the backward needs: what a model holds per layer until its backward), and
+its ratio; exposed comm = in one profiled step of rank 0, the time some NCCL kernel runs while no
+other kernel does, in ms and in % of the traced step (first kernel start to last kernel end). A
+failing mode (compile error, OOM, unsupported) is a row with its error; the run goes on. The JSON
+file is rewritten after every row, so a run cut short keeps what it measured. ``--trace DIR`` also
 traces the host in the profiled step (of every mode, the one-GPU ones included), keeps each
 rank's trace in DIR and prints the step's span, busy time and top kernels. ``--share-gpu``
 puts every rank on cuda:0 and runs the collectives over gloo (staged through the host): the
@@ -108,10 +121,12 @@ clock of their own, as the excess over steady (negative where noise makes the fi
 faster); first step s (``first_step_s``: the compiles show here); prepare ms = the median per
 step of ``cu_seqlens`` to the device plus the plan or mask, part of the step times
 (``prepare_ms``); graphs = Dynamo graphs compiled during the stream, recompiles included
-(``graphs``); peak GiB as above, over the stream beyond the layers' inputs; cumulative s by
-tenth of the steps = the time at the end of step ceil(N i / 10), i = 1..10 (``cumulative_s``,
-the last the total). The JSON keeps every step's ms (``step_ms``) and ``stream_steps``,
-``stream_layers``; the plot draws each stream's cumulative time against the step.
+(``graphs``); peak GiB = over the stream beyond the layers' inputs and the one output gradient
+(made before it): a step's outputs, saved tensors and gradients of every layer, and the kernel's
+workspace; cumulative s by tenth of the steps = the time at the end of step ceil(N i / 10),
+i = 1..10 (``cumulative_s``, the last the total). The JSON keeps every step's ms (``step_ms``)
+and ``stream_steps``, ``stream_layers``; the plot draws each stream's cumulative time against the
+step.
 ``--plan-ahead``: the CP modes take each step's prepared batch (``hcp_compile.prepare_batch``
 for this rank) from one DataLoader worker process that runs two steps ahead, as a trainer's
 loader can; taking it is part of the step (a worker that falls behind shows), ``shard_plan``
@@ -121,6 +136,35 @@ _u<A>r<R>_stream_rank<r>.json.gz``: traced step / busy / plan ms = its host-cloc
 time some kernel runs in it, and the plan's part (``traced_step_ms``, ``traced_busy_ms``,
 ``traced_plan_ms``); step minus busy is the time the GPU waited for the host (no
 communication in a one-GPU or fake-rank stream).
+
+Mixed stream (``--mixed N``; issue 37): one process through every batch composition. A stream
+as above (``--layers``, the modes, ``--kernel``, ``--fake-rank``) of N steps whose batches come
+from the ``--workloads`` (default the eight of W1..W4 at 128K and 256K) in rounds that hold each
+workload once, every round in a random order (seeded: the same in every run), step s a new batch
+of its workload (lengths seeded (workload seed, s)); ``torch._dynamo.reset()`` before every K-th
+step (``--mixed-reset K``, default 25; 0: never), outside the steps' times, as a notebook, an
+evaluation loop or another compiled model would: the next steps compile again. One row per mode,
+workload ``mixed``, in the streams' table (its steady TF/s over the last half, resets included;
+``step_workloads`` and ``mixed_reset`` in the JSON), and a table of its own: overall over steady
+TF/s; the first step and its excess over one-gpu-flash's first in the same run; per workload
+(``first_extra_s``), its first step after the stream's first minus its median step after the
+stream's first. A mode's stream starts reset, but in the process that ran the modes before it:
+for a first step that is the process's, run one mode per process and ``--merge`` the files. A
+failing step ends the row with an error that names the step and its workload.
+
+Scale table (``--scale SIZES``, such as 128K,256K,512K,1M; one process, one GPU): at each size W2's
+lengths (log-uniform 256..32K, seed 0), and per mode (one-gpu-hcp with ``--kernel``,
+one-gpu-flex, one-gpu-flash; ``--modes`` picks among them) one call fwd+bwd: after ``--warmup``
+calls (at least one), peak GiB = the ``max_memory_allocated`` of one call beyond what is allocated
+before it: q, k, v and dout (and what the kernel keeps from earlier calls); then ms = the median
+of ``--iters`` calls; TF/s as above; out+grads GiB = out, dq, dk and dv from their shapes
+(``outputs_gib``: as many bytes as q, k, v and dout); extra GiB = peak minus out+grads (saved
+tensors, workspaces, temporaries: ``extra_gib``), extra/inputs = that over the bytes of q, k, v
+and dout (``extra_vs_inputs``); ms per FLOP / smallest's = the row's ms per causal FLOP over that
+of the smallest size of its heads and mode (``flop_time_vs_smallest``: 1 where time grows as the
+causal FLOPs), peak per token / smallest's likewise (``token_peak_vs_smallest``: 1 where memory
+grows as the tokens). An out-of-memory error is the row's error; the cache is emptied and the run
+goes on.
 """
 
 from __future__ import annotations
@@ -128,17 +172,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import gzip
 import itertools
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -161,10 +207,17 @@ from hcp_compile.prepared import PreparedBatch
 
 HEADS = {"gqa": (32, 8), "mha": (32, 32)}
 ONE_GPU_MODES = ("one-gpu-flex", "one-gpu-flash", "one-gpu-sdpa", "one-gpu-hcp")
+SCALE_MODES = ("one-gpu-hcp", "one-gpu-flex", "one-gpu-flash")  # --scale: hcp against torch's two kernels
 MODES = (*ONE_GPU_MODES, "hcp-eager", "hcp-compiled", "torch-native-cp")
 PLACEMENTS = ("balanced", "zigzag")
 WINDOW_LEFT = 4096
 NO_WINDOW = (-1, -1)
+# the row (workload) of a --mixed stream
+MIXED = "mixed"
+# the note a stream's failing step adds to its exception, which the row's error starts with
+STEP_NOTE = "at step"
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -192,29 +245,51 @@ class Workload:
 def workloads(shrink: int = 1) -> dict[str, Workload]:
     """The workloads by name; token counts, length ranges and the window divided by ``shrink``
     (tiny CPU runs keep the names)."""
-
-    def tokens(k: int) -> int:
-        return k * 1024 // shrink
-
-    def size(n: int) -> int:
-        return max(1, n // shrink)
-
-    long, short = (size(256), size(32768), 0), (size(128), size(2048), 1)  # (low, high, seed)
-
-    def drawn(k: int, spread: tuple[int, int, int]) -> tuple[int, ...]:
-        low, high, seed = spread
-        return tuple(log_uniform_lengths(tokens(k), low, high, seed=seed))
-
-    result = [Workload(f"W1-{k}K", (tokens(k),)) for k in (128, 256)]
-    result += [Workload(f"W2-{k}K", drawn(k, long), spread=long) for k in (128, 256)]
-    result += [Workload(f"W3-{k}K", drawn(k, short), spread=short) for k in (128, 256)]
-    result += [Workload(f"W4-{k}K", drawn(k, long), size(WINDOW_LEFT), spread=long) for k in (128, 256)]
-    result.append(Workload("W2-1M", drawn(1024, long), spread=long))
+    short = (_size(128, shrink), _size(2048, shrink), 1)  # (low, high, seed)
+    result = [Workload(f"W1-{size_label(k)}", (_tokens(k, shrink),)) for k in (128, 256)]
+    result += [log_uniform(k, shrink) for k in (128, 256)]
+    result += [Workload(f"W3-{size_label(k)}", _drawn(k, short, shrink), spread=short) for k in (128, 256)]
+    result += [replace(log_uniform(k, shrink), name=f"W4-{size_label(k)}", window_left=_size(WINDOW_LEFT, shrink))
+               for k in (128, 256)]
+    result += [log_uniform(k, shrink) for k in (512, 1024)]
     return {w.name: w for w in result}
 
 
+def log_uniform(k: int, shrink: int = 1) -> Workload:
+    """W2 at ``k`` K tokens (``W2-<size_label(k)>``): lengths log-uniform in 256..32K, seed 0,
+    as :func:`workloads` describes (the batches of ``--scale``)."""
+    spread = (_size(256, shrink), _size(32768, shrink), 0)
+    return Workload(f"W2-{size_label(k)}", _drawn(k, spread, shrink), spread=spread)
+
+
+def _tokens(k: int, shrink: int) -> int:
+    return k * 1024 // shrink
+
+
+def _size(n: int, shrink: int) -> int:
+    return max(1, n // shrink)
+
+
+def _drawn(k: int, spread: tuple[int, int, int], shrink: int) -> tuple[int, ...]:
+    low, high, seed = spread
+    return tuple(log_uniform_lengths(_tokens(k, shrink), low, high, seed=seed))
+
+
+def size_label(k: int) -> str:
+    """``k`` K tokens as a name writes it: 128K, 1M."""
+    return f"{k // 1024}M" if k % 1024 == 0 else f"{k}K"
+
+
+def parse_size(text: str) -> int:
+    """A token count as ``--scale`` takes it, ``128K`` or ``1M``, in K tokens."""
+    number, unit = text[:-1], text[-1:].upper()
+    if unit not in ("K", "M") or not number.isdigit() or int(number) < 1:
+        raise ValueError(f"expected a token count such as 128K or 1M, got {text!r}")
+    return int(number) * (1024 if unit == "M" else 1)
+
+
 # run only when named in --workloads (a one-GPU step takes seconds)
-ONLY_WHEN_NAMED = ("W2-1M",)
+ONLY_WHEN_NAMED = ("W2-512K", "W2-1M")
 
 
 @dataclass
@@ -260,10 +335,22 @@ class Row:
     traced_step_ms: float | None = None  # the step, from its lengths to the end of its backward
     traced_busy_ms: float | None = None  # the time some kernel of the step runs
     traced_plan_ms: float | None = None  # the host's plan (or mask) inside it
+    # --mixed: a stream whose steps meet several workloads (the row's workload is "mixed")
+    step_workloads: list[str] | None = None  # each step's workload
+    mixed_reset: int | None = None  # torch._dynamo.reset() before every this many steps (0: never)
+    # per workload: its first step after the stream's first, minus its median step after the stream's first, s
+    first_extra_s: dict[str, float | None] | None = None
+    # --scale: one call on W2 lengths; peak_gib is then the peak beyond q, k, v and dout
+    scale: bool = False
+    outputs_gib: float | None = None  # out, dq, dk and dv, from their shapes: as many bytes as q, k, v, dout
+    extra_gib: float | None = None  # peak_gib beyond outputs_gib
+    extra_vs_inputs: float | None = None  # extra_gib over the bytes of q, k, v and dout
+    flop_time_vs_smallest: float | None = None  # ms per causal FLOP over the smallest size's (heads, mode)
+    token_peak_vs_smallest: float | None = None  # peak_gib per token over the smallest size's (heads, mode)
 
     def key(self) -> tuple[str | bool | int | None, ...]:
         return (self.workload, self.heads, self.mode, self.placement, self.mesh, self.recompute_exchange,
-                self.stream_steps, self.stream_layers, self.plan_ahead)
+                self.stream_steps, self.stream_layers, self.plan_ahead, self.mixed_reset, self.scale)
 
 
 @dataclass
@@ -468,7 +555,9 @@ def record(row: Row, run: Callable[[], Measurement], setup: Setup, *, together: 
     try:
         measured = run()
     except Exception as exc:  # noqa: BLE001 -- a failing mode is a result, not the end of the run
-        error = f"{type(exc).__name__}: {exc}".strip()[:2000]
+        # a stream's failing step, first: the error column is cut short
+        where = "".join(f" {note}" for note in getattr(exc, "__notes__", ()) if note.startswith(STEP_NOTE))
+        error = f"{type(exc).__name__}{where}: {exc}".strip()[:2000]
         out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError)
     if out_of_memory:  # here, once the exception and the tensors of its frames are gone
         gc.collect()
@@ -515,17 +604,34 @@ def _significant(value: float) -> float:
 # --------------------------------------------------------------------------- the modes
 
 
+def one_gpu_call(mode: str, batch: Batch, setup: Setup) -> tuple[Attend, list[Tensor]]:
+    """A one-GPU mode's call on the whole batch and its inputs: q, k and v, new leaves that take
+    gradients, in the mode's layout (flex's and SDPA's ``[1, H, T, D]``, made before the timing as
+    hcp's ``[T, H, D]`` is). The call holds the batch's ``cu_seqlens``, not the batch."""
+    bhtd = mode in ("one-gpu-flex", "one-gpu-sdpa")
+    inputs = [(t.transpose(0, 1).unsqueeze(0).contiguous() if bhtd else t.clone()).requires_grad_()
+              for t in batch.qkv]
+    cu, longest, workload = batch.cu, batch.longest, batch.workload
+    if mode == "one-gpu-flex":
+        mask = document_block_mask(workload, setup.device)
+        attend = torch.compile(flex_attention, dynamic=False) if setup.device.type == "cuda" else flex_attention
+        gqa = inputs[0].shape[1] != inputs[1].shape[1]
+        return (lambda q, k, v: attend(q, k, v, block_mask=mask, enable_gqa=gqa)), inputs
+    if mode == "one-gpu-sdpa":
+        return dense_causal, inputs
+    if mode == "one-gpu-flash":
+        return flash_call(cu, longest, workload.window_left), inputs
+    module = PackedAttention(workload.window, setup.args.kernel)
+    return (lambda q, k, v: module(q, k, v, cu, longest)), inputs
+
+
 def one_gpu_flex(batch: Batch, setup: Setup) -> Measurement:
-    """torch's flex_attention on the whole batch, compiled. On CPU it runs uncompiled and
-    fails: torch's flex has no backward there (the smoke test records that error)."""
-    # flex's layout [1, H, T, D], made before the timing as hcp's [T, H, D] is
-    q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for t in batch.qkv)
-    mask = document_block_mask(batch.workload, setup.device)
+    """torch's flex_attention on the whole batch, compiled, with a document + causal (+ window)
+    block mask. On CPU it runs uncompiled and fails: torch's flex has no backward there (the
+    smoke test records that error)."""
     cuda = setup.device.type == "cuda"
-    attend = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
-    gqa = q.shape[1] != k.shape[1]
-    return measure(lambda q, k, v: attend(q, k, v, block_mask=mask, enable_gqa=gqa), [q, k, v], setup,
-                   alone=True, first_call=cuda, profile=one_gpu_trace(batch, setup, "one-gpu-flex"))
+    return measure(*one_gpu_call("one-gpu-flex", batch, setup), setup, alone=True, first_call=cuda,
+                   profile=one_gpu_trace(batch, setup, "one-gpu-flex"))
 
 
 def document_block_mask(workload: Workload, device: torch.device) -> BlockMask:
@@ -549,8 +655,8 @@ def one_gpu_sdpa(batch: Batch, setup: Setup) -> Measurement:
     """Dense causal ``F.scaled_dot_product_attention`` on ``[1, H, T, D]`` with the backend torch
     picks (cuDNN on an H200 with torch 2.11): exact only for a one-document batch without a
     window, the only workloads it runs on."""
-    q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for t in batch.qkv)
-    return measure(dense_causal, [q, k, v], setup, alone=True, profile=one_gpu_trace(batch, setup, "one-gpu-sdpa"))
+    return measure(*one_gpu_call("one-gpu-sdpa", batch, setup), setup, alone=True,
+                   profile=one_gpu_trace(batch, setup, "one-gpu-sdpa"))
 
 
 def dense_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -560,21 +666,18 @@ def dense_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def one_gpu_hcp(batch: Batch, setup: Setup) -> Measurement:
     """hcp's single-device ``varlen_attention`` (no context parallelism) on the whole batch,
     with the kernel ``--kernel`` resolves to."""
-    q, k, v = (t.clone().requires_grad_() for t in batch.qkv)
-    attend = PackedAttention(batch.workload.window, setup.args.kernel)
-    return measure(lambda q, k, v: attend(q, k, v, batch.cu, batch.longest), [q, k, v], setup, alone=True,
+    return measure(*one_gpu_call("one-gpu-hcp", batch, setup), setup, alone=True,
                    profile=one_gpu_trace(batch, setup, "one-gpu-hcp"))
 
 
 def one_gpu_flash(batch: Batch, setup: Setup) -> Measurement:
     """``aten._flash_attention_forward`` (differentiable) on the whole batch, as hcp's flash
     kernel calls it: KV heads as they are, the window as flash's left/right sizes."""
-    q, k, v = (t.clone().requires_grad_() for t in batch.qkv)
-    return measure(flash_call(batch.cu, batch.longest, batch.workload.window_left), [q, k, v], setup,
-                   alone=True, profile=one_gpu_trace(batch, setup, "one-gpu-flash"))
+    return measure(*one_gpu_call("one-gpu-flash", batch, setup), setup, alone=True,
+                   profile=one_gpu_trace(batch, setup, "one-gpu-flash"))
 
 
-def flash_call(cu: Tensor, longest: int, window_left: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+def flash_call(cu: Tensor, longest: int, window_left: int) -> Attend:
     window = {"window_size_left": window_left, "window_size_right": 0} if window_left >= 0 else {}
 
     def attend(q, k, v):
@@ -698,8 +801,6 @@ def torch_native_cp(batch: Batch, setup: Setup) -> Measurement:
 
 # --------------------------------------------------------------------------- streams
 
-Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
-
 
 @dataclass
 class Step:
@@ -755,7 +856,7 @@ class LayerInputs:
 def stream(
     setup: Setup, steps: list[Workload], heads: str, prepare: Prepare, *, together: bool, bhtd: bool = False,
     context: contextlib.AbstractContextManager | None = None, ahead: Iterator[PreparedBatch] | None = None,
-    traced: tuple[list[Workload], Path] | None = None,
+    traced: tuple[list[Workload], Path] | None = None, resets: Collection[int] = (),
 ) -> Measurement:
     """A stream: every step's batch through ``--layers`` attention calls (one per layer, each
     on its own q, k and v, all on the step's ``cu_seqlens``), forward, then backward. A step is
@@ -765,9 +866,12 @@ def stream(
     together. Peak memory: the largest allocated beyond the layers' inputs. ``ahead``: each
     step's prepared batch (``--plan-ahead``), taken inside the step: a step waits for a worker
     that has not finished. ``traced``: two more steps of these batches, after the stream, the
-    second traced into this file (:func:`traced_step`)."""
+    second traced into this file (:func:`traced_step`). ``resets``: the steps before which
+    ``torch._dynamo.reset()`` runs, outside their time (``--mixed``). A failing step's exception
+    says which step and workload it was (:data:`STEP_NOTE`)."""
     device, cuda = setup.device, setup.device.type == "cuda"
-    tokens = sum(steps[0].lengths)
+    # the inputs are sized once for the largest step: making them again would be a step's time
+    tokens = max(sum(w.lengths) for w in steps + (traced[0] if traced is not None else []))
     rows = -(-tokens * 5 // (4 * setup.world)) if together else tokens  # a rank's share, room for pads
     inputs = LayerInputs(setup, heads, rows, bhtd=bhtd)
     if cuda:
@@ -795,8 +899,18 @@ def stream(
         stopped = time.perf_counter()
         return (stopped - started) * 1e3, (prepared - started) * 1e3
 
+    def run_steps() -> Iterator[tuple[float, float]]:
+        for index, workload in enumerate(steps):
+            if index in resets:  # as a notebook, an evaluation loop or another compiled model would
+                torch._dynamo.reset()
+            try:
+                yield run_step(workload)
+            except Exception as error:
+                error.add_note(f"{STEP_NOTE} {index} ({workload.name})")
+                raise
+
     with context if context is not None else contextlib.nullcontext():
-        step_ms, prepare_ms = zip(*(run_step(workload) for workload in steps))
+        step_ms, prepare_ms = zip(*run_steps())
         peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else None
         found = traced_step(run_step, *traced) if traced is not None else None
     return Measurement(None, peak, step_ms=list(step_ms), prepare_ms=statistics.median(prepare_ms),
@@ -847,9 +961,9 @@ def flex_stream(setup: Setup) -> Prepare:
     return prepare
 
 
-def flash_stream(workload: Workload) -> Prepare:
+def flash_stream() -> Prepare:
     """``aten._flash_attention_forward`` on each step's batch, as :func:`one_gpu_flash`."""
-    return lambda step: (step.tokens, flash_call(step.cu, step.longest, workload.window_left))
+    return lambda step: (step.tokens, flash_call(step.cu, step.longest, step.workload.window_left))
 
 
 def sdpa_stream() -> Prepare:
@@ -857,25 +971,36 @@ def sdpa_stream() -> Prepare:
     return lambda step: (step.tokens, dense_causal)
 
 
-def hcp_stream(workload: Workload, kernel: str) -> Prepare:
-    """hcp's single-device ``varlen_attention`` with ``kernel``, one module for the stream."""
-    attend = PackedAttention(workload.window, kernel)
-    return lambda step: (step.tokens, lambda q, k, v: attend(q, k, v, step.cu, step.longest))
+def hcp_stream(kernel: str) -> Prepare:
+    """hcp's single-device ``varlen_attention`` with ``kernel``, one module per window for the
+    stream (the window is a module's constant)."""
+    module = functools.cache(lambda window: PackedAttention(window, kernel))
+
+    def prepare(step: Step) -> tuple[int, Attend]:
+        attend = module(step.workload.window)
+        return step.tokens, lambda q, k, v: attend(q, k, v, step.cu, step.longest)
+
+    return prepare
 
 
-def hcp_cp_stream(setup: Setup, workload: Workload, placement: str,
-                  compiled: Callable[..., Tensor] | None) -> Prepare:
+def hcp_cp_stream(setup: Setup, placement: str,
+                  compile_window: Callable[[tuple[int, int]], Callable[..., Tensor]] | None) -> Prepare:
     """hcp on this rank's shards: every step the batch's ``shard_plan`` (host work a trainer
     pays: it shards its tokens by it; the layers' q, k and v are born sharded), then the
     layers' calls, eagerly (inside the ``context_parallel`` the caller enters) or through
-    ``compiled``, one module for the stream, with dynamic shapes as in :func:`hcp_mode`."""
-    mesh, eager = setup.hcp_mesh(), PackedAttention(workload.window)
+    ``compile_window(window)``, a compiled module per window for the stream (made at its
+    first step), with dynamic shapes as in :func:`hcp_mode`."""
+    mesh, eager = setup.hcp_mesh(), functools.cache(PackedAttention)
+    compiled_by_window = functools.cache(compile_window) if compile_window is not None else None
 
     def prepare(step: Step) -> tuple[int, Attend]:
         plan = hcp_compile.shard_plan(step.prepared if step.prepared is not None else step.cu, mesh,
                                       placement=placement)
-        if compiled is None:
-            return plan.local_tokens, lambda q, k, v: eager(q, k, v, step.cu, step.longest)
+        window = step.workload.window
+        if compiled_by_window is None:
+            module = eager(window)
+            return plan.local_tokens, lambda q, k, v: module(q, k, v, step.cu, step.longest)
+        compiled = compiled_by_window(window)
         torch._dynamo.maybe_mark_dynamic(step.cu, 0)
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -953,15 +1078,130 @@ def summarize_stream(row: Row, flops: list[float]) -> None:
     row.cumulative_s = [_significant(cumulative[-(-n * tenth // 10) - 1]) for tenth in range(1, 11)]
 
 
+def summarize_compositions(row: Row) -> None:
+    """A mixed stream's figure per workload (``first_extra_s``, :func:`first_extra_s`)."""
+    if row.step_ms is not None and row.step_workloads is not None:
+        row.first_extra_s = first_extra_s(row.step_workloads, row.step_ms)
+
+
+def first_extra_s(names: Sequence[str], step_ms: Sequence[float]) -> dict[str, float | None]:
+    """Per workload of ``names`` (each step's), in order of first appearance: the seconds its
+    first step after the stream's first takes beyond its median step after the stream's first
+    (the stream's first step pays the process's one-time work, which is no workload's); None
+    for a workload met only at the stream's first step."""
+    extra: dict[str, float | None] = {}
+    for name in dict.fromkeys(names):
+        later = [ms for index, (step, ms) in enumerate(zip(names, step_ms)) if step == name and index > 0]
+        extra[name] = _significant((later[0] - statistics.median(later)) / 1e3) if later else None
+    return extra
+
+
+# --------------------------------------------------------------------------- the scale table
+
+
+def run_scale(setup: Setup, heads: str, on_row: Callable[[Row], None]) -> None:
+    """``--scale``: one call of each selected one-GPU mode on W2 lengths (:func:`log_uniform`) at
+    each size. An out-of-memory error is that row's (:func:`record` empties the cache after it)."""
+    args = setup.args
+    for k in args.scale:
+        workload = log_uniform(k, args.shrink)
+        tokens = sum(workload.lengths)
+        setup.say(f"{workload.name} {heads}: one call on {tokens} tokens, {len(workload.lengths)} documents, "
+                  f"longest {max(workload.lengths)}")
+        flops = causal_flops(list(workload.lengths), HEADS[heads][0], args.head_dim)
+        for mode in args.modes:
+            if skipped(mode, [workload], setup):
+                continue
+            kernel = {"one-gpu-flex": "flex", "one-gpu-flash": "flash"}.get(mode) or hcp_kernel(
+                workload, heads, setup, cp=False)
+            row = Row(workload.name, heads, mode, "-", kernel, "1", 1, scale=True,
+                      outputs_gib=_significant(outputs_gib(tokens, heads, setup)))
+            row = record(row, lambda mode=mode: scale_call(mode, workload, heads, setup), setup, together=False)
+            scale_figures(row, flops)
+            on_row(row)
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()  # the next size's buffers are larger
+
+
+def scale_call(mode: str, workload: Workload, heads: str, setup: Setup) -> Measurement:
+    """One fwd+bwd call of a one-GPU ``mode`` on ``workload``: ``--warmup`` calls (at least one:
+    flex compiles, kernels build their graphs), one call whose peak memory beyond what is
+    allocated before it (q, k, v, dout, and what the kernel keeps from earlier calls) is the peak
+    (CUDA only), then the median ms of ``--iters``."""
+    batch = Batch.make(workload, heads, setup)
+    attend, inputs = one_gpu_call(mode, batch, setup)
+    del batch  # q, k and v held once, as a caller holds them: the mode's copies
+    dout = torch.randn_like(inputs[0])  # every mode's output has q's shape and layout
+
+    def call(grad: Tensor) -> None:
+        attend(*inputs).backward(grad)
+        for t in inputs:
+            t.grad = None  # the next call starts without gradients
+
+    for _ in range(max(1, setup.args.warmup)):
+        call(dout)
+    peak = None
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        call(dout)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - held) / 2**30
+    del dout  # the timing makes its own
+    return Measurement(time_fwd_bwd(attend, inputs, 0, setup.args.iters, barrier=False), peak)
+
+
+def outputs_gib(tokens: int, heads: str, setup: Setup) -> float:
+    """GiB of a call's out, dq, dk and dv: two tensors of the query heads, two of the KV heads,
+    as many bytes as its inputs q, k, v and dout."""
+    q_heads, kv_heads = HEADS[heads]
+    return 2 * (q_heads + kv_heads) * tokens * setup.args.head_dim * setup.dtype.itemsize / 2**30
+
+
+def scale_figures(row: Row, flops: float) -> None:
+    """A scale row's TF/s from its ms and the call's causal FLOPs, and its peak split into the
+    outputs and gradients (``outputs_gib``, set) and the rest, alone and over the inputs."""
+    if row.ms is not None:
+        row.tflops_per_gpu = _significant(flops / row.ms / 1e9)
+    if row.peak_gib is not None:
+        row.extra_gib = _significant(row.peak_gib - row.outputs_gib)
+        row.extra_vs_inputs = round(row.extra_gib / row.outputs_gib, 3)  # the inputs' bytes are the outputs'
+
+
+def relate_scale(rows: list[Row]) -> None:
+    """Each scale row's ms per causal FLOP and peak per token over those of the smallest size
+    measured with its heads and mode: 1 where time grows as the causal FLOPs and memory as the
+    tokens (a mode's kernel may change with the size; the ratios follow the mode)."""
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        if row.scale and row.tflops_per_gpu:
+            groups.setdefault((row.heads, row.mode), []).append(row)
+    for group in groups.values():
+        smallest = min(group, key=lambda r: r.outputs_gib)  # of one heads, outputs grow as the tokens
+        for row in group:
+            row.flop_time_vs_smallest = round(smallest.tflops_per_gpu / row.tflops_per_gpu, 3)
+            if row.peak_gib is not None and smallest.peak_gib:
+                per_token, smallest_per_token = (r.peak_gib / r.outputs_gib for r in (row, smallest))
+                row.token_peak_vs_smallest = round(per_token / smallest_per_token, 3)
+
+
 # --------------------------------------------------------------------------- the run
 
 
 def run_benchmark(setup: Setup, selected: list[Workload], on_row: Callable[[Row], None]) -> None:
     """Every selected (heads, workload, mode, placement), heads outermost: the compiled hcp
-    modules of one head configuration serve all its workloads (a stream compiles its own).
-    ``on_row`` gets each row as it is measured (on every rank)."""
+    modules of one head configuration serve all its workloads (a stream compiles its own);
+    with ``--mixed`` one stream through the selected workloads per heads, with ``--scale`` the
+    scale table's sizes instead. ``on_row`` gets each row as it is measured (on every rank)."""
     for heads in setup.args.heads:
         torch._dynamo.reset()  # drop the previous head configuration's graphs
+        if setup.args.scale:
+            run_scale(setup, heads, on_row)
+            continue
+        if setup.args.mixed:
+            run_mixed(setup, selected, heads, on_row)
+            continue
         compiled: dict[tuple, Callable[..., Tensor]] = {}  # by (placement, window, recompute_exchange)
         for workload in selected:
             if setup.args.stream:
@@ -999,7 +1239,7 @@ def run_workload(
                                       ("one-gpu-flash", one_gpu_flash, "flash"),
                                       ("one-gpu-sdpa", one_gpu_sdpa, "sdpa"),
                                       ("one-gpu-hcp", one_gpu_hcp, hcp_kernel(workload, heads, setup, cp=False))):
-                if mode in args.modes and not skipped(mode, workload, setup):
+                if mode in args.modes and not skipped(mode, [workload], setup):
                     measured(mode, "-", kernel, "1", 1, lambda run=run: run(batch, setup), together=False)
         dist.barrier()  # the other ranks wait here while rank 0 runs alone
     kernel = hcp_kernel(workload, heads, setup)
@@ -1029,10 +1269,10 @@ def mesh_label(setup: Setup, mesh: str, gpus: int) -> str:
     return mesh
 
 
-def skipped(mode: str, workload: Workload, setup: Setup) -> bool:
-    """Whether a one-GPU mode cannot run ``workload`` here (it says why)."""
+def skipped(mode: str, batches: Sequence[Workload], setup: Setup) -> bool:
+    """Whether a one-GPU mode cannot run some of ``batches`` here (it says why)."""
     reason = None
-    if mode == "one-gpu-sdpa" and (len(workload.lengths) > 1 or workload.window_left >= 0):
+    if mode == "one-gpu-sdpa" and any(len(w.lengths) > 1 or w.window_left >= 0 for w in batches):
         reason = "a dense call is exact only for one document without a window"
     if mode == "one-gpu-flash" and setup.device.type != "cuda":
         reason = "flash needs CUDA"
@@ -1042,67 +1282,121 @@ def skipped(mode: str, workload: Workload, setup: Setup) -> bool:
 
 
 def run_stream(setup: Setup, workload: Workload, heads: str, on_row: Callable[[Row], None]) -> None:
-    """A stream of ``--stream`` steps of ``workload`` through each selected mode (the one-GPU
-    modes on rank 0 alone, then the CP modes), each from a clean slate: Dynamo's graphs and
-    hcp's batch caches are dropped before it, so that its compiles, graph builds and masks are
-    its own (Inductor's and Triton's caches on disk stay: a second run compiles faster)."""
+    """A stream of ``--stream`` steps of ``workload`` through each selected mode
+    (:func:`stream_modes`)."""
     args = setup.args
     steps = [workload.step(s) for s in range(args.stream)]  # the data loader's work, untimed
     traced = [workload.step(s) for s in range(args.stream, args.stream + 2)]  # --trace: new batches
-    q_heads = HEADS[heads][0]
-    flops = [args.layers * causal_flops(list(w.lengths), q_heads, args.head_dim, w.window_left) for w in steps]
     documents = [len(w.lengths) for w in steps]
     setup.say(f"{workload.name} {heads}: a stream of {args.stream} batches of {sum(workload.lengths)} tokens "
               f"({min(documents)}..{max(documents)} documents, longest {max(max(w.lengths) for w in steps)}), "
               f"{args.layers} attention calls each, window {workload.window}")
+    stream_modes(setup, workload.name, [workload], steps, traced, heads, on_row)
+
+
+def run_mixed(setup: Setup, compositions: list[Workload], heads: str, on_row: Callable[[Row], None]) -> None:
+    """A stream of ``--stream`` steps that meets ``compositions`` in a random order
+    (:func:`mixed_steps`), ``torch._dynamo.reset()`` before every ``--mixed-reset``-th step,
+    through each selected mode (:func:`stream_modes`): the row "mixed"."""
+    args = setup.args
+    batches = mixed_steps(compositions, args.stream + 2)  # --trace: two more new batches
+    resets = reset_steps(args.stream, args.mixed_reset)
+    setup.say(f"{MIXED} {heads}: a stream of {args.stream} batches of {', '.join(w.name for w in compositions)} "
+              f"in a random order, {args.layers} attention calls each, torch._dynamo.reset() before steps "
+              f"{', '.join(map(str, resets)) or '(none)'}")
+    stream_modes(setup, MIXED, compositions, batches[:args.stream], batches[args.stream:], heads, on_row,
+                 resets=resets)
+
+
+def mixed_steps(compositions: Sequence[Workload], count: int, seed: int = 0) -> list[Workload]:
+    """``count`` steps' batches: rounds in which every composition comes once, each round in a
+    random order (``random.Random(seed)``), so that two rounds meet each at least twice; step s
+    draws a new batch of its composition (:meth:`Workload.step` s: a step index no other
+    composition's batch uses, so no batch repeats another's lengths, W1's one document aside).
+    The first steps of a longer count are these."""
+    rng, order = random.Random(seed), []
+    while len(order) < count:
+        round_ = list(compositions)
+        rng.shuffle(round_)
+        order += round_
+    return [workload.step(s) for s, workload in enumerate(order[:count])]
+
+
+def reset_steps(steps: int, every: int) -> list[int]:
+    """The steps before which a mixed stream resets Dynamo: every ``every``-th after the
+    first (each mode's stream starts reset); none for 0."""
+    return list(range(every, steps, every)) if every else []
+
+
+def stream_modes(
+    setup: Setup, name: str, compositions: list[Workload], steps: list[Workload], traced: list[Workload],
+    heads: str, on_row: Callable[[Row], None], *, resets: Sequence[int] = (),
+) -> None:
+    """``steps`` (batches of ``compositions``) through each selected mode as a stream, a row
+    named ``name`` each (the one-GPU modes on rank 0 alone, then the CP modes), each from a
+    clean slate: Dynamo's graphs and hcp's batch caches are dropped before it, so that its
+    compiles, graph builds and masks are its own (Inductor's and Triton's caches on disk stay: a
+    second run compiles faster). ``traced``: the two batches of ``--trace``; ``resets``: as
+    :func:`stream`. A row named :data:`MIXED` keeps its steps' workloads and its figures per
+    workload (:func:`summarize_compositions`)."""
+    args = setup.args
+    q_heads = HEADS[heads][0]
+    flops = [args.layers * causal_flops(list(w.lengths), q_heads, args.head_dim, w.window_left) for w in steps]
+    mixed = name == MIXED
 
     def measured(mode: str, placement: str, kernel: str, mesh: str, gpus: int, make: Callable[[], Prepare], *,
                  together: bool, bhtd: bool = False, recompute: bool = False,
                  context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         plan_ahead = args.plan_ahead and mode in ("hcp-eager", "hcp-compiled")
-        row = Row(workload.name, heads, mode, placement, kernel, mesh_label(setup, mesh, gpus), gpus,
+        row = Row(name, heads, mode, placement, kernel, mesh_label(setup, mesh, gpus), gpus,
                   recompute_exchange=recompute, stream_steps=args.stream, stream_layers=args.layers,
-                  plan_ahead=plan_ahead)
+                  plan_ahead=plan_ahead, step_workloads=[w.name for w in steps] if mixed else None,
+                  mixed_reset=args.mixed_reset if mixed else None)
 
         def run() -> Measurement:
             torch._dynamo.reset()
             forget_batches()
             if together and setup.fake and setup.device.type == "cuda":
                 fill_free_memory(setup.device)
-            name = f"{workload.name}_{heads}_{mode}_{placement}_u{args.ulysses}r{args.ring}_stream"
-            trace = (traced, args.trace / f"{name}_rank{setup.rank}.json.gz") if args.trace else None
+            label = f"{name}_{heads}_{mode}_{placement}_u{args.ulysses}r{args.ring}_stream"
+            trace = (traced, args.trace / f"{label}_rank{setup.rank}.json.gz") if args.trace else None
             ahead = plans_ahead(setup, steps + traced if trace else steps, placement) if plan_ahead else None
             return stream(setup, steps, heads, make(), together=together, bhtd=bhtd,
-                          context=context() if context is not None else None, ahead=ahead, traced=trace)
+                          context=context() if context is not None else None, ahead=ahead, traced=trace,
+                          resets=resets)
 
         row = record(row, run, setup, together=together)
         if gpus > 1 and args.share_gpu:  # the ranks took turns on one GPU: the times are no speed
             row.step_ms = row.prepare_ms = None
         summarize_stream(row, flops)
+        summarize_compositions(row)
         on_row(row)
+
+    def kernels(cp: bool) -> str:
+        """hcp's kernel for the compositions, each that some takes (a/b)."""
+        return "/".join(dict.fromkeys(hcp_kernel(w, heads, setup, cp=cp) for w in compositions))
 
     if any(m in args.modes for m in ONE_GPU_MODES):
         if setup.leads:
             one_gpu = (("one-gpu-flex", "flex", lambda: flex_stream(setup), True),
-                       ("one-gpu-flash", "flash", lambda: flash_stream(workload), False),
+                       ("one-gpu-flash", "flash", flash_stream, False),
                        ("one-gpu-sdpa", "sdpa", sdpa_stream, True),
-                       ("one-gpu-hcp", hcp_kernel(workload, heads, setup, cp=False),
-                        lambda: hcp_stream(workload, args.kernel), False))
+                       ("one-gpu-hcp", kernels(cp=False), lambda: hcp_stream(args.kernel), False))
             for mode, kernel, make, bhtd in one_gpu:
-                if mode in args.modes and not skipped(mode, workload, setup):
+                if mode in args.modes and not skipped(mode, compositions, setup):
                     measured(mode, "-", kernel, "1", 1, make, together=False, bhtd=bhtd)
         dist.barrier()  # the other ranks wait here while rank 0 runs alone
-    kernel, mesh = hcp_kernel(workload, heads, setup), f"{args.ulysses}x{args.ring}"
+    kernel, mesh = kernels(cp=True), f"{args.ulysses}x{args.ring}"
     for placement, recompute in itertools.product(args.placements, args.recompute_exchange):
         if "hcp-eager" in args.modes:
             measured("hcp-eager", placement, kernel, mesh, setup.world,
-                     lambda: hcp_cp_stream(setup, workload, placement, None), together=True, recompute=recompute,
+                     lambda: hcp_cp_stream(setup, placement, None), together=True, recompute=recompute,
                      context=lambda: hcp_compile.context_parallel(setup.hcp_mesh(), kernel=args.kernel,
                                                                   placement=placement, recompute_exchange=recompute))
         if "hcp-compiled" in args.modes:
             measured("hcp-compiled", placement, kernel, mesh, setup.world,
-                     lambda: hcp_cp_stream(setup, workload, placement,
-                                           compile_hcp(setup, placement, workload.window, recompute)),
+                     lambda: hcp_cp_stream(setup, placement,
+                                           lambda window: compile_hcp(setup, placement, window, recompute)),
                      together=True, recompute=recompute)
 
 
@@ -1110,7 +1404,8 @@ def relate(rows: list[Row]) -> None:
     """Fill each row's efficiency (best one-GPU ms / (GPUs x ms); of a stream, its time
     instead of ms) and memory ratios against the fastest one-GPU row of its workload and heads
     (and stream), where the rows hold one; a stream's steady efficiency is its steady TF/s per
-    GPU over the best one-GPU steady TF/s."""
+    GPU over the best one-GPU steady TF/s; and the scale rows' ratios to their smallest size
+    (:func:`relate_scale`)."""
     best: dict[tuple, Row] = {}
     steadiest: dict[tuple, Row] = {}
     for row in rows:
@@ -1131,11 +1426,12 @@ def relate(rows: list[Row]) -> None:
                                if base and row.peak_gib is not None and base.peak_gib else None)
         row.saved_vs_one_gpu = (round(row.saved_gib / base.saved_gib, 2)
                                 if base and row.saved_gib is not None and base.saved_gib else None)
+    relate_scale(rows)
 
 
 def _group(row: Row) -> tuple:
     """The rows measured on the same work, which efficiencies relate."""
-    return row.workload, row.heads, row.stream_steps, row.stream_layers
+    return row.workload, row.heads, row.stream_steps, row.stream_layers, row.mixed_reset, row.scale
 
 
 def _time(row: Row) -> float | None:
@@ -1149,11 +1445,13 @@ def ordered(rows: list[Row]) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    """The rows of one batch repeated, then the streams' rows (a table each, where there are)."""
+    """The rows of one batch repeated, then the streams' rows, the mixed streams' figures per
+    workload and the scale rows (a table each, where there are)."""
     rows = ordered(rows)
-    repeated, streams = [r for r in rows if not r.stream_steps], [r for r in rows if r.stream_steps]
+    repeated = [r for r in rows if not r.stream_steps and not r.scale]
+    streams, scaled = [r for r in rows if r.stream_steps], [r for r in rows if r.scale]
     tables = []
-    if repeated or not streams:
+    if repeated or not (streams or scaled):
         headers = ["workload", "heads", "mode", "placement", "recompute", "kernel", "mesh", "ms", "TF/s/GPU",
                    "eff", "peak GiB", "peak/1GPU", "saved GiB", "saved/1GPU", "exposed ms", "exposed %", "error"]
         body = [[r.workload, r.heads, r.mode, r.placement, "yes" if r.recompute_exchange else "",
@@ -1167,7 +1465,7 @@ def table(rows: list[Row]) -> str:
                    "total s", "TF/s/GPU", "steady TF/s/GPU", "eff", "steady eff", "one-time %", "first step s",
                    "prepare ms", "plan ahead", "traced step / busy / plan ms", "graphs", "peak GiB", "peak/1GPU",
                    "cumulative s by tenth of the steps", "error"]
-        body = [[r.workload, r.heads, f"{r.stream_steps}x{r.stream_layers}", r.mode, r.placement,
+        body = [[r.workload, r.heads, _steps_label(r), r.mode, r.placement,
                  "yes" if r.recompute_exchange else "", r.kernel, r.mesh, r.stream_s, r.tflops_per_gpu,
                  r.steady_tflops_per_gpu, r.efficiency, r.steady_efficiency, r.one_time_pct, r.first_step_s,
                  r.prepare_ms, "yes" if r.plan_ahead else "",
@@ -1176,7 +1474,46 @@ def table(rows: list[Row]) -> str:
                  " ".join(f"{c:.3g}" for c in r.cumulative_s) if r.cumulative_s else None,
                  (r.error or "")[:60]] for r in streams]
         tables.append(tabulate(body, headers=headers, missingval="-"))
+    mixed = [r for r in streams if r.first_extra_s]
+    if mixed:
+        tables.append(mixed_table(mixed, streams))
+    if scaled:
+        tables.append(scale_table(scaled))
     return "\n\n".join(tables)
+
+
+def _steps_label(row: Row) -> str:
+    reset = f", reset every {row.mixed_reset}" if row.mixed_reset else ""
+    return f"{row.stream_steps}x{row.stream_layers}{reset}"
+
+
+def mixed_table(mixed: list[Row], streams: list[Row]) -> str:
+    """The mixed streams' targets: overall over steady TF/s, the first step against flash's
+    first in the same stream (of ``streams``), and per workload its first step after the
+    stream's first beyond its median."""
+    flash_first = {_group(r): r.first_step_s for r in streams if r.mode == "one-gpu-flash" and r.first_step_s}
+    names = list(dict.fromkeys(name for r in mixed for name in r.first_extra_s))
+    headers = ["heads", "steps x layers", "mode", "kernel", "overall/steady", "first step s",
+               "first - flash's first s", *names]
+    body = [[r.heads, _steps_label(r), r.mode, r.kernel, round(r.tflops_per_gpu / r.steady_tflops_per_gpu, 3),
+             r.first_step_s,
+             _significant(r.first_step_s - flash_first[_group(r)]) if _group(r) in flash_first else None,
+             *(r.first_extra_s.get(name) for name in names)] for r in mixed]
+    caption = "mixed streams; per workload: its first step after the stream's first minus its median step, s"
+    return f"{caption}\n{tabulate(body, headers=headers, missingval='-')}"
+
+
+def scale_table(scaled: list[Row]) -> str:
+    """The scale rows by heads, mode and size: time, TF/s, the peak beyond q, k, v and dout split
+    into the outputs and gradients and the rest, and the ratios to the smallest size."""
+    scaled = sorted(scaled, key=lambda r: (list(HEADS).index(r.heads), MODES.index(r.mode), r.outputs_gib))
+    headers = ["workload", "heads", "mode", "kernel", "ms", "TF/s", "ms per FLOP / smallest's", "peak GiB",
+               "out+grads GiB", "extra GiB", "extra/inputs", "peak per token / smallest's", "error"]
+    body = [[r.workload, r.heads, r.mode, r.kernel, r.ms, r.tflops_per_gpu, r.flop_time_vs_smallest, r.peak_gib,
+             r.outputs_gib, r.extra_gib, r.extra_vs_inputs, r.token_peak_vs_smallest, (r.error or "")[:60]]
+            for r in scaled]
+    caption = "one call fwd+bwd, one GPU; peak beyond q, k, v and dout"
+    return f"{caption}\n{tabulate(body, headers=headers, missingval='-')}"
 
 
 def write_json(path: Path, runs: list[dict], rows: list[Row]) -> None:
@@ -1215,7 +1552,7 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = ordered(rows)
-    repeated = [r for r in rows if not r.stream_steps]
+    repeated = [r for r in rows if not r.stream_steps and not r.scale]  # the scale table has no plot
     streams = list(dict.fromkeys(_group(r) for r in rows if r.stream_steps))
     groups = list(dict.fromkeys((r.workload, r.heads) for r in repeated))
     series = list(dict.fromkeys(_label(r) for r in repeated))
@@ -1228,14 +1565,15 @@ def plot(rows: list[Row], path: Path) -> None:
         _efficiency_bars(axes.pop(0), repeated, groups, series)
     colors = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(_label(r) for r in rows if r.stream_steps))}
     for ax, group in zip(axes, streams):
-        workload, heads, steps, layers = group
+        workload, heads, steps, layers, reset, _ = group
         for row in rows:
             if _group(row) == group and row.step_ms:
                 cumulative = list(itertools.accumulate((ms / 1e3 for ms in row.step_ms), initial=0.0))
                 ax.plot(range(len(cumulative)), cumulative, color=colors[_label(row)],
                         label=f"{_label(row)}: steady {row.steady_tflops_per_gpu} TF/s/GPU, "
                               f"one-time {row.one_time_pct} %")
-        ax.set_title(f"{workload} {heads}: a stream of {steps} batches x {layers} layers", fontsize="medium")
+        reset = f", Dynamo reset every {reset} steps" if reset else ""
+        ax.set_title(f"{workload} {heads}: a stream of {steps} batches x {layers} layers{reset}", fontsize="medium")
         ax.set_xlabel("steps done")
         ax.set_ylabel("cumulative s")
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -1309,6 +1647,16 @@ def parse_args() -> argparse.Namespace:
                              "(no --warmup, --iters, profile)")
     parser.add_argument("--layers", type=int, metavar="L",
                         help="with --stream: the attention calls (layers) per step, sharing its batch (default 1)")
+    parser.add_argument("--mixed", type=int, metavar="N",
+                        help="a stream of N steps in one process through the --workloads (default: W1..W4 at "
+                             "128K and 256K) in a random order (seeded), each step a new batch, with --layers; "
+                             "one row 'mixed' per mode")
+    parser.add_argument("--mixed-reset", type=int, default=25, metavar="K",
+                        help="with --mixed: torch._dynamo.reset() before every K-th step (0: never; default 25)")
+    parser.add_argument("--scale", metavar="SIZES",
+                        help="instead: one fwd+bwd call of each one-GPU mode (hcp, flex, flash) on W2 lengths at "
+                             "each of these token counts (e.g. 128K,256K,512K,1M): time and peak memory beyond "
+                             "q, k, v and dout (one process)")
     parser.add_argument("--plan-ahead", action="store_true",
                         help="with --stream: the CP modes take each step's prepared batch from a DataLoader "
                              "worker (hcp_compile.prepare_batch), as a trainer can, instead of planning it "
@@ -1342,6 +1690,17 @@ def parse_args() -> argparse.Namespace:
     args.placements = parse_list(args.placements, PLACEMENTS, "--placements", parser)
     if args.modes is not None:
         args.modes = parse_list(args.modes, MODES, "--modes", parser)
+    if args.scale is not None:
+        check_scale(args, parser)
+    if args.mixed is not None:
+        if args.stream is not None:
+            parser.error("--mixed N is a stream of N steps: it takes no --stream")
+        if args.mixed < 2 * len(args.workloads):
+            parser.error(f"--mixed {args.mixed}: expected at least 2 steps per workload (the first and a later "
+                         f"one of each), {2 * len(args.workloads)} for {len(args.workloads)} workloads")
+        if args.mixed_reset < 0:
+            parser.error(f"--mixed-reset {args.mixed_reset}: expected 0 (never) or more")
+        args.stream = args.mixed  # a stream, with the stream's options and checks
     if args.stream is None and args.layers is not None:
         parser.error("--layers counts the attention calls of a stream's step: it needs --stream")
     if args.stream is None and args.plan_ahead:
@@ -1377,6 +1736,28 @@ def parse_args() -> argparse.Namespace:
             parser.error("--fake-rank: torch-native-cp cannot run over a fake process group; leave it out")
         args.no_profile = args.no_profile or args.trace is None  # no communication to find exposed
     return args
+
+
+def check_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--scale``: its sizes in K tokens, smallest first, into ``args.scale``; its modes (the
+    one-GPU hcp, flex and flash); one process, no stream, no plot."""
+    try:
+        args.scale = sorted({parse_size(word.strip()) for word in args.scale.split(",") if word.strip()})
+    except ValueError as error:
+        parser.error(f"--scale: {error}")
+    if not args.scale:
+        parser.error("--scale: expected some token counts, such as 128K,256K,512K,1M")
+    if args.stream is not None or args.mixed is not None:
+        parser.error("--scale measures one call per size: it takes no --stream or --mixed")
+    if args.fake_rank is not None or args.share_gpu or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        parser.error("--scale runs on one GPU: launch one process, without --fake-rank or --share-gpu")
+    if args.plot is not None:
+        parser.error("--scale: its table has no plot; leave out --plot")
+    wrong = [m for m in args.modes or () if m not in SCALE_MODES]
+    if wrong:
+        parser.error(f"--scale: {', '.join(wrong)} cannot run; expected some of {', '.join(SCALE_MODES)}")
+    args.modes = args.modes or list(SCALE_MODES)
+    args.no_profile = True
 
 
 def report(rows: list[Row], runs: list[dict], args: argparse.Namespace) -> None:
@@ -1437,8 +1818,9 @@ def main() -> None:
     if args.modes is None:
         args.modes = [m for m in (ONE_GPU_MODES if world == 1 else MODES)
                       if not ((fake or args.stream) and m == "torch-native-cp")]
-    suffix = (f"_stream{args.stream}x{args.layers}" if args.stream else "") + (
-        f"_rank{args.fake_rank}_alone" if fake else "")
+    run = "_scale" if args.scale else f"_mixed{args.stream}x{args.layers}" if args.mixed else (
+        f"_stream{args.stream}x{args.layers}" if args.stream else "")
+    suffix = run + (f"_rank{args.fake_rank}_alone" if fake else "")
     args.out = args.out or Path(f"benchmarks/results/speed_u{args.ulysses}r{args.ring}{suffix}.json")
     setup = Setup(args, device, getattr(torch, args.dtype), dist.get_rank(), world, fake)
     runs = [metadata(setup)]
@@ -1453,11 +1835,16 @@ def main() -> None:
         write_json(args.out, runs, rows)  # after every row: a run cut short keeps its rows
         if row.error:
             result = row.error[:200]
+        elif row.scale:
+            result = (f"{row.ms} ms, {row.tflops_per_gpu} TF/s, peak {row.peak_gib} GiB beyond q, k, v, dout: "
+                      f"out+grads {row.outputs_gib}, extra {row.extra_gib} ({row.extra_vs_inputs} x the inputs)")
         elif row.stream_steps:
             result = (f"{row.stream_s} s, {row.tflops_per_gpu} TF/s per GPU, steady {row.steady_tflops_per_gpu}, "
                       f"efficiency {row.efficiency} (steady {row.steady_efficiency}), one-time {row.one_time_pct} %, "
                       f"first step {row.first_step_s} s, prepare {row.prepare_ms} ms per step, {row.graphs} graphs, "
-                      f"peak {row.peak_gib} GiB")
+                      f"peak {row.peak_gib} GiB"
+                      + (f", first step after the stream's first beyond its median, s: {row.first_extra_s}"
+                         if row.first_extra_s else ""))
         else:
             result = (f"{row.ms} ms, {row.tflops_per_gpu} TF/s per GPU, efficiency {row.efficiency}, "
                       f"peak {row.peak_gib} GiB, saved {row.saved_gib} GiB, exposed comm {row.exposed_comm_ms} ms"

@@ -1,5 +1,6 @@
 """The trace arithmetic behind benchmarks.speed's exposed-communication column and its
-``--trace`` summary, how its rows relate to the one-GPU row, and its ``--fake-rank`` run on CPU."""
+``--trace`` summary, how its rows relate to the one-GPU row, its ``--fake-rank`` run on CPU, and
+its ``--mixed`` stream and ``--scale`` table (their schedule, their arithmetic, a CPU run)."""
 
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ from benchmarks.common import (  # noqa: E402
     exposed_length, kernel_intervals, kernel_summary, stream_seed, union_intervals,
 )
 from benchmarks.speed import (  # noqa: E402
-    Row, first_extra_s, mixed_steps, outputs_gib, relate, reset_steps, scale_figures, summarize_stream, table,
-    workloads,
+    Row, first_extra_s, mixed_steps, outputs_gib, relate, reset_steps, scale_figures, summarize_compositions,
+    summarize_stream, table, workloads,
 )
 
 
@@ -232,6 +233,25 @@ def test_first_step_of_each_workload_against_its_median():
     # A after step 0: 700, 500, 400 (median 500); B: 900, 100, 120 (median 120); C: 50 alone
     assert first_extra_s(names, step_ms) == {"A": 0.2, "B": 0.78, "C": 0.0}
     assert first_extra_s(["A", "B", "B"], [5000.0, 300.0, 100.0]) == {"A": None, "B": 0.1}
+
+
+def test_mixed_table_reads_the_targets_off_the_step_times():
+    """The mixed streams' table: overall over steady TF/s, the first step beyond flash's first
+    in the same stream, and per workload the first step after the stream's first beyond its
+    median."""
+    def mixed_row(mode: str, step_ms: list[float]) -> Row:
+        row = Row("mixed", "gqa", mode, "-", mode[8:], "1", 1, stream_steps=4, stream_layers=1, mixed_reset=2,
+                  step_workloads=["A", "B", "A", "B"], step_ms=step_ms)
+        summarize_stream(row, [1e12] * 4)
+        summarize_compositions(row)
+        return row
+
+    hcp = mixed_row("one-gpu-hcp", [1000.0, 500.0, 250.0, 250.0])  # 4e12 FLOPs in 2 s; steady 2e12 in 0.5 s
+    flash = mixed_row("one-gpu-flash", [400.0, 300.0, 200.0, 200.0])
+    assert hcp.first_extra_s == {"A": 0.0, "B": 0.125}  # B: 500 ms against the median of 500 and 250
+    lines = table([hcp, flash]).split("mixed streams; per workload")[1].splitlines()
+    hcp_line = next(line for line in lines if "one-gpu-hcp" in line)
+    assert hcp_line.split()[-5:] == ["0.5", "1", "0.6", "0", "0.125"]  # overall/steady, first s, - flash's, A, B
 
 
 def test_scale_rows_split_the_peak_and_relate_to_the_smallest_size():
