@@ -171,10 +171,11 @@ class HcpBackend:
         pristine = graph_copy(gm)
         full = self._compile(gm, example_inputs, config, groups)
         context = TracingContext.try_get()
+        later_inputs = _backend_fakes(example_inputs, context)
 
         def compile_for(exchanges: Exchanges) -> Callable:
             with tracing(context) if context is not None else contextlib.nullcontext():
-                return self._compile(graph_copy(pristine), example_inputs, replace(config, graph_for=exchanges), groups)
+                return self._compile(graph_copy(pristine), later_inputs, replace(config, graph_for=exchanges), groups)
 
         shape_env = context.fake_mode.shape_env if context is not None and context.fake_mode is not None else None
         return GraphVariants(
@@ -200,6 +201,24 @@ class HcpBackend:
                     dump.write("aot_forward.py", "# inner='eager': no AOT graphs\n")
                 return gm.forward
             return _aot_eager(dump)(gm, example_inputs)
+
+
+def _backend_fakes(example_inputs: list[Any], context: TracingContext | None) -> list[Any]:
+    """``example_inputs`` as fake tensors of the tracing context's current fake mode, for a
+    compile after Dynamo's call has returned. Dynamo passes its own fake tensors and a fresh
+    mode for the backend, into which AOTAutograd re-fakes them with the symbols Dynamo
+    recorded (``TracingContext.tensor_to_context``); that record is gone once the call returns,
+    and a later re-fake would give every size a new symbol, so a narrower graph would add
+    guards relating them. Faked here, while the record is there, they keep Dynamo's symbols."""
+    if context is None or context.fake_mode is None:
+        return example_inputs
+    fakes = []
+    for value in example_inputs:
+        symbolic = context.tensor_to_context.get(value) if isinstance(value, torch.Tensor) else None
+        if symbolic is not None:
+            value = context.fake_mode.from_tensor(value, symbolic_context=symbolic, source=symbolic.tensor_source)
+        fakes.append(value)
+    return fakes
 
 
 @contextlib.contextmanager

@@ -533,6 +533,62 @@ class ModelCase:
         }
 
 
+class ShapedBlock(Block):
+    """:class:`Block` that sizes its views by the token count it reads from ``x``."""
+
+    def forward(self, x, cu, max_seqlen):
+        tokens = x.shape[0]
+        q, k, v = self.qkv(x).split(
+            [self.heads_q * HEAD_DIM, self.heads_kv * HEAD_DIM, self.heads_kv * HEAD_DIM], -1)
+        q = q.view(tokens, self.heads_q, HEAD_DIM)
+        k = k.view(tokens, self.heads_kv, HEAD_DIM)
+        v = v.view(tokens, self.heads_kv, HEAD_DIM)
+        out = self.attend(q, k, v, cu, max_seqlen)
+        return x + self.o(out.reshape(tokens, self.heads_q * HEAD_DIM))
+
+
+@dataclass(frozen=True)
+class ModelStreamCase(ModelCase):
+    """One compiled model (``dynamic=None``) through batches that exchange keys round the
+    ring and nothing: the second batch recompiles with dynamic sizes, and the graph for
+    batches that exchange nothing is compiled on its first use, a call after Dynamo's compile
+    has returned (hcp_compile.graph_variants); the blocks size their views by the token count
+    (:class:`ShapedBlock`), which relates the attention's output to the input's sizes. Each
+    batch's output and input gradient, and every warning the run gave."""
+
+    layers: int = 1
+    stream: tuple[str, ...] = ("mixed", "four", "no-ring", "mixed")
+
+    @property
+    def id(self) -> str:
+        return "model-stream-" + "-".join(self.stream)
+
+    def batch_inputs(self, docs: str) -> dict[str, Tensor]:
+        tokens = sum(COMPILE_DOCS[docs])
+        return {"x": seeded(f"{self.id}/{docs}/x", tokens, MODEL_DIM),
+                "dout": seeded(f"{self.id}/{docs}/dout", tokens, MODEL_DIM)}
+
+    def run(self, world: World) -> dict:
+        fresh_dynamo()
+        model = self.build(hc.attention(fresh_class(ShapedBlock, "StreamBlock")))
+        compiled = torch.compile(model, backend=hc.backend(mesh=world.mesh, inner="aot_eager"), fullgraph=True)
+        result = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for index, docs in enumerate(self.stream):
+                lengths = COMPILE_DOCS[docs]
+                cu = cu_seqlens(lengths)
+                plan = hc.shard_plan(cu, world.mesh)
+                x = self.batch_inputs(docs)
+                leaf = shard_with_garbage_pads(plan, x["x"], f"{self.id}/{docs}/x", world.rank).requires_grad_()
+                out = compiled(leaf, cu, max(lengths))
+                (out * plan.shard(x["dout"])).sum().backward()
+                result.update({f"{index}/out": out.detach(), f"{index}/dx": leaf.grad,
+                               f"{index}/global_index": plan.global_index})
+        result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+        return result
+
+
 # --------------------------------------------------------------------------------------------
 # a model written against torch's own varlen_attn (no hcp call in it), the lse used
 # --------------------------------------------------------------------------------------------
@@ -813,6 +869,10 @@ def model_cases(mesh: tuple[int, int]) -> list[ModelCase]:
     return [ModelCase(heads_q=8, heads_kv=4), ModelCase(layers=2, checkpointed=True)]
 
 
+def model_stream_cases(mesh: tuple[int, int]) -> list[ModelStreamCase]:
+    return [ModelStreamCase()] if mesh == FULL_MESH else []
+
+
 def torch_varlen_cases(mesh: tuple[int, int]) -> list[TorchVarlenCase]:
     """A causal sliding window and a scale; varlen_attn's plain causal ``(-1, 0)`` compiles
     with its lse on 2 x 1 in test_head_groups and on one rank in test_passes."""
@@ -860,7 +920,7 @@ def suite(mesh: tuple[int, int]) -> list:
     """Every compiled-path case run in the aot_eager world of ``mesh``, in order (the error
     cases last: a hang there must not cost the others their results)."""
     return [*explain_cases(mesh), *attention_cases(mesh), *model_cases(mesh),
-            *torch_varlen_cases(mesh), *error_cases(mesh)]
+            *model_stream_cases(mesh), *torch_varlen_cases(mesh), *error_cases(mesh)]
 
 
 # the third batch exchanges nothing: its graph (graph_variants) compiled by Inductor too

@@ -25,11 +25,11 @@ from checks import (
     local_rows,
 )
 from compile_cases import (
-    COMPILE_MESHES, ERROR_MESH, FULL_MESH, INDUCTOR_CASE, RECOMPUTE_MESHES, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
+    COMPILE_DOCS, COMPILE_MESHES, ERROR_MESH, FULL_MESH, INDUCTOR_CASE, RECOMPUTE_MESHES, INDUCTOR_DEADLINE_S, INDUCTOR_MESH,
     INDUCTOR_SUITE, SUITE, WORLD_DEADLINE_S, Block, BadBatchCase, DocsCase, HeadsNotDivisibleCase, OptionsDifferCase,
-    RefusedVariantCase,
+    RefusedVariantCase, ShapedBlock,
     ModelCase, attention_cases, error_cases, explain_cases, fresh_class,
-    model_cases, table_counts, text_collectives, torch_varlen_cases,
+    model_cases, model_stream_cases, table_counts, text_collectives, torch_varlen_cases,
 )
 from cp_cases import cu_seqlens, mesh_id
 from hcp_compile.passes.match import UnsupportedAttention
@@ -179,6 +179,27 @@ def model_reference(case: ModelCase) -> dict[str, torch.Tensor]:
     (out * inputs["dout"].double()).sum().backward()
     grads = {f"grad/{n}": p.grad for n, p in model.named_parameters()}
     return {"out": out.detach(), "dx": x.grad, **grads}
+
+
+@pytest.mark.parametrize("mesh, case", params(model_stream_cases))
+def test_model_through_batches_of_every_exchange_matches_reference_without_warnings(cp_world, mesh, case):
+    """Each batch of the stream against the float64 model, and no warning: a narrower graph
+    compiled after Dynamo's call keeps Dynamo's symbols, so it adds no guards and is used."""
+    results = compile_world(cp_world, mesh).values(case.id)
+    model = case.build(fresh_class(ShapedBlock, "ReferenceStreamBlock", attend=_reference_attend)).double()
+    for index, docs in enumerate(case.stream):
+        lengths = COMPILE_DOCS[docs]
+        inputs = case.batch_inputs(docs)
+        x = inputs["x"].double().requires_grad_()
+        out = model(x, cu_seqlens(lengths), max(lengths))
+        (out * inputs["dout"].double()).sum().backward()
+        for rank, result in enumerate(results):
+            rows = result[f"{index}/global_index"]
+            real = rows >= 0
+            assert_matches(result[f"{index}/out"][real], out.detach()[rows[real]], f"rank {rank} batch {index} out")
+            assert_matches(result[f"{index}/dx"], local_rows(x.grad, rows), f"rank {rank} batch {index} dx")
+    for rank, result in enumerate(results):
+        assert result["warnings"] == [], f"rank {rank} warned: {result['warnings']}"
 
 
 @pytest.mark.parametrize("mesh, case", MODELS)
