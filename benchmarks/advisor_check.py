@@ -1,4 +1,4 @@
-"""The advisor's compute and host parts against one rank's measured time (issue 26).
+"""The advisor's compute and host parts against one rank's measured time.
 
     python -m benchmarks.advisor_check --meshes 2x1,1x2,4x1,2x2,1x4,8x1,2x4,1x8 --kernel cudnn \\
         --workloads W1-128K,W2-128K,W3-128K --out DIR          # on one GPU: measure, then compare
@@ -11,10 +11,8 @@ Each mesh's rank runs alone over torch's fake process group (``benchmarks/speed.
 That is what the advisor's compute part (:func:`hcp_compile.advise.compute_times`) predicts
 for that rank from kernels/measured.json, so the two are set side by side here: measured ms,
 predicted ms and the prediction's error; beside them the prediction with the host part (each
-phase the longer of the rank's compute and its host time, kernels/host_measured.json), and
-with the host and the GPU work besides attention (each phase's compute plus that work's time,
-kernels/gpu_other_measured.json, then bounded by the host); none where the device's constants
-were not measured. The communication part is checked against
+phase the longer of the rank's compute and its host time, kernels/host_measured.json; none
+where the device's constants were not measured). The communication part is checked against
 the bytes the code sends by the CPU tests (tests/test_schemes.py, tests/test_advise.py).
 """
 
@@ -33,10 +31,10 @@ from tabulate import tabulate
 from hcp_compile import InputError, layout
 from hcp_compile.advise import DEFAULT_DEVICE
 from hcp_compile.advise import (
-    bounded_by_host, block_work, compute_times, cu_seqlens_of, gpu_other_bytes, gpu_other_times, host_counts,
+    bounded_by_host, block_work, compute_times, cu_seqlens_of, host_counts,
     host_times, rank_sizes,
 )
-from hcp_compile.kernels import gpu_other_measured, host_measured
+from hcp_compile.kernels import host_measured
 from hcp_compile.placements import placement_rule
 from hcp_compile.schemes.traffic import CallShape
 
@@ -54,7 +52,6 @@ class Comparison:
     predicted_ms: float | None
     error: str | None = None  # the run's or the model's error, instead of a time
     predicted_host_ms: float | None = None  # with the host part; None: not measured for the device
-    predicted_other_ms: float | None = None  # with the host and GPU-other parts; None: the latter not measured
 
     @property
     def error_pct(self) -> float | None:
@@ -63,10 +60,6 @@ class Comparison:
     @property
     def error_host_pct(self) -> float | None:
         return _error_pct(self.predicted_host_ms, self.measured_ms)
-
-    @property
-    def error_other_pct(self) -> float | None:
-        return _error_pct(self.predicted_other_ms, self.measured_ms)
 
 
 def _error_pct(predicted: float | None, measured: float | None) -> float | None:
@@ -84,13 +77,11 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, placement: str, kernel: str,
                  heads: str, head_dim: int, device_kind: str,
-                 window: int = -1) -> tuple[float, float | None, float | None]:
+                 window: int = -1) -> tuple[float, float | None]:
     """The advisor's time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses rank
     ``rank % ulysses``, as ``make_mesh`` numbers them) alone, for the batch of document
     ``lengths``: its compute; its compute bounded by its host time per phase (None where
-    kernels/host_measured.json has no eager host times for the device and kernel); and each
-    phase's compute plus its GPU work besides attention, bounded by the host time where that is
-    measured (None where kernels/gpu_other_measured.json has no constants for them).
+    kernels/host_measured.json has no eager host times for the device and kernel).
     ``window``: the call's causal sliding window (-1: none)."""
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule(placement))
     heads_q, heads_kv = HEADS[heads]
@@ -98,17 +89,12 @@ def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, p
     ring_rank, ulysses_rank = rank // ulysses, rank % ulysses
     times = compute_times(block_work(batch, window), ring_rank, ulysses_rank, call, kernel, device_kind)
     record = host_measured.find(device_kind, "hcp-eager", kernel)
-    other = gpu_other_measured.find(device_kind, "hcp-eager", kernel)
     sizes = rank_sizes(batch, ring_rank, ulysses_rank)
     host = host_times(host_counts(sizes, ring_rank, ring, kernel, heads_kv), record)  # 0 without a record
     forward = times.local_forward + sum(times.step_forward)
     backward = times.local_backward + sum(times.step_backward)
     with_host = None if record is None else bounded_by_host(forward, backward, host) * 1e3
-    if other is None:
-        return times.total * 1e3, with_host, None
-    besides = gpu_other_times(gpu_other_bytes(sizes, ring, call), other)
-    return times.total * 1e3, with_host, bounded_by_host(forward + besides.forward, backward + besides.backward,
-                                                         host) * 1e3
+    return times.total * 1e3, with_host
 
 
 def measure(out: Path, ulysses: int, ring: int, rank: int, args: argparse.Namespace) -> None:
@@ -156,12 +142,12 @@ def predicted(measured: Comparison, by_name: dict[str, Workload], heads: str, he
     ulysses, ring = parse_mesh(measured.mesh)
     try:
         workload = by_name[measured.workload]
-        compute, with_host, with_other = predicted_ms(
+        compute, with_host = predicted_ms(
             workload.lengths, ulysses, ring, measured.rank, measured.placement,
             kernel or measured.kernel, heads, head_dim, device_kind, workload.window_left)
-        return replace(measured, predicted_ms=compute, predicted_host_ms=with_host, predicted_other_ms=with_other)
+        return replace(measured, predicted_ms=compute, predicted_host_ms=with_host)
     except InputError as model_error:  # a kernel or device the measurements do not cover
-        return replace(measured, predicted_ms=None, predicted_host_ms=None, predicted_other_ms=None,
+        return replace(measured, predicted_ms=None, predicted_host_ms=None,
                        error=measured.error or str(model_error))
 
 
@@ -183,17 +169,13 @@ def table(comparisons: list[Comparison]) -> str:
         return None if value is None else f"{value:+.1f} %"
 
     rows = [(c.workload, c.mesh, c.rank, c.placement, c.kernel, c.error[:60] if c.error else c.measured_ms,
-             ms(c.predicted_ms), pct(c.error_pct), ms(c.predicted_host_ms), pct(c.error_host_pct),
-             ms(c.predicted_other_ms), pct(c.error_other_pct))
+             ms(c.predicted_ms), pct(c.error_pct), ms(c.predicted_host_ms), pct(c.error_host_pct))
             for c in comparisons]
     text = tabulate(rows, headers=["workload", "mesh AxR", "rank", "placement", "kernel", "measured ms",
-                                   "compute ms", "error", "+ host ms", "error", "+ host + other GPU ms", "error"],
+                                   "compute ms", "error", "+ host ms", "error"],
                     tablefmt="github")
     if any(c.predicted_ms is not None and c.predicted_host_ms is None for c in comparisons):
         text += f"\n+ host: not modelled where kernels/host_measured.json has no host times ({host_measured.HOW_TO_ADD})"
-    if any(c.predicted_ms is not None and c.predicted_other_ms is None for c in comparisons):
-        text += ("\n+ other GPU: not modelled where kernels/gpu_other_measured.json has no constants "
-                 f"({gpu_other_measured.HOW_TO_ADD})")
     return text
 
 
@@ -252,8 +234,7 @@ def main() -> None:
     print(text)
     (folder / "advisor_check.md").write_text(text + "\n")
     (folder / "advisor_check.json").write_text(json.dumps(
-        [{**c.__dict__, "error_pct": c.error_pct, "error_host_pct": c.error_host_pct,
-          "error_other_pct": c.error_other_pct} for c in comparisons],
+        [{**c.__dict__, "error_pct": c.error_pct, "error_host_pct": c.error_host_pct} for c in comparisons],
         indent=1) + "\n")
 
 

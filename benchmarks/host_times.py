@@ -30,7 +30,6 @@ from argparse import Namespace
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tabulate import tabulate
@@ -41,7 +40,7 @@ from hcp_compile.advise import cu_seqlens_of, host_counts, rank_sizes
 from hcp_compile.advise.records import HostCounts
 from hcp_compile.kernels import KERNEL_CHOICES
 from hcp_compile.kernels.host_measured import (
-    COEFFICIENTS, HOST_FILE, PHASES, HostConstants, load, parse_devices, recorded,
+    COEFFICIENTS, HOST_FILE, PHASES, HostConstants, parse_devices, recorded,
 )
 from hcp_compile.kernels.measured import device_kind
 from hcp_compile.placements import placement_rule
@@ -216,13 +215,11 @@ def measure_all(args: Namespace) -> dict:
     return {"devices": {kind: entry}, "points": [asdict(p) for p in points]}
 
 
-def record(path: Path, into: Path = HOST_FILE, parse: Callable[[Any, str], object] = parse_devices,
-           read: Callable[[Path], object] = recorded) -> None:
+def record(path: Path, into: Path = HOST_FILE) -> None:
     """Add the constants of ``path`` (this command's ``--out``) to ``into``, per device, mode
-    and kernel (a newer record of the same replaces the older); ``parse`` and ``read``: the
-    file's parser and loader (benchmarks/gpu_other.py records its own file so)."""
+    and kernel (a newer record of the same replaces the older)."""
     devices = json.loads(path.read_text()).get("devices")
-    parse(devices, str(path))  # refuse a bad file before touching the record
+    parse_devices(devices, str(path))  # refuse a bad file before touching the record
     data = json.loads(into.read_text())
     for kind, entry in devices.items():
         old = data["devices"].get(kind, {})
@@ -235,8 +232,8 @@ def record(path: Path, into: Path = HOST_FILE, parse: Callable[[Any, str], objec
             merged["setup"] = _setup_beside(old["setup"], entry["modes"], entry.get("setup"))
         data["devices"][kind] = merged
     into.write_text(json.dumps(data, indent=2) + "\n")
-    load.cache_clear()
-    read(into)  # what was written reads back
+    recorded.cache_clear()
+    recorded(into)  # what was written reads back
     added = ", ".join(f"{kind} {mode} {sorted(kernels)}" for kind, entry in devices.items()
                       for mode, kernels in entry["modes"].items())
     print(f"recorded {added} into {into}")
@@ -252,8 +249,8 @@ def _setup_beside(old: str, modes: dict, setup: str | None) -> str:
 
 
 def measuring_parser(description: str, meshes: str, record_help: str) -> argparse.ArgumentParser:
-    """The options this command and benchmarks/gpu_other.py share: ``--out`` or ``--record``,
-    the device, the meshes, the call's heads, head dim and dtype."""
+    """This command's options: ``--out`` or ``--record``, the device, the meshes, the call's
+    heads, head dim and dtype."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="measure, fit and write the constants and points here")
     parser.add_argument("--record", type=Path, metavar="JSON", help=record_help)

@@ -29,7 +29,7 @@ def test_one_rank_measured_and_predicted_on_cpu(tmp_path):
     assert (windowed["workload"], windowed["mesh"], windowed["rank"]) == ("W4-128K", "2x1", 0)
     # the window (8 keys back, shrunk 512 times) leaves fewer pairs than the same batch without it
     w4 = workloads(512)["W4-128K"]
-    unwindowed, _, _ = predicted_ms(w4.lengths, 2, 1, 0, "balanced", "cudnn", "gqa", 128, DEVICE)
+    unwindowed, _ = predicted_ms(w4.lengths, 2, 1, 0, "balanced", "cudnn", "gqa", 128, DEVICE)
     assert 0 < windowed["predicted_ms"] < unwindowed and windowed["measured_ms"] > 0
     assert comparison["error"] is None and comparison["measured_ms"] > 0
     # W1 shrunk 512 times: one document of 256 tokens, exchanged over the 2 Ulysses ranks (each

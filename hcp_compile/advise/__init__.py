@@ -1,22 +1,20 @@
-"""Which ``ulysses x ring`` mesh and placement for a user's batches (issue 26): a cost model
-from measured parts and a chooser over the valid meshes.
+"""Which ``ulysses x ring`` mesh and placement for a user's batches: a cost model from
+measured parts and a chooser over the valid meshes.
 
     python -m hcp_compile.advise --world 64 --gpus-per-node 8 --heads 32/8 --head-dim 128 \\
         --lengths loguniform:256:32768 --tokens 1048576
 
 The model predicts one causal forward + backward of one attention call per rank, as the sum of
 explicit parts, each a pure function that a GPU measurement can check on its own (one module
-each: records.py, compute.py, communication.py, overlap.py, host.py, gpu_other.py; chooser.py,
-report.py, command.py):
+each: records.py, compute.py, communication.py, overlap.py, host.py; chooser.py, report.py,
+command.py):
 
 - compute (:func:`compute_times`): each block's visible query-key pairs (from the real layout
   of the placement rule, :mod:`hcp_compile.layout`) times ``14 * head_dim`` FLOPs per pair
   and query head, at the TF/s that kernels/measured.json records for the kernel on the
   device kind and the block's composition (one document, log-uniform or short documents)
-  and, where the device recorded several call sizes, for calls of the block's work (the
-  local region one call, a ring step one per head group; by GPU busy time, so that the host
-  part below counts the host once); the forward takes 1/3.5 of it (2 of the 7 products,
-  docs/design.md §7);
+  and, where the device recorded several call sizes, for calls of the block's work; the
+  forward takes 2 of the 7 products (docs/design.md §7);
 - all-to-all (:func:`exchange_times`) and ring (:func:`hop_times`): the bytes that
   ``schemes.traffic.call_traffic`` counts for the rank, over the link of each level
   (:class:`Links`), plus a latency per collective;
@@ -24,48 +22,31 @@ report.py, command.py):
   overlaps (docs/design.md §3.3, §3.6, §4): every ring hop travels behind the step before the
   one that reads it, the backward's dKV hop behind the next step, its last hop exposed; head
   group ``g + 1``'s exchange behind group ``g``'s ring, group 0's behind the local region;
-- host (:func:`host_counts`, :func:`host_times`, :func:`bounded_by_host`; module host.py): the
-  seconds a rank's host takes to issue each phase of its eager call, from its kernel calls,
-  ring-step iterations and head groups (counted from the layout as the schedule and the
-  kernel run them) at the constants kernels/host_measured.json records for the device, mode
-  and kernel (``benchmarks/host_times.py`` measures and fits them); each phase lasts the
+- host (:func:`host_counts`, :func:`host_times`, :func:`bounded_by_host`): the seconds a
+  rank's host takes to issue each phase of its eager call, from its kernel calls, ring-step
+  iterations and head groups at the constants kernels/host_measured.json records for the
+  device, mode and kernel (``benchmarks/host_times.py`` measures them); each phase lasts the
   longer of its host and GPU time, since the GPU cannot run ahead of the host. Where no
-  constants are recorded the host part is 0 and the report says it is not modelled;
-- GPU work besides attention (:func:`gpu_other_bytes`, :func:`gpu_other_times`; module
-  gpu_other.py): the bytes a rank's kernels outside its attention op read and write per phase
-  (the exchange's packing and joins, the region join, per ring step and head group the merge,
-  the dq and dKV sums, the dKV ``cat``), counted from the layout as the code runs them, times
-  the seconds per byte kernels/gpu_other_measured.json records for the device, mode and kernel
-  (``benchmarks/gpu_other.py`` profiles real-size ranks and fits it); added to each phase's
-  compute before the host bound. Not yet measured on the H200: without constants the part is
-  0 and the report says it is not modelled.
+  constants are recorded the host part is 0 and the report says so.
 
-A step's time is its slowest rank's. Measured against one rank alone on an H200
-(``benchmarks/advisor_check.py``, docs/benchmarks.md, "Advisor check"; the seventh session's
-27 points, W1-W3 on every mesh of 2, 4 and 8 ranks): within 10 % in 17 of 27 cases with the
-host part (15 without the call sizes): every W1 point, 6 of 9 on W2, 2 of 9 on W3, whose 4- and
-8-rank calls of 3-5 ms run 14-35 % longer than predicted (host work the GPU does not hide:
-the host bound takes the longer of the two, a sum overshoots by 8-28 %). Not modelled: the attention op's copies of the ring's strided K/V
-halves (inside the op, missing from measured.json's single-device throughputs), the host work
-of a compiled call, the host cost of real
-collectives beyond the fake process group's the host part was measured with, contention
-between an all-to-all and ring hops on one NVLink domain. A causal sliding window
-(``window``) limits every block's pairs (:func:`visible_pairs`, exact) and times them at the
-windowed throughput of the kernel CP takes for it (one that masks by position: flex on an
-H200); its host and GPU-other parts are those of calls without a window, and against one rank
-alone on W4 it predicts 15-28 % short (flex's per-step block masks under CP; docs/benchmarks.md).
+A step's time is its slowest rank's. Not modelled: the GPU work outside the attention kernels
+(merges, copies of the ring's strided K/V halves, joins), the host work of a compiled call,
+contention between an all-to-all and ring hops on one NVLink domain; ``benchmarks/advisor_check.py``
+measures how far the model is from single ranks (docs/benchmarks.md, "Advisor check"). A
+causal sliding window (``window``) limits every block's pairs (:func:`visible_pairs`, exact)
+and times them at the windowed throughput of the kernel CP takes for it; its host part is that
+of calls without a window.
 """
 
 from __future__ import annotations
 
 from .records import (
-    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, GpuOtherBytes, HopTimes,
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes,
     HostCounts, Links, Option, PhaseTimes, Prediction, SCHEME,
 )
 from .compute import block_composition, block_work, compute_times, visible_pairs
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .host import bounded_by_host, host_counts, host_times, kernel_calls
-from .gpu_other import gpu_other_bytes, gpu_other_times, kernel_own_bytes
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
 from .chooser import advise, cuda_kernel, mesh_options, predict
 from .report import format_advice
@@ -77,7 +58,6 @@ __all__ = [
     "ComputeTimes",
     "DEFAULT_DEVICE",
     "ExchangeTimes",
-    "GpuOtherBytes",
     "HopTimes",
     "HostCounts",
     "Links",
@@ -97,13 +77,10 @@ __all__ = [
     "exchange_bytes",
     "exchange_times",
     "format_advice",
-    "gpu_other_bytes",
-    "gpu_other_times",
     "hop_times",
     "host_counts",
     "host_times",
     "kernel_calls",
-    "kernel_own_bytes",
     "main",
     "mesh_options",
     "pipeline",

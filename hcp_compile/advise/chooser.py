@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import layout
-from ..kernels import KERNELS, gpu_other_measured, host_measured, measured
-from ..kernels.gpu_other_measured import GpuOtherRecord
+from ..kernels import KERNELS, host_measured, measured
 from ..kernels.host_measured import HostRecord
 from ..placements import PLACEMENTS, placement_rule
 from ..schedule import head_groups, rank_kv_heads
@@ -19,7 +18,6 @@ from ..schemes.traffic import CallShape, call_traffic
 from ..validation import InputError, check_head_split
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .compute import block_work, compute_times
-from .gpu_other import gpu_other_bytes, gpu_other_times
 from .host import host_counts, host_times
 from .overlap import predict_rank
 from .records import Advice, DEFAULT_DEVICE, Links, Option, Prediction, RankPrediction, SCHEME
@@ -59,10 +57,10 @@ def _check_positive(**values: int) -> None:
 
 
 def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: CallShape,
-                  kernel: str, device_kind: str, links: Links, host: HostRecord | None = None,
-                  other: GpuOtherRecord | None = None) -> tuple[RankPrediction, float]:
-    """The slowest rank's prediction for one batch, and the mean rank's compute; ``host`` and
-    ``other``: the measured host and GPU-other constants (None: that part not modelled)."""
+                  kernel: str, device_kind: str, links: Links,
+                  host: HostRecord | None = None) -> tuple[RankPrediction, float]:
+    """The slowest rank's prediction for one batch, and the mean rank's compute; ``host``:
+    the measured host constants (None: that part not modelled)."""
     ulysses, ring = option.ulysses, option.ring
     batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(option.placement))
     work = block_work(batch, call.window)
@@ -79,21 +77,18 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
         for a in range(ulysses):
             compute = compute_times(work, r, a, call, kernel, device_kind)
             issued = host_times(host_counts(sizes[a], r, ring, kernel, call.heads_kv), host)
-            besides = gpu_other_times(gpu_other_bytes(sizes[a], ring, call), other)
-            gpu_other = besides.forward + besides.backward
-            step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups, issued, besides)
+            step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups, issued)
             ranks.append(RankPrediction(step, compute.total, a2a, exposed_ring, sum(moved[a]),
                                         ring_bytes.forward_bytes + ring_bytes.backward_bytes,
                                         issued.forward + issued.backward,
-                                        step - compute.total - a2a - exposed_ring - gpu_other, gpu_other))
+                                        step - compute.total - a2a - exposed_ring))
     return max(ranks, key=lambda p: p.step), sum(p.compute for p in ranks) / len(ranks)
 
 
 def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call: CallShape,
-            kernel: str, device_kind: str, links: Links, host: HostRecord | None = None,
-            other: GpuOtherRecord | None = None) -> Prediction:
+            kernel: str, device_kind: str, links: Links, host: HostRecord | None = None) -> Prediction:
     """``option``'s prediction: the slowest rank of each batch, averaged over ``batches``."""
-    slowest, means = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, device_kind, links, host, other)
+    slowest, means = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, device_kind, links, host)
                            for b in batches))
 
     def average(values: Sequence[float]) -> float:
@@ -106,7 +101,6 @@ def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call:
         average([p.exposed_all_to_all for p in slowest]), average([p.exposed_ring for p in slowest]),
         average([p.all_to_all_bytes for p in slowest]), average([p.ring_bytes for p in slowest]),
         average([p.host for p in slowest]), average([p.host_wait for p in slowest]),
-        average([p.gpu_other for p in slowest]),
     )
 
 
@@ -136,12 +130,11 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
     global int32 ``cu_seqlens`` or a sample of them) and rank them, fastest first:
     ``advice.best`` has ``ulysses``, ``ring`` and ``placement`` for ``make_mesh`` and
     ``shard_plan``. ``kernel="auto"``: the one CP's auto takes on ``device_kind``. ``mode``:
-    whose host times (kernels/host_measured.json) bound each rank's step, and whose GPU work
-    besides attention (kernels/gpu_other_measured.json) adds to it; where none were measured
-    that part is 0 and ``advice.host_modelled`` (``advice.gpu_other_modelled``) False.
+    whose host times (kernels/host_measured.json) bound each rank's step; where none were
+    measured that part is 0 and ``advice.host_modelled`` False.
     ``window``: a causal sliding window of that many keys back (-1: none), which limits every
-    block's pairs and picks the windowed throughputs; the host and GPU-other parts are those
-    of calls without one."""
+    block's pairs and picks the windowed throughputs; the host part is that of calls without
+    one."""
     started = time.perf_counter()
     batches = [batches] if isinstance(batches, Tensor) else list(batches)
     if not batches:
@@ -170,10 +163,9 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
         raise InputError(f"world: no ulysses x ring = {world} has a Ulysses group inside a node "
                          f"of {gpus_per_node} GPUs that splits {heads_q}/{heads_kv} heads")
     host = host_measured.find(device_kind, mode, kernel)
-    other = gpu_other_measured.find(device_kind, mode, kernel)
     predictions = sorted(
-        (predict(batches, o, gpus_per_node, call, kernel, device_kind, links, host, other) for o in options),
+        (predict(batches, o, gpus_per_node, call, kernel, device_kind, links, host) for o in options),
         key=lambda p: (p.step_s, p.exposed_s),
     )
     return Advice(tuple(predictions), kernel, device_kind, len(batches), time.perf_counter() - started, mode,
-                  host is not None, other is not None)
+                  host is not None)

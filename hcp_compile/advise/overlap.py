@@ -49,12 +49,9 @@ def pipeline(local: float, exchange_in: float, rings: Sequence[float], exchange_
 
 
 def predict_rank(compute: ComputeTimes, exchange: ExchangeTimes, hops: HopTimes,
-                 groups: int, host: PhaseTimes = PhaseTimes(),
-                 other: PhaseTimes = PhaseTimes()) -> tuple[float, float, float]:
+                 groups: int, host: PhaseTimes = PhaseTimes()) -> tuple[float, float, float]:
     """``(step, exposed all-to-all, exposed ring)`` seconds of one rank: both directions'
-    pipelines, plus per phase the GPU's work besides attention (``other``: merges, copies and
-    fills run on the compute stream between the attention kernels, so they lengthen the phase
-    wherever they run), each phase waiting for the host where ``host`` takes longer
+    pipelines, each phase waiting for the host where ``host`` takes longer
     (:func:`host.bounded_by_host`); the ring's exposed time is what its hops add to its
     steps' compute, the all-to-all's what is left of the pipelines."""
     forward_steps = [t / groups for t in compute.step_forward]
@@ -64,5 +61,5 @@ def predict_rank(compute: ComputeTimes, exchange: ExchangeTimes, hops: HopTimes,
     forward = pipeline(compute.local_forward, exchange.forward_in, [ring_f] * groups, exchange.forward_out)
     backward = pipeline(compute.local_backward, exchange.backward_in, [ring_b] * groups, exchange.backward_out)
     exposed_ring = groups * (ring_f + ring_b) - sum(compute.step_forward) - sum(compute.step_backward)
-    return (bounded_by_host(forward + other.forward, backward + other.backward, host),
+    return (bounded_by_host(forward, backward, host),
             forward + backward - compute.total - exposed_ring, exposed_ring)

@@ -111,21 +111,11 @@ class HostCounts:
 
 @dataclass(frozen=True)
 class PhaseTimes:
-    """Seconds of one part of a rank's call per phase: its host issuing the forward and the
-    backward (:func:`host.host_times`), or its GPU's work besides attention in each
-    (:func:`gpu_other.gpu_other_times`); 0: the part is not modelled."""
+    """Seconds a rank's host takes to issue the forward and the backward of its call
+    (:func:`host.host_times`); 0: not modelled."""
 
     forward: float = 0.0
     backward: float = 0.0
-
-
-@dataclass(frozen=True)
-class GpuOtherBytes:
-    """Bytes one rank's GPU reads and writes besides the attention kernels, per phase
-    (:func:`gpu_other.gpu_other_bytes`)."""
-
-    forward: int = 0
-    backward: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,7 +130,6 @@ class RankPrediction:
     ring_bytes: int
     host: float = 0.0  # its host time, forward + backward
     host_wait: float = 0.0  # what the host adds to the step beyond the GPU's
-    gpu_other: float = 0.0  # its GPU work besides attention, forward + backward
 
 
 @dataclass(frozen=True)
@@ -159,7 +148,6 @@ class Prediction:
     ring_bytes: float
     host_s: float = 0.0  # the slowest rank's host time (0: not modelled, see Advice.host_modelled)
     host_wait_s: float = 0.0  # what waiting for the host adds to step_s
-    gpu_other_s: float = 0.0  # the slowest rank's GPU work besides attention (0: not modelled)
 
     @property
     def ulysses(self) -> int:
@@ -189,7 +177,6 @@ class Advice:
     seconds: float  # how long the advice took
     mode: str = "hcp-eager"
     host_modelled: bool = False  # kernels/host_measured.json has the device, mode and kernel
-    gpu_other_modelled: bool = False  # kernels/gpu_other_measured.json has them
 
     @property
     def best(self) -> Prediction:

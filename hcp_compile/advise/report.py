@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from ..kernels import gpu_other_measured
 from ..kernels.host_measured import HOW_TO_ADD
 from .records import Advice, Prediction, TIE
 
@@ -14,14 +13,13 @@ def format_table(advice: Advice) -> str:
         f"{p.ulysses} x {p.ring}", p.placement, p.head_groups, p.ring_link,
         f"{p.step_s * 1e3:.2f}", f"{p.compute_s * 1e3:.2f}",
         f"{p.host_s * 1e3:.2f}" if advice.host_modelled else "-",
-        f"{p.gpu_other_s * 1e3:.2f}" if advice.gpu_other_modelled else "-",
         f"{(p.compute_s / p.mean_compute_s - 1) * 100:.1f}" if p.mean_compute_s else "0.0",
         f"{p.exposed_all_to_all_s * 1e3:.2f}", f"{p.exposed_ring_s * 1e3:.2f}",
         f"{p.exposed_s / p.step_s * 100:.1f}" if p.step_s else "0.0",
         f"{p.all_to_all_bytes / 2**20:.1f}", f"{p.ring_bytes / 2**20:.1f}",
     ] for p in advice.predictions]
     headers = ["ulysses x ring", "placement", "head groups", "ring link", "step ms",
-               "compute ms", "host ms", "other GPU ms", "over mean %", "exposed a2a ms", "exposed ring ms", "exposed %",
+               "compute ms", "host ms", "over mean %", "exposed a2a ms", "exposed ring ms", "exposed %",
                "a2a MiB", "ring MiB"]
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
@@ -48,7 +46,6 @@ def reasons(advice: Advice) -> list[str]:
             "exposed all-to-all": p.exposed_all_to_all_s - best.exposed_all_to_all_s,
             "exposed ring": p.exposed_ring_s - best.exposed_ring_s,
             "waiting for its host": p.host_wait_s - best.host_wait_s,
-            "GPU work besides attention": p.gpu_other_s - best.gpu_other_s,
         }
         part = max(parts, key=parts.__getitem__)
         lines.append(
@@ -69,20 +66,10 @@ def host_note(advice: Advice) -> str:
             "is a few ms per call are host-bound, so read their steps as floors")
 
 
-def gpu_other_note(advice: Advice) -> str:
-    """Whether the steps include the GPU's work besides attention."""
-    where = f"{advice.mode} constants for kernel {advice.kernel!r} on {advice.device_kind}"
-    if advice.gpu_other_modelled:
-        return f"GPU work besides attention: measured, {where}, added to each phase's compute"
-    return (f"GPU work besides attention not modelled: no {where} in kernels/gpu_other_measured.json "
-            f"({gpu_other_measured.HOW_TO_ADD}); the merges, copies and fills of ranks with many ring steps "
-            "make their steps longer than shown")
-
-
 def format_advice(advice: Advice) -> str:
     return "\n".join([
         format_table(advice), "",
-        *reasons(advice), host_note(advice), gpu_other_note(advice), "",
+        *reasons(advice), host_note(advice), "",
         f"kernel {advice.kernel!r} at its {advice.device_kind} measurements, {advice.batches} "
         f"batch(es), advised in {advice.seconds:.2f} s; use make_mesh(ulysses="
         f"{advice.best.ulysses}, ring={advice.best.ring}) and placement={advice.best.placement!r}",

@@ -49,31 +49,28 @@ class HostRecord:
 COEFFICIENTS = tuple(f.name for f in fields(HostConstants))
 
 
-def parse_devices(devices: Any, source: str, constants: type = HostConstants, record: type = HostRecord,
-                  how_to_add: str = HOW_TO_ADD) -> dict[str, dict[str, dict[str, Any]]]:
+def parse_devices(devices: Any, source: str) -> dict[str, dict[str, dict[str, HostRecord]]]:
     """``{device: {mode: {kernel: {phase: {coefficient: seconds}}}}}`` (extra keys beside the
-    modes, such as ``date``, are the measurement's notes) as ``record``s of one ``constants``
-    per phase (by default the host part's; kernels/gpu_other_measured.json has the same form);
+    modes, such as ``date``, are the measurement's notes) as host records;
     :class:`InputError` naming the first missing or bad entry of ``source``."""
     if not isinstance(devices, dict):
         raise InputError(f"{source}: expected 'devices' to be an object of device kinds, got {devices!r}")
-    result: dict[str, dict[str, dict[str, Any]]] = {}
+    result: dict[str, dict[str, dict[str, HostRecord]]] = {}
     for device, entry in devices.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("modes"), dict):
-            raise InputError(f"{source}: devices[{device!r}] has no 'modes' object; {how_to_add}")
+            raise InputError(f"{source}: devices[{device!r}] has no 'modes' object; {HOW_TO_ADD}")
         result[device] = {}
         for mode, kernels in entry["modes"].items():
             if not isinstance(kernels, dict):
                 raise InputError(f"{source}: devices[{device!r}].modes[{mode!r}]: expected kernels, got {kernels!r}")
             result[device][mode] = {
-                kernel: _record(phases, f"{source}: devices[{device!r}].modes[{mode!r}][{kernel!r}]", constants,
-                                record)
+                kernel: _record(phases, f"{source}: devices[{device!r}].modes[{mode!r}][{kernel!r}]")
                 for kernel, phases in kernels.items()}
     return result
 
 
-def _record(phases: Any, where: str, constants: type, record: type) -> Any:
-    names = [f.name for f in fields(constants)]
+def _record(phases: Any, where: str) -> HostRecord:
+    names = list(COEFFICIENTS)
     per_phase = []
     for phase in PHASES:
         values = phases.get(phase) if isinstance(phases, dict) else None
@@ -83,12 +80,12 @@ def _record(phases: Any, where: str, constants: type, record: type) -> Any:
             value = values.get(name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InputError(f"{where}.{phase}.{name}: expected a finite number of seconds, got {value!r}")
-        per_phase.append(constants(**{name: float(values[name]) for name in names}))
-    return record(*per_phase)
+        per_phase.append(HostConstants(**{name: float(values[name]) for name in names}))
+    return HostRecord(*per_phase)
 
 
 @functools.cache
-def load(path: Path, constants: type, record: type, how_to_add: str) -> dict[str, dict[str, dict[str, Any]]]:
+def recorded(path: Path = HOST_FILE) -> dict[str, dict[str, dict[str, HostRecord]]]:
     """Device kind -> mode -> kernel -> record of the measured file ``path`` (as
     :func:`parse_devices` reads it), read once."""
     try:
@@ -96,13 +93,8 @@ def load(path: Path, constants: type, record: type, how_to_add: str) -> dict[str
     except (OSError, json.JSONDecodeError) as error:
         raise InputError(f"{path}: expected the JSON of measured constants, could not read it ({error})") from None
     if not isinstance(data, dict) or "devices" not in data:
-        raise InputError(f"{path}: expected an object with 'devices'; {how_to_add}")
-    return parse_devices(data["devices"], str(path), constants, record, how_to_add)
-
-
-def recorded(path: Path = HOST_FILE) -> dict[str, dict[str, dict[str, HostRecord]]]:
-    """Device kind -> mode -> kernel -> the host record, read once."""
-    return load(path, HostConstants, HostRecord, HOW_TO_ADD)
+        raise InputError(f"{path}: expected an object with 'devices'; {HOW_TO_ADD}")
+    return parse_devices(data["devices"], str(path))
 
 
 def find(device_kind: str, mode: str, kernel: str) -> HostRecord | None:
