@@ -618,9 +618,30 @@ def request(device="cpu", dtype=torch.float32, head_dim=64, window=(-1, -1), cp=
     return dataclasses.replace(BlockRequest.of(q, k, window, context_parallel=cp), device=torch.device(device))
 
 
-def test_every_kernel_is_registered_under_its_name():
-    assert {name: kernel.name for name, kernel in KERNELS.items()} == {
-        "torch": "torch", "flash": "flash", "flex": "flex", "dense": "dense", "cudnn": "cudnn"}
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_every_registered_kernel_runs_by_its_name_or_says_why_not(traced_flex, name):
+    """The op's ``kernel`` argument reaches that kernel: where it can run the call (on CPU:
+    torch, flex) it
+    gives the float64 reference's output and gradients; where it cannot, an InputError names
+    it and why, never another kernel's answer."""
+    lengths = (5, 9, 1)
+    x = {n: seeded(f"registered/{n}", sum(lengths), 2, 8) for n in ("q", "k", "v", "dout")}
+    cu = cu_seqlens(lengths)
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v")]
+
+    def attend(kernel: str) -> torch.Tensor:
+        return torch.ops.hcp.varlen_attention(*leaves, cu, cu, max(lengths), max(lengths), True, 8 ** -0.5,
+                                              -1, -1, kernel)[0]
+
+    if KERNELS[name].supports(BlockRequest.of(leaves[0], leaves[1], (-1, -1))) is not None:
+        with pytest.raises(hc.InputError, match=rf"\b{name}\b"):
+            attend(name)
+        return
+    out = attend(name)
+    out.backward(x["dout"])
+    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(), causal=True)
+    for got, want in zip((out.detach(), *(leaf.grad for leaf in leaves)), ("out", "dq", "dk", "dv")):
+        assert_matches(got, expected[want], f"{name} {want}")
 
 
 def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypatch):
