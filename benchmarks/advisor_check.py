@@ -8,10 +8,10 @@
 
 Each mesh's rank runs alone over torch's fake process group (``benchmarks/speed.py
 --fake-rank``, mode ``hcp-eager``): its kernels, layout copies and merges, no communication.
-That is what the advisor's compute part (:func:`hcp_compile.advise.compute_times`) predicts
+That is what the advisor's compute part (:func:`hcp_advise.compute_times`) predicts
 for that rank from kernels/measured.json, so the two are set side by side here: measured ms,
 predicted ms and the prediction's error; beside them the prediction with the host part (each
-phase the longer of the rank's compute and its host time, kernels/host_measured.json; none
+phase the longer of the rank's compute and its host time, hcp_advise/host_measured.json; none
 where the device's constants were not measured). The communication part is checked against
 the bytes the code sends by the CPU tests (tests/test_schemes.py, tests/test_advise.py).
 """
@@ -28,13 +28,11 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from hcp_compile import InputError, layout
-from hcp_compile.advise import DEFAULT_DEVICE
-from hcp_compile.advise import (
-    bounded_by_host, block_work, compute_times, cu_seqlens_of, host_counts,
+from hcp_advise import (
+    DEFAULT_DEVICE, block_work, bounded_by_host, compute_times, cu_seqlens_of, host_counts, host_measured,
     host_times, rank_sizes,
 )
-from hcp_compile.kernels import host_measured
+from hcp_compile import InputError, layout
 from hcp_compile.placements import placement_rule
 from hcp_compile.schemes.traffic import CallShape
 
@@ -81,7 +79,7 @@ def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, p
     """The advisor's time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses rank
     ``rank % ulysses``, as ``make_mesh`` numbers them) alone, for the batch of document
     ``lengths``: its compute; its compute bounded by its host time per phase (None where
-    kernels/host_measured.json has no eager host times for the device and kernel).
+    hcp_advise/host_measured.json has no eager host times for the device and kernel).
     ``window``: the call's causal sliding window (-1: none)."""
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule(placement))
     heads_q, heads_kv = HEADS[heads]
@@ -175,7 +173,7 @@ def table(comparisons: list[Comparison]) -> str:
                                    "compute ms", "error", "+ host ms", "error"],
                     tablefmt="github")
     if any(c.predicted_ms is not None and c.predicted_host_ms is None for c in comparisons):
-        text += f"\n+ host: not modelled where kernels/host_measured.json has no host times ({host_measured.HOW_TO_ADD})"
+        text += f"\n+ host: not modelled where hcp_advise/host_measured.json has no host times ({host_measured.HOW_TO_ADD})"
     return text
 
 

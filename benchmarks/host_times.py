@@ -1,5 +1,5 @@
 """The host time of one rank's eager CP call, measured and fitted (issue 26: the advisor's host
-part, kernels/host_measured.json).
+part, hcp_advise/host_measured.json).
 
     python -m benchmarks.host_times --out host.json          # on one GPU: measure, fit, write
     python -m benchmarks.host_times --record host.json       # add its constants to host_measured.json
@@ -10,7 +10,7 @@ process group, as ``benchmarks/speed.py --fake-rank`` runs them (its helpers, it
 call), on tiny batches whose layouts differ in their counts of kernel calls, ring steps and head
 groups: one document, short documents (all local) and a mix. The GPU's work is then negligible,
 so a phase's wall time (synchronized before and after) is the host's. The counts of each point
-are the advisor's (:func:`hcp_compile.advise.host.host_counts` on the batch's layout); a least-
+are the advisor's (:func:`hcp_advise.host.host_counts` on the batch's layout); a least-
 squares fit per kernel and phase gives ``host seconds = floor + per_call * calls + per_step *
 steps + per_group * groups``. The table shows every point's measured and fitted ms; the JSON
 holds the constants in host_measured.json's form (``devices``) and the points. Collectives over
@@ -35,13 +35,13 @@ import torch
 from tabulate import tabulate
 from torch import Tensor
 
-from hcp_compile import InputError, layout
-from hcp_compile.advise import cu_seqlens_of, host_counts, rank_sizes
-from hcp_compile.advise.records import HostCounts
-from hcp_compile.kernels import KERNEL_CHOICES
-from hcp_compile.kernels.host_measured import (
+from hcp_advise import cu_seqlens_of, host_counts, rank_sizes
+from hcp_advise.host_measured import (
     COEFFICIENTS, HOST_FILE, PHASES, HostConstants, parse_devices, recorded,
 )
+from hcp_advise.records import HostCounts
+from hcp_compile import InputError, layout
+from hcp_compile.kernels import KERNEL_CHOICES
 from hcp_compile.kernels.measured import device_kind
 from hcp_compile.placements import placement_rule
 
@@ -276,7 +276,7 @@ def parse_measuring(parser: argparse.ArgumentParser, argv: Sequence[str] | None)
 
 def parse_args(argv: Sequence[str] | None = None) -> Namespace:
     parser = measuring_parser(__doc__, DEFAULT_MESHES,
-                              "add the constants of a --out file to hcp_compile/kernels/host_measured.json")
+                              "add the constants of a --out file to hcp_advise/host_measured.json")
     parser.add_argument("--kernels", default="cudnn",
                         help=f"comma-separated, of {', '.join(KERNEL_CHOICES)} (auto: as CP resolves it)")
     parser.add_argument("--ranks", default="0,-1", help="comma-separated ranks of each mesh (-1: its last)")

@@ -79,7 +79,7 @@ def _checked_host_values(position_ids: Tensor) -> Tensor:
 def log_uniform_lengths(tokens: int, low: int, high: int, seed: int) -> list[int]:
     """Document lengths drawn log-uniformly from [low, high] (seeded) until they hold
     ``tokens``, the last one cut: the synthetic batches of the benchmarks (seed 0 and 128K
-    tokens of 256..32K give W2) and of ``python -m hcp_compile.advise``."""
+    tokens of 256..32K give W2) and of ``python -m hcp_advise``."""
     if not (tokens >= 1 and 1 <= low <= high):
         raise InputError(f"tokens, low, high: expected tokens >= 1 and 1 <= low <= high, got {tokens}, {low}, {high}")
     gen = torch.Generator().manual_seed(seed)

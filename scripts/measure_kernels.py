@@ -19,7 +19,7 @@ compositions.
 ``--sizes 4096,16384,...`` measures the same compositions on batches of those token counts
 and of ``--tokens`` (``--size-kernels``, default the measured ones) by the time some GPU kernel
 runs (torch.profiler), not the wall time: a small call's wall time is its host's, which the
-advisor counts apart (kernels/host_measured.json). It records them under ``sizes`` with the
+advisor counts apart (hcp_advise/host_measured.json). It records them under ``sizes`` with the
 mean work of one call; the advisor's compute part times a CP rank's calls by them
 (``measured.throughput_at``); ``kernel="auto"`` keeps judging by the main table.
 """

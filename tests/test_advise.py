@@ -1,4 +1,4 @@
-"""The mesh advisor (hcp_compile/advise/, issue 26): each part of the cost model and the
+"""The mesh advisor (hcp_advise/): each part of the cost model and the
 chooser against values computed by hand from the layout rules (docs/design.md §2, §3.3, §3.6,
 §4), the bytes of schemes/ulysses.py and schemes/ring.py, and kernels/measured.json read
 directly."""
@@ -6,12 +6,15 @@ directly."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from hcp_compile import advise, layout
-from hcp_compile.advise import HopTimes, Links, Option
+import hcp_advise as advise
+from hcp_compile import layout
+from hcp_advise import HopTimes, Links, Option
 from hcp_compile.kernels import measured
 from hcp_compile.packing import log_uniform_lengths
 from hcp_compile.placements import placement_rule
@@ -418,3 +421,13 @@ def test_command_errors_name_the_argument():
         advise.main(["--world", "4", "--lengths", "/no/such/file"])
     with pytest.raises(InputError, match="^heads: expected HQ/HKV"):
         advise.main(["--world", "4", "--heads", "32"])
+
+
+def test_the_runtime_never_imports_the_advisor():
+    """The advisor is a tool beside the runtime: importing the library, its backend and its
+    passes loads no module of ``hcp_advise``."""
+    script = ("import sys, hcp_compile, hcp_compile.backend, hcp_compile.passes.hierarchical_cp\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'hcp_advise'))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

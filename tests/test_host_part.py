@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import hcp_advise as advise
 import hcp_compile as hc
-from hcp_compile import InputError, advise, hierarchical, layout
-from hcp_compile.advise import HostCounts, PhaseTimes, cu_seqlens_of, host_counts, rank_sizes
-from hcp_compile.kernels import KERNELS, cudnn, host_measured
-from hcp_compile.kernels.host_measured import HostConstants, HostRecord
+from hcp_advise import HostCounts, PhaseTimes, cu_seqlens_of, host_counts, host_measured, rank_sizes
+from hcp_advise.host_measured import HostConstants, HostRecord
+from hcp_compile import InputError, hierarchical, layout
+from hcp_compile.kernels import KERNELS, cudnn
 from hcp_compile.placements import placement_rule
 
 from benchmarks import host_times

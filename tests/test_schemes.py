@@ -11,7 +11,8 @@ import torch
 
 from checks import assert_matches, expected_for, local_rows
 from cp_cases import MESHES, cu_seqlens, mesh_id, scheme_cases
-from hcp_compile import advise, layout
+import hcp_advise as advise
+from hcp_compile import layout
 from hcp_compile.placements import placement_rule
 from hcp_compile.plan import format_bytes
 from hcp_compile.schemes import SCHEMES
@@ -104,7 +105,7 @@ ADVISED_CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
 
 @pytest.mark.parametrize("mesh, case", ADVISED_CASES)
 def test_advisor_bytes_are_what_a_call_sends(cp_world, mesh, case):
-    """The advisor's inputs to its communication part (hcp_compile/advise/, issue 26)
+    """The advisor's inputs to its communication part (hcp_advise/)
     against measurement: the sizes it reads off the layout without the prepared batch's tables
     are each rank's measured sizes, and its all-to-all bytes, split into what travels before
     the ring (the rank's own region: none when it has none) and after it (the others'), add up

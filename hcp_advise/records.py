@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 from torch import Tensor
 
-from ..validation import InputError
+from hcp_compile.validation import InputError
 
 # FLOPs of one visible query-key pair per query head and unit of head dim, forward + backward:
 # 7 products of 2 FLOPs (the count measured.json's TF/s are taken with, benchmarks/speed.py)
@@ -176,7 +176,7 @@ class Advice:
     batches: int
     seconds: float  # how long the advice took
     mode: str = "hcp-eager"
-    host_modelled: bool = False  # kernels/host_measured.json has the device, mode and kernel
+    host_modelled: bool = False  # hcp_advise/host_measured.json has the device, mode and kernel
 
     @property
     def best(self) -> Prediction:

@@ -1,7 +1,7 @@
 """Which ``ulysses x ring`` mesh and placement for a user's batches: a cost model from
 measured parts and a chooser over the valid meshes.
 
-    python -m hcp_compile.advise --world 64 --gpus-per-node 8 --heads 32/8 --head-dim 128 \\
+    python -m hcp_advise --world 64 --gpus-per-node 8 --heads 32/8 --head-dim 128 \\
         --lengths loguniform:256:32768 --tokens 1048576
 
 The model predicts one causal forward + backward of one attention call per rank, as the sum of
@@ -24,7 +24,7 @@ command.py):
   group ``g + 1``'s exchange behind group ``g``'s ring, group 0's behind the local region;
 - host (:func:`host_counts`, :func:`host_times`, :func:`bounded_by_host`): the seconds a
   rank's host takes to issue each phase of its eager call, from its kernel calls, ring-step
-  iterations and head groups at the constants kernels/host_measured.json records for the
+  iterations and head groups at the constants hcp_advise/host_measured.json records for the
   device, mode and kernel (``benchmarks/host_times.py`` measures them); each phase lasts the
   longer of its host and GPU time, since the GPU cannot run ahead of the host. Where no
   constants are recorded the host part is 0 and the report says so.

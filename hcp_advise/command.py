@@ -1,4 +1,4 @@
-"""``python -m hcp_compile.advise``: batches from a spec, the arguments, the report."""
+"""``python -m hcp_advise``: batches from a spec, the arguments, the report."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..packing import log_uniform_lengths
-from ..placements import PLACEMENTS
-from ..validation import InputError
+from hcp_compile.packing import log_uniform_lengths
+from hcp_compile.placements import PLACEMENTS
+from hcp_compile.validation import InputError
+
 from .chooser import advise
 from .records import DEFAULT_DEVICE, Links
 from .report import format_advice
@@ -58,7 +59,7 @@ def parse_heads(text: str) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(prog="python -m hcp_compile.advise", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m hcp_advise", description=DESCRIPTION)
     parser.add_argument("--world", type=int, required=True, help="GPUs of the CP mesh")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--heads", default="32/8", help="query/key-value heads, e.g. 32/8")

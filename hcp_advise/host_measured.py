@@ -1,6 +1,6 @@
 """The measured host time of one rank's attention call (host_measured.json, written by
 ``python -m benchmarks.host_times --record``): what the advisor's host part
-(:mod:`hcp_compile.advise.host`) turns a rank's call counts into seconds with.
+(:mod:`hcp_advise.host`) turns a rank's call counts into seconds with.
 
 Per device kind, mode (``hcp-eager``) and kernel, each phase (forward, backward) records a
 linear model fitted to one rank's eager calls on tiny batches, where the GPU's work is
@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..validation import InputError
+from hcp_compile.validation import InputError
 
 HOST_FILE = Path(__file__).with_name("host_measured.json")
 PHASES = ("forward", "backward")
@@ -108,5 +108,5 @@ def host_record(device_kind: str, mode: str, kernel: str) -> HostRecord:
     if record is None:
         measured = {m: sorted(k) for m, k in recorded().get(device_kind, {}).items()}
         raise InputError(f"device_kind: no host times for kernel {kernel!r} in mode {mode!r} on {device_kind!r} "
-                         f"in kernels/host_measured.json (it has {measured or 'nothing'} there); {HOW_TO_ADD}")
+                         f"in hcp_advise/host_measured.json (it has {measured or 'nothing'} there); {HOW_TO_ADD}")
     return record

@@ -9,16 +9,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .. import layout
-from ..kernels import KERNELS, host_measured, measured
-from ..kernels.host_measured import HostRecord
-from ..placements import PLACEMENTS, placement_rule
-from ..schedule import head_groups, rank_kv_heads
-from ..schemes.traffic import CallShape, call_traffic
-from ..validation import InputError, check_head_split
+from hcp_compile import layout
+from hcp_compile.kernels import KERNELS, measured
+from hcp_compile.placements import PLACEMENTS, placement_rule
+from hcp_compile.schedule import head_groups, rank_kv_heads
+from hcp_compile.schemes.traffic import CallShape, call_traffic
+from hcp_compile.validation import InputError, check_head_split
+
+from . import host_measured
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .compute import block_work, compute_times
 from .host import host_counts, host_times
+from .host_measured import HostRecord
 from .overlap import predict_rank
 from .records import Advice, DEFAULT_DEVICE, Links, Option, Prediction, RankPrediction, SCHEME
 
@@ -130,7 +132,7 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
     global int32 ``cu_seqlens`` or a sample of them) and rank them, fastest first:
     ``advice.best`` has ``ulysses``, ``ring`` and ``placement`` for ``make_mesh`` and
     ``shard_plan``. ``kernel="auto"``: the one CP's auto takes on ``device_kind``. ``mode``:
-    whose host times (kernels/host_measured.json) bound each rank's step; where none were
+    whose host times (hcp_advise/host_measured.json) bound each rank's step; where none were
     measured that part is 0 and ``advice.host_modelled`` False.
     ``window``: a causal sliding window of that many keys back (-1: none), which limits every
     block's pairs and picks the windowed throughputs; the host part is that of calls without

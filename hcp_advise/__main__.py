@@ -1,8 +1,9 @@
-"""``python -m hcp_compile.advise``: print the advice (arguments: ``--help``)."""
+"""``python -m hcp_advise``: print the advice (arguments: ``--help``)."""
 
 import sys
 
-from ..validation import InputError
+from hcp_compile.validation import InputError
+
 from .command import main
 
 try:

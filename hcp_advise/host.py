@@ -1,6 +1,6 @@
 """The host part: the seconds one rank's host takes to issue its call, from the call counts of
 its layout and the constants measured for the device, mode and kernel
-(kernels/host_measured.json), and how they bound the rank's step."""
+(hcp_advise/host_measured.json), and how they bound the rank's step."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import functools
 
 import torch
 
-from ..kernels import BlockSpec, cudnn
-from ..kernels.host_measured import HostConstants, HostRecord
-from ..layout import RankSizes, StepKind, step_kind, step_sources
-from ..schedule import exchanged_head_groups, schedule_steps
+from hcp_compile.kernels import BlockSpec, cudnn
+from hcp_compile.layout import RankSizes, StepKind, step_kind, step_sources
+from hcp_compile.schedule import exchanged_head_groups, schedule_steps
+
+from .host_measured import HostConstants, HostRecord
 from .records import HostCounts, PhaseTimes
 
 

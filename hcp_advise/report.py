@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from ..kernels.host_measured import HOW_TO_ADD
+from .host_measured import HOW_TO_ADD
 from .records import Advice, Prediction, TIE
 
 
@@ -60,9 +60,9 @@ def host_note(advice: Advice) -> str:
     """Whether the steps include the host part, and where its constants come from."""
     if advice.host_modelled:
         return (f"host part: {advice.mode} host times measured on {advice.device_kind} "
-                "(kernels/host_measured.json); a phase lasts the longer of its host and GPU time")
+                "(hcp_advise/host_measured.json); a phase lasts the longer of its host and GPU time")
     return (f"host part not modelled: no {advice.mode} host times for kernel {advice.kernel!r} on "
-            f"{advice.device_kind} in kernels/host_measured.json ({HOW_TO_ADD}); ranks whose compute "
+            f"{advice.device_kind} in hcp_advise/host_measured.json ({HOW_TO_ADD}); ranks whose compute "
             "is a few ms per call are host-bound, so read their steps as floors")
 
 
