@@ -132,8 +132,8 @@ def _pack(blocks: list[Tensor], after: Tensor | None = None) -> Tensor:
 
 def _staged_on_host(x: Tensor, group: dist.ProcessGroup) -> bool:
     """Whether an all-gather of ``x`` over ``group`` goes through the host: gloo's all-gather
-    of CUDA tensors crashed the process (SIGSEGV, torch 2.11, two ranks sharing one H200),
-    while its all-to-all and all-reduce stage them fine."""
+    of CUDA tensors crashes the process (torch 2.11, ranks sharing one GPU), while its
+    all-to-all and all-reduce stage them fine."""
     return x.device.type == "cuda" and dist.get_backend(group) == "gloo"
 
 

@@ -2,8 +2,8 @@
 
 A :class:`prepared.PreparedBatch` holds a few dozen CPU tensors (the layout, a rank's tokens and
 schedule tables). A DataLoader moves each tensor of what a worker returns through its own
-shared-memory segment: opening one in the training process cost about 0.2 ms on an H200 host,
-4-6 ms per step for a prepared batch, on the step (docs/benchmarks.md, "Host work on the step").
+shared-memory segment, and opening dozens of them costs the training process milliseconds on
+the step (docs/design.md §2.4).
 Here the tensors are copied into one byte buffer and the rest pickled with references to it, so a
 batch crosses as one tensor and a few KiB of bytes, and its tensors come back as views.
 """

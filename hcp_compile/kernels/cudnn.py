@@ -30,7 +30,7 @@ trimmed segment keep (with one segmentation whose end is known, only the rows af
 
 Note [a bottom-right diagonal as two top-left calls]
 cuDNN skips the masked tiles of a causal block only with its diagonal aligned top-left
-(bottom-right ran 1.8x slower on an H200). A causal segment whose queries and keys are one
+(bottom-right runs far slower: docs/design.md §8.8). A causal segment whose queries and keys are one
 range (single device, the local region) is the same either way. A ring step's causal
 segments can have more keys than queries; each is cut where its diagonal starts, into a
 full rectangle and a top-left causal square, one call each over all segments, merged by lse:
@@ -101,7 +101,7 @@ MIN_CHUNK_ROWS = 4096
 # the smallest bucket of entries: batches of up to this many documents share a graph
 MIN_ENTRIES = 64
 # the smallest s_max: cuDNN's graphs for fewer rows take other paths (a 1-row graph failed the
-# reference checks on the H200), and a bound costs nothing where no entry reaches it
+# reference checks), and a bound costs nothing where no entry reaches it
 MIN_SEGMENT_ROWS = 128
 # the backward's row-count bound kept to this many significant bits (at most 1/8 more
 # workspace than the call needs, 8 buckets per octave of rows)
@@ -410,8 +410,8 @@ def rows_written(spec: BlockSpec) -> int | None:
     """The leading rows that cuDNN's one call writes in full, outputs and gradients, or None
     where that is not known: with one segmentation for queries and keys every row in a segment
     sees itself (no row is trimmed: Note [rows that see no key]), and ``spec.covered_rows``
-    says where the segments end. Only the rows after it then need their initial values: on a
-    single device, zeroing the outputs took 5 % of W3's step (docs/design.md §8.8)."""
+    says where the segments end. Only the rows after it then need their initial values, which
+    saves zeroing every output on short-document batches (docs/design.md §8.8)."""
     if spec.covered_rows < 0 or not spec.one_segmentation:
         return None
     return int(spec.covered_rows)

@@ -1,12 +1,11 @@
 """Long segments of a block as dense attention calls, the rest through a varlen kernel
 (docs/design.md §8.6).
 
-On an H200 with torch 2.11, cuDNN's dense attention (``aten._scaled_dot_product_cudnn_attention``,
-what SDPA picks for ``[B, H, T, D]`` tensors) ran fwd+bwd of one causal 131K document at
-568 TFLOP/s, against 398 for flex and 330 for flash; but cuDNN's varlen form is slow and wrong
-for segments without keys (§8.2), and cuDNN builds a graph for every new shape (100-160 ms
-for a forward and backward on an H200), which a batch with new document lengths every step
-would pay on every step. So this kernel cuts a block into pieces whose dense calls come in a
+cuDNN's dense attention (``aten._scaled_dot_product_cudnn_attention``, what SDPA picks for
+``[B, H, T, D]`` tensors) is the fastest kernel on long causal documents, but cuDNN's varlen
+form is slow and wrong for segments without keys (§8.2), and cuDNN builds a graph for every
+new shape, which a batch with new document lengths every step would pay on every step
+(docs/design.md §8.6 has the measurements). So this kernel cuts a block into pieces whose dense calls come in a
 bounded set of shapes:
 
 - a segment with at least ``MIN_DENSE_ROWS`` query and key rows gets dense calls whose sizes
@@ -342,8 +341,8 @@ class DenseKernel:
             grads = _dense_backward(dout, q, k, v, out, lse, plan.cut.dense[0].causal, spec.scale)
             return tuple(g.contiguous() for g in grads)
         # written in the inputs' dtypes; a row that several pieces cover has each piece's dq
-        # added in the accumulation dtype (a whole-block fp32 accumulator cost 6 % more time
-        # and up to 1.7x the memory on log-uniform documents)
+        # added in the accumulation dtype (a whole-block fp32 accumulator costs more time and
+        # memory on log-uniform documents)
         dq = _results(q, plan.fills_rows)
         dk, dv = _results(k, plan.fills_keys), _results(v, plan.fills_keys)
         for piece, cu, shared in plan.pieces():

@@ -56,14 +56,13 @@ COMPILE_BACKENDS: dict[str, str] = {"cuda": "inductor"}
 # flex's backward operator takes the forward operator's lse, which is in base 2
 _LN2 = math.log(2.0)
 # Every block is padded to a multiple of BLOCK_SIZE query and key rows, and flex is told so
-# (IS_DIVISIBLE): its GPU kernels then skip the bounds checks of every tile, which cost 1.2-1.9x
-# fwd+bwd on an H200 (torch 2.11), with the rows static or dynamic; a 50-row block also failed
-# to compile (docs/design.md §8.5). An internal option of flex's Triton templates, which the
+# (IS_DIVISIBLE): its GPU kernels then skip the bounds checks of every tile, which slow the
+# forward and backward, with the rows static or dynamic; a 50-row block also failed to compile
+# (docs/design.md §8.5). An internal option of flex's Triton templates, which the
 # public kernel_options pass through.
 KERNEL_OPTIONS = {"IS_DIVISIBLE": True}
 # row shapes (query rows, key rows) per compiled function that get a graph specialized on them:
-# on an H200 (torch 2.11) static rows ran 3-5 % faster than dynamic ones on whole mask blocks
-# (1.2-1.45x before KERNEL_OPTIONS; docs/design.md §8.5). Later shapes share one graph with the
+# static rows run a little faster than dynamic ones on whole mask blocks (docs/design.md §8.5). Later shapes share one graph with the
 # rows dynamic, so batches of ever-new sizes compile at most this many graphs + 1, and
 # repeating ones (a fixed packing length, a ring's steps) run specialized.
 STATIC_SHAPES = 4
@@ -251,9 +250,8 @@ def _has(keys: torch._C.DispatchKeySet, key: torch._C.DispatchKey) -> bool:
 
 def _heads_first(x: Tensor) -> Tensor:
     """``[T, H, D]`` -> flex's ``[1, H, T, D]``, a view of the THD tensor made contiguous
-    (copied only if it is not): on an H200 compiled flex ran as fast on this view as on a
-    contiguous copy, which cost about 4 ms per forward + backward of 131K tokens of short
-    documents (docs/design.md §8.5); and one stride pattern is what the compiled graphs are
+    (copied only if it is not): compiled flex runs as fast on this view as on a contiguous
+    copy, which would cost a copy per call (docs/design.md §8.5); and one stride pattern is what the compiled graphs are
     specialized on."""
     return x.detach().contiguous().transpose(0, 1).unsqueeze(0)
 
