@@ -32,9 +32,10 @@ from hcp_advise import (
     DEFAULT_DEVICE, block_work, bounded_by_host, compute_times, cu_seqlens_of, host_counts, host_measured,
     host_times, rank_sizes,
 )
-from hcp_compile import InputError, layout
-from hcp_compile.placements import placement_rule
-from hcp_compile.schemes.traffic import CallShape
+from hcp_compile import InputError
+from hcp_compile.batch import layout
+from hcp_compile.batch.placements import placement_rule
+from hcp_compile.batch.traffic import CallShape
 
 from .speed import HEADS, Workload, read_json, workloads
 

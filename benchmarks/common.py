@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from hcp_compile.packing import log_uniform_lengths  # noqa: F401  (the benchmarks' batches)
+from hcp_compile.batch.packing import log_uniform_lengths  # noqa: F401  (the benchmarks' batches)
 
 
 def packed_lengths(tokens: int, docs: int, seed: int) -> list[int]:

@@ -40,10 +40,11 @@ from hcp_advise.host_measured import (
     COEFFICIENTS, HOST_FILE, PHASES, HostConstants, parse_devices, recorded,
 )
 from hcp_advise.records import HostCounts
-from hcp_compile import InputError, layout
+from hcp_compile import InputError
+from hcp_compile.batch import layout
+from hcp_compile.batch.placements import placement_rule
 from hcp_compile.kernels import KERNEL_CHOICES
 from hcp_compile.kernels.measured import device_kind
-from hcp_compile.placements import placement_rule
 
 from .advisor_check import parse_mesh
 from .speed import HEADS, Batch, Setup, Workload, _synchronize, fake_process_group, hcp_eager, hcp_kernel

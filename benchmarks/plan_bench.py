@@ -6,7 +6,7 @@ asks for milliseconds).
 
 A real 32-rank mesh cannot be built on one machine, so for each ``ULYSSESxRING`` mesh and
 placement this times, cumulatively, what the host derives per batch, once, in
-``hcp_compile.prepared`` (every path reads the batch from there): the prepared batch (the
+``hcp_compile.batch.prepared`` (every path reads the batch from there): the prepared batch (the
 check of ``cu_seqlens``, the placement rule's layout and every rank's sizes), then one rank's
 tokens (what ``ShardPlan`` adds for its own rank), then that rank's causal schedule tables
 (what the first attention call of a batch adds, eager or compiled). A trainer can run all of
@@ -30,10 +30,10 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import hcp_compile
-from hcp_compile import prepared
-from hcp_compile.placements import PLACEMENTS
-from hcp_compile.prepared import BatchValues, MeshShape, PreparedBatch
-from hcp_compile.schedule import schedule_steps
+from hcp_compile.batch import prepared
+from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch
+from hcp_compile.batch.schedule import schedule_steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -202,8 +202,8 @@ from benchmarks.common import (
     exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths, stream_seed, union_intervals,
 )
 from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
+from hcp_compile.batch.prepared import PreparedBatch
 from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, BoundedCache, KeysByValue, resolve_kernel
-from hcp_compile.prepared import PreparedBatch
 
 HEADS = {"gqa": (32, 8), "mha": (32, 32)}
 ONE_GPU_MODES = ("one-gpu-flex", "one-gpu-flash", "one-gpu-sdpa", "one-gpu-hcp")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import hcp_compile
-from hcp_compile.backend import INNER_COMPILERS
+from hcp_compile.compiled.backend import INNER_COMPILERS
 from _common import DTYPES, Worker, add_launch_args, launch, mixed_doc_lengths
 from packed_model import PackedTransformer, document_positions
 

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import hcp_compile
-from hcp_compile.backend import INNER_COMPILERS
+from hcp_compile.compiled.backend import INNER_COMPILERS
 from _common import DTYPES, Worker, add_launch_args, launch, tolerance, under_torchrun
 from packed_model import Attention  # RoPE at the given positions, GQA, varlen attention
 

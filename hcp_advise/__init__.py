@@ -10,13 +10,13 @@ each: records.py, compute.py, communication.py, overlap.py, host.py; chooser.py,
 command.py):
 
 - compute (:func:`compute_times`): each block's visible query-key pairs (from the real layout
-  of the placement rule, :mod:`hcp_compile.layout`) times ``14 * head_dim`` FLOPs per pair
+  of the placement rule, :mod:`hcp_compile.batch.layout`) times ``14 * head_dim`` FLOPs per pair
   and query head, at the TF/s that kernels/measured.json records for the kernel on the
   device kind and the block's composition (one document, log-uniform or short documents)
   and, where the device recorded several call sizes, for calls of the block's work; the
   forward takes 2 of the 7 products (docs/design.md §7);
 - all-to-all (:func:`exchange_times`) and ring (:func:`hop_times`): the bytes that
-  ``schemes.traffic.call_traffic`` counts for the rank, over the link of each level
+  ``batch.traffic.call_traffic`` counts for the rank, over the link of each level
   (:class:`Links`), plus a latency per collective;
 - overlap (:func:`ring_forward`, :func:`ring_backward`, :func:`pipeline`): what the code
   overlaps (docs/design.md §3.3, §3.6, §4): every ring hop travels behind the step before the

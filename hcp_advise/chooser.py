@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hcp_compile import layout
+from hcp_compile.batch import layout
+from hcp_compile.batch.placements import PLACEMENTS, placement_rule
+from hcp_compile.batch.schedule import head_groups, rank_kv_heads
+from hcp_compile.batch.traffic import CallShape, call_traffic
 from hcp_compile.kernels import KERNELS, measured
-from hcp_compile.placements import PLACEMENTS, placement_rule
-from hcp_compile.schedule import head_groups, rank_kv_heads
-from hcp_compile.schemes.traffic import CallShape, call_traffic
 from hcp_compile.validation import InputError, check_head_split
 
 from . import host_measured

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hcp_compile.packing import log_uniform_lengths
-from hcp_compile.placements import PLACEMENTS
+from hcp_compile.batch.packing import log_uniform_lengths
+from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.validation import InputError
 
 from .chooser import advise

@@ -3,8 +3,8 @@ its ring hops, from the schemes' own counts, over the links."""
 
 from __future__ import annotations
 
-from hcp_compile.layout import BatchLayout, Kind, RankSizes
-from hcp_compile.schemes.traffic import CallShape, call_traffic
+from hcp_compile.batch.layout import BatchLayout, Kind, RankSizes
+from hcp_compile.batch.traffic import CallShape, call_traffic
 
 from .records import ExchangeTimes, HopTimes, Links, SCHEME
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hcp_compile.batch.layout import BatchLayout, Kind
+from hcp_compile.batch.schedule import head_groups, rank_kv_heads
+from hcp_compile.batch.traffic import CallShape
 from hcp_compile.kernels import measured
-from hcp_compile.layout import BatchLayout, Kind
-from hcp_compile.schedule import head_groups, rank_kv_heads
-from hcp_compile.schemes.traffic import CallShape
 from hcp_compile.validation import InputError
 
 from .records import BlockWork, ComputeTimes, FLOPS_PER_PAIR_HEAD_DIM, FORWARD_SHARE

@@ -8,9 +8,9 @@ import functools
 
 import torch
 
-from hcp_compile.kernels import BlockSpec, cudnn
-from hcp_compile.layout import RankSizes, StepKind, step_kind, step_sources
-from hcp_compile.schedule import exchanged_head_groups, schedule_steps
+from hcp_compile.batch.layout import RankSizes, StepKind, step_kind, step_sources
+from hcp_compile.batch.schedule import exchanged_head_groups, schedule_steps
+from hcp_compile.kernels import KERNELS, BlockSpec
 
 from .host_measured import HostConstants, HostRecord
 from .records import HostCounts, PhaseTimes
@@ -18,18 +18,19 @@ from .records import HostCounts, PhaseTimes
 
 @functools.cache
 def kernel_calls(kernel: str, kind: StepKind | None) -> int:
-    """Kernel invocations of one block that has queries and keys: cuDNN's own rule
-    (:func:`cudnn.call_masks`) on a spec flagged as the schedule flags it (``kind`` None: the
-    local region, one segmentation for both sides; the own step causal with equal lengths; the
-    other steps not causal: ``hierarchical._local_spec``, ``_step_spec``); every other kernel
-    one call per block."""
-    if kernel != "cudnn":
+    """Kernel invocations of one block that has queries and keys: the kernel's own count
+    (its optional ``calls(spec)``, :class:`hcp_compile.kernels.contract.Kernel`) on a spec
+    flagged as the schedule flags it (``kind`` None: the local region, one segmentation for
+    both sides; the own step causal with equal lengths; the other steps not causal:
+    ``hierarchical._local_spec``, ``_step_spec``); one call for a kernel that has none."""
+    count = getattr(KERNELS.get(kernel), "calls", None)
+    if count is None:
         return 1
     cu = torch.zeros(2, dtype=torch.int32)
     diagonal = kind is StepKind.DIAGONAL
     spec = BlockSpec(cu, cu if kind is None else cu.clone(), 1, 1, kind is None or diagonal, 1.0, -1, -1,
                      equal_lengths=diagonal)
-    return len(cudnn.call_masks(spec))
+    return count(spec)
 
 
 def host_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int) -> HostCounts:

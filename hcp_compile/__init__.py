@@ -1,17 +1,17 @@
 """hcp_compile: hierarchical context parallelism (Ulysses all-to-all over heads, then a zigzag
 ring across groups) for packed variable-length (THD) attention."""
 
-from .backend import BackendOptions, backend
-from .context import CPOptions, context_parallel
-from .explain import Explanation, explain
-from .marking import AttentionMark, attention
-from .mesh import AgreementTimeout, make_mesh
-from .ops import varlen_attention
-from .packing import cu_seqlens_from_position_ids
-from .plan import ShardPlan, shard_plan
-from .prepared import PreparedBatch, prepare_batch
-from .validation import InputError
-from .hf import register_when_imported as _register_with_transformers
+from hcp_compile.batch.packing import cu_seqlens_from_position_ids
+from hcp_compile.batch.prepared import PreparedBatch, prepare_batch
+from hcp_compile.compiled.backend import BackendOptions, backend
+from hcp_compile.context import CPOptions, context_parallel
+from hcp_compile.exchange.mesh import AgreementTimeout, make_mesh
+from hcp_compile.explain import Explanation, explain
+from hcp_compile.hf import register_when_imported as _register_with_transformers
+from hcp_compile.marking import AttentionMark, attention
+from hcp_compile.ops import varlen_attention
+from hcp_compile.plan import ShardPlan, shard_plan
+from hcp_compile.validation import InputError
 
 _register_with_transformers()  # attn_implementation="hcp", without importing transformers
 

@@ -7,16 +7,14 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import validation
-from .batch_check import BatchCall, check
-from .hierarchical import HierarchicalAttention
-from .kernels import KERNEL_CHOICES, BlockRequest, new_cache_key, resolve_kernel
-from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
-from .placements import DEFAULT_PLACEMENT, check_placement
-from .prepared import MeshShape, PreparedBatch, host_values, planned_shape, prepare
-from .schedule import RingSchedule, ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
-from .schemes import DEFAULT_SCHEME, check_scheme
-from .validation import InputError
+from hcp_compile import validation
+from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, planned_shape, prepare
+from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
+from hcp_compile.exchange.mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
+from hcp_compile.hierarchical import HierarchicalAttention
+from hcp_compile.kernels import BlockRequest, new_cache_key, resolve_kernel
+from hcp_compile.options import AttentionOptions
+from hcp_compile.validation import BatchCall, InputError, check
 
 _ACTIVE: contextvars.ContextVar["ContextParallel | None"] = contextvars.ContextVar(
     "hcp_compile_context_parallel", default=None
@@ -24,53 +22,25 @@ _ACTIVE: contextvars.ContextVar["ContextParallel | None"] = contextvars.ContextV
 
 
 @dataclass(frozen=True)
-class CPOptions:
-    """Options of hierarchical CP attention.
+class CPOptions(AttentionOptions):
+    """Options of ``context_parallel``: those of :class:`AttentionOptions`, and
 
-    placement: the token layout rule, as given to ``shard_plan`` (``"balanced"``: short
-        documents whole on one rank, or ``"zigzag"``: every document round the ring).
-    kernel: ``"auto"`` (the fastest kernel measured on the device that supports the call,
-        kernels/measured.json; unmeasured devices: cudnn, else flash where it can run, else
-        the plain-PyTorch kernel), ``"dense"``, ``"cudnn"`` (where its package loads and it
-        passes its check on the device),
-        ``"flex"``, ``"flash"`` or ``"torch"``.
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
         outside it (costs one small device-to-host read per new ``cu_seqlens``).
-    agree_across_ranks: before the first collective of every call, all ranks agree that
-        every rank's input is valid and that all were given the same batch (one all-reduce
-        and a host read; on a process group with a CPU backend, e.g.
-        ``init_process_group("cpu:gloo,cuda:nccl")``, it does not wait for the GPU). Off:
-        checks stay local, which is cheaper, but one rank's bad input can leave the other
-        ranks waiting in a collective.
-    recompute_exchange: keep for the backward only what one GPU keeps (the q, k and v shards,
-        the output and the logsumexps) and exchange the exchange regions' q, KV and output
-        again in the backward, in the all-to-all that sends the gradient: a layer's saved
-        tensors per rank fall by the exchanged copies (about the size of its q, k, v and
-        output shards), for about twice the backward's all-to-all bytes (docs/design.md §4.1).
-    scheme: the collective scheme that moves KV between the ring ranks, a key of
-        ``hcp_compile.schemes.SCHEMES`` (``"ring"``: hops round the ring, each behind a step's
-        blocks; ``"allgather"``: one all-gather, for rings of short steps; docs/extending.md).
-    agreement_timeout_s: how long that agreement waits for the other ranks before it raises
-        :class:`hcp_compile.AgreementTimeout` (a rank that skipped the call, e.g. because it
-        caught an exception and went on, would leave the others waiting); None: the process
-        group's own timeout (``init_process_group(timeout=...)``).
+    agreement_timeout_s: how long the agreement before a call's first collective waits for
+        the other ranks before it raises :class:`hcp_compile.AgreementTimeout` (a rank that
+        skipped the call, e.g. because it caught an exception and went on, would leave the
+        others waiting); None: the process group's own timeout
+        (``init_process_group(timeout=...)``).
     """
 
-    placement: str = DEFAULT_PLACEMENT
-    kernel: str = "auto"
     skip_outside_window: bool = True
-    agree_across_ranks: bool = True
     agreement_timeout_s: float | None = None
-    recompute_exchange: bool = False
-    scheme: str = DEFAULT_SCHEME
 
     def __post_init__(self) -> None:
-        check_placement(self.placement)
-        check_scheme(self.scheme)
-        if self.kernel not in KERNEL_CHOICES:
-            raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
+        super().__post_init__()
         validation.check_timeout(self.agreement_timeout_s, "agreement_timeout_s")
-        validation.check_flags(self, ("skip_outside_window", "agree_across_ranks", "recompute_exchange"))
+        validation.check_flags(self, ("skip_outside_window",))
 
 
 def active_context() -> "ContextParallel | None":
@@ -154,7 +124,7 @@ class ContextParallel:
         return self._schedules[key]
 
     def _check_call(self, q, k, v, cu_q, cu_k, max_q, max_k, window, prepared: PreparedBatch) -> str:
-        """The rules of one call (validation.py, batch_check.py; no collective); returns the
+        """The rules of one call (validation.py; no collective); returns the
         kernel to run."""
         groups = self.groups
         validation.check_qkv(q, k, v)

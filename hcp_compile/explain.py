@@ -10,12 +10,12 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
-from .backend import default_mesh, parse_options, rewrite_config
-from .mesh import CPGroups, resolve_groups
-from .plan import ShardPlan
+from hcp_compile.compiled.backend import default_mesh, parse_options, rewrite_config
+from hcp_compile.exchange.mesh import CPGroups, resolve_groups
+from hcp_compile.plan import ShardPlan
 
 if TYPE_CHECKING:
-    from .passes.hierarchical_cp import GraphRecord
+    from hcp_compile.passes.hierarchical_cp import GraphRecord
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def explain(model: nn.Module, *args, plan: ShardPlan | None = None, **options) -
     with the ``plan`` that sharded them, the report also holds ``plan.summary()`` (tokens,
     pads, work, placements and bytes moved per rank; its heads and head size default to the
     model's first attention node)."""
-    from .passes.hierarchical_cp import HierarchicalCPPass  # see HcpBackend.__call__
+    from hcp_compile.passes.hierarchical_cp import HierarchicalCPPass  # see HcpBackend.__call__
 
     parsed = parse_options(options)
     groups: CPGroups = resolve_groups(parsed.mesh if parsed.mesh is not None else default_mesh())

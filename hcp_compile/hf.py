@@ -23,8 +23,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .ops import varlen_attention
-from .validation import InputError
+from hcp_compile.ops import varlen_attention
+from hcp_compile.validation import InputError
 
 ATTN_IMPLEMENTATION = "hcp"
 _PACKED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

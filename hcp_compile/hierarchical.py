@@ -2,7 +2,7 @@
 documents attend on the rank itself with all heads; the rest of its tokens go through the
 Ulysses exchange over heads, the ring steps over the ring sections, and the exchange back.
 What moves between ranks, and when, is the schedule's collective scheme
-(:mod:`hcp_compile.schemes`); this module decides what is computed and what overlaps what.
+(:mod:`hcp_compile.exchange.schemes`); this module decides what is computed and what overlaps what.
 Forward and backward are one autograd.Function, because autograd through an unrolled ring
 would drop the lse gradients."""
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .collectives import Issued
-from .kernels import BlockSpec, run_backward, run_forward
-from .layout import StepKind
-from .merge import accumulate, merge_partials
-from .mesh import CPGroups
-from .schedule import RingSchedule, RingStep, exchanged_head_groups, kv_head_repeat
-from .schemes import HeadExchange, KVRing, scheme_named
+from hcp_compile.batch.layout import StepKind
+from hcp_compile.batch.schedule import RingSchedule, RingStep, exchanged_head_groups, kv_head_repeat
+from hcp_compile.exchange.collectives import Issued
+from hcp_compile.exchange.mesh import CPGroups
+from hcp_compile.exchange.schemes import HeadExchange, KVRing, scheme_named
+from hcp_compile.kernels import BlockSpec, run_backward, run_forward
+from hcp_compile.kernels.merge import accumulate, merge_partials
 
 
 def _step_spec(step: RingStep, sched: RingSchedule) -> BlockSpec:

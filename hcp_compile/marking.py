@@ -15,8 +15,8 @@ from typing import TypeVar, overload
 
 from torch import nn
 
-from .kernels import KERNEL_CHOICES
-from .validation import InputError
+from hcp_compile.kernels import KERNEL_CHOICES
+from hcp_compile.validation import InputError
 
 _ATTRIBUTE = "_hcp_attention_mark"
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import validation
-from .batch_check import BatchCall, check
-from .context import active_context
-from .prepared import PreparedBatch, host_values
-from .kernels import KERNELS, BlockRequest, BlockSpec, KeysByValue, resolve_kernel
-from .precision import accumulate_dtype
+from hcp_compile import validation
+from hcp_compile.batch.prepared import PreparedBatch, host_values
+from hcp_compile.context import active_context
+from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, KeysByValue, resolve_kernel
+from hcp_compile.kernels.precision import accumulate_dtype
+from hcp_compile.validation import BatchCall, check
 
 
 @torch.library.custom_op("hcp::varlen_attention", mutates_args=())
@@ -145,7 +145,7 @@ def varlen_attention(
 
 
 def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
-    """Shapes, dtypes, then the batch rules of a single device (``batch_check.check`` on the
+    """Shapes, dtypes, then the batch rules of a single device (``validation.check`` on the
     mesh-less prepared batch): ``cu_seqlens`` against the token counts, ``max_seqlen`` against
     the longest document (the flash kernel sizes its grid by it). ``cu_seqlens`` is read on
     the host once per tensor version, so the layers of a model that share it wait only once."""

@@ -8,15 +8,17 @@ import torch
 from tabulate import tabulate
 from torch import Tensor
 
-from . import layout, validation
-from .collectives import gather_tokens
-from .layout import Kind
-from .mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
-from .placements import DEFAULT_PLACEMENT, check_placement
-from .prepared import MeshShape, PreparedBatch, adopt, host_values, prepare, record_plan
-from .schemes import DEFAULT_SCHEME
-from .schemes.traffic import CallShape, call_traffic
-from .validation import InputError
+from hcp_compile import validation
+
+from hcp_compile.batch import layout
+from hcp_compile.batch.layout import Kind
+from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement
+from hcp_compile.batch.prepared import MeshShape, PreparedBatch, adopt, host_values, prepare, record_plan
+from hcp_compile.exchange.collectives import gather_tokens
+from hcp_compile.exchange.mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME
+from hcp_compile.batch.traffic import CallShape, call_traffic
+from hcp_compile.validation import InputError
 
 PLACEMENT_NAMES = {Kind.LOCAL: "local", Kind.GROUP: "group", Kind.RING: "ring"}
 

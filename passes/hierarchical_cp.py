@@ -16,9 +16,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 import hcp_compile.marking as marking
 
-from . import report
-from .match import find_attention, find_unmarked
-from .rewrite import RewriteConfig, Rewritten, refuse_unmarked, rewrite_attention
+from hcp_compile.passes import report
+from hcp_compile.passes.match import find_attention, find_unmarked
+from hcp_compile.passes.rewrite import RewriteConfig, Rewritten, refuse_unmarked, rewrite_attention
 
 
 @dataclass

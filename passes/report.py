@@ -2,9 +2,9 @@
 which collectives the rewrite inserts and how many bytes they send per rank at most (when
 every local token goes through the exchange and round the ring; the batch's placement decides
 how many do, see ``ShardPlan.summary``). Counts and bytes are the collective scheme's own
-(``hcp_compile.schemes``), for a compiled graph, which has every ring step, unless it is built
+(``hcp_compile.exchange.schemes``), for a compiled graph, which has every ring step, unless it is built
 for batches without a ring section (one step) or without an exchange (no collective at all:
-``hcp_compile.graph_variants``)."""
+``hcp_compile.compiled.graph_variants``)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
-from hcp_compile.mesh import CPGroups
+from hcp_compile.batch.prepared import Exchanges
+from hcp_compile.exchange.mesh import CPGroups
+from hcp_compile.exchange.schemes import Traffic
+from hcp_compile.batch.traffic import CallShape, call_traffic, whole_exchange_sizes
 from hcp_compile.plan import format_bytes
-from hcp_compile.prepared import Exchanges
-from hcp_compile.schemes import Traffic
-from hcp_compile.schemes.traffic import CallShape, call_traffic, whole_exchange_sizes
 
-from .rewrite import Rewritten
+from hcp_compile.passes.rewrite import Rewritten
 
 HEADERS = (
     "module", "op", "heads q/kv", "head dim", "dtype", "ulysses x ring", "placement", "kernel",

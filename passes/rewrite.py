@@ -1,8 +1,8 @@
 """Replace matched attention nodes by the hierarchical CP subgraph, before AOTAutograd.
 
-Each match becomes one call of :func:`hcp_compile.compiled.hierarchical_varlen_attention`
+Each match becomes one call of :func:`hcp_compile.compiled.inserted.hierarchical_varlen_attention`
 (which AOTAutograd traces into all-to-all -> ring -> all-to-all functional collectives and the
-block kernels), preceded, once per ``cu_seqlens``, by :func:`hcp_compile.compiled.checked_layout`:
+block kernels), preceded, once per ``cu_seqlens``, by :func:`hcp_compile.compiled.inserted.checked_layout`:
 the check of the batch, its layout and the read of its sizes when the graph runs. Every output the graph
 used is rewired: the attention output and the logsumexp.
 """
@@ -17,17 +17,17 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 
-from hcp_compile.compiled import checked_layout, hierarchical_varlen_attention
+from hcp_compile.batch.prepared import Exchanges
+from hcp_compile.compiled.inserted import checked_layout, hierarchical_varlen_attention
+from hcp_compile.exchange.mesh import CPGroups
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 from hcp_compile.kernels import BlockRequest, resolve_kernel
 from hcp_compile.kernels.cost import size_hint
-from hcp_compile.mesh import CPGroups
-from hcp_compile.prepared import Exchanges
-from hcp_compile.schemes import DEFAULT_SCHEME
 from hcp_compile.validation import (
     InputError, check_cu_seqlens_dtype, check_head_split, check_qkv, check_same_token_counts,
 )
 
-from .match import AttentionMatch, UnsupportedAttention
+from hcp_compile.passes.match import AttentionMatch, UnsupportedAttention
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class RewriteConfig:
     agree_across_ranks: bool
     placement: str
     recompute_exchange: bool = False
-    scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.schemes.SCHEMES
-    graph_for: Exchanges = Exchanges.RING  # the batches the graph serves (hcp_compile.graph_variants)
+    scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.exchange.schemes.SCHEMES
+    graph_for: Exchanges = Exchanges.RING  # the batches the graph serves (hcp_compile.compiled.graph_variants)
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Rewritten:
     checked: bool  # this node carries the batch check and size read of its cu_seqlens
     placement: str
     scheme: str
-    graph_for: Exchanges  # the batches its graph serves (hcp_compile.graph_variants)
+    graph_for: Exchanges  # the batches its graph serves (hcp_compile.compiled.graph_variants)
 
 
 def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: RewriteConfig) -> list[Rewritten]:

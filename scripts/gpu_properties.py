@@ -24,7 +24,7 @@ Every case runs forward and backward (``dout`` random) through:
   "skipped"), and the public ``hcp_compile.varlen_attention`` (kernel "auto");
 - phases ``2x1``, ``1x2`` and ``2x2`` (ulysses x ring; 2, 2 and 4 processes sharing the one GPU
   over gloo): context parallelism with a kernel drawn among those that claim the case under
-  CP, for each placement of ``hcp_compile.placements.PLACEMENTS``, eagerly
+  CP, for each placement of ``hcp_compile.batch.placements.PLACEMENTS``, eagerly
   (``context_parallel``) and compiled (``torch.compile(backend=hcp_compile.backend(...))``,
   Inductor on CUDA; one compiled module per static configuration, the batch's sizes
   dynamic, so later batches of a configuration reuse its graph: configurations are drawn
@@ -101,10 +101,10 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import hcp_compile  # noqa: E402
-from hcp_compile.backend import INNER_COMPILERS  # noqa: E402
+from hcp_compile.batch.placements import PLACEMENTS  # noqa: E402
+from hcp_compile.batch.placements.balanced import DEFAULT_COST  # noqa: E402
+from hcp_compile.compiled.backend import INNER_COMPILERS  # noqa: E402
 from hcp_compile.kernels import KERNELS, BlockRequest, dense, flex_mask  # noqa: E402
-from hcp_compile.placements import PLACEMENTS  # noqa: E402
-from hcp_compile.placements.balanced import DEFAULT_COST  # noqa: E402
 from _common import DTYPES, GRADIENTS, PAD_FILL, PackedBatch, Result, free_port, under_torchrun  # noqa: E402
 
 # phase -> (ulysses, ring); "single" runs the kernels on one device, the others CP

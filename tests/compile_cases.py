@@ -30,15 +30,15 @@ from torch import Tensor, fx, nn
 from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
 import hcp_compile as hc
-from hcp_compile.layout import Assignment, Kind
-from hcp_compile.placements import PLACEMENTS
+from hcp_compile.batch.layout import Assignment, Kind
+from hcp_compile.batch.placements import PLACEMENTS
 from cp_cases import (
     AttentionCase, World, cu_seqlens, saved_besides, saved_for_backward, seeded,
     shard_with_garbage_pads,
 )
 from distributed import WORLD_DIR_ENV
 
-BACKEND_MODULE = importlib.import_module("hcp_compile.backend")  # hc.backend is the function
+BACKEND_MODULE = importlib.import_module("hcp_compile.compiled.backend")  # hc.backend is the function
 
 COMPILE_MESHES = ((2, 2), (1, 4), (4, 1))  # (ulysses, ring)
 RECOMPUTE_MESHES = ((2, 2), (1, 4))  # the meshes whose compiled attention cases include recompute_exchange
@@ -63,7 +63,7 @@ COMPILE_DOCS = {
     "one-50": (50,),
     "three": (7, 13, 1),
     # every document LOCAL on the 2 x 2 and 1 x 4 meshes: nothing exchanged, so the compiled
-    # attention runs the graph built without collectives (hcp_compile.graph_variants)
+    # attention runs the graph built without collectives (hcp_compile.compiled.graph_variants)
     "no-ring": (2,) * 32,
 }
 
@@ -552,7 +552,7 @@ class ModelStreamCase(ModelCase):
     """One compiled model (``dynamic=None``) through batches that exchange keys round the
     ring and nothing: the second batch recompiles with dynamic sizes, and the graph for
     batches that exchange nothing is compiled on its first use, a call after Dynamo's compile
-    has returned (hcp_compile.graph_variants); the blocks size their views by the token count
+    has returned (hcp_compile.compiled.graph_variants); the blocks size their views by the token count
     (:class:`ShapedBlock`), which relates the attention's output to the input's sizes. Each
     batch's output and input gradient, and every warning the run gave."""
 
@@ -672,14 +672,14 @@ class TwoKinds(nn.Module):
 @contextlib.contextmanager
 def counting_runs() -> Iterator[dict[str, int]]:
     """Counts the calls of what running the model would call: the functions of
-    ``hcp_compile.compiled`` that the rewrite puts into graphs (they issue every collective)
+    ``hcp_compile.compiled.inserted`` that the rewrite puts into graphs (they issue every collective)
     and the plain kernel, which the attention ops run on real tensors. ``explain`` must call
     none of them."""
     from hcp_compile.kernels import torch_kernel
     from hcp_compile.passes import rewrite
 
     inserted = [name for name, value in vars(rewrite).items()
-                if callable(value) and getattr(value, "__module__", None) == "hcp_compile.compiled"]
+                if callable(value) and getattr(value, "__module__", None) == "hcp_compile.compiled.inserted"]
     targets = [(rewrite, name) for name in inserted] + [(torch_kernel.TorchKernel, "forward")]
     counts = {}
     with contextlib.ExitStack() as patches:

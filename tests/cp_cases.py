@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import hcp_compile as hc
-from hcp_compile import layout
+from hcp_compile.batch import layout
 from hcp_compile.kernels import torch_kernel
 from traffic import CollectiveTraffic
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import hcp_advise as advise
-from hcp_compile import layout
+from hcp_compile.batch import layout
 from hcp_advise import HopTimes, Links, Option
+from hcp_compile.batch.packing import log_uniform_lengths
+from hcp_compile.batch.placements import placement_rule
+from hcp_compile.batch.prepared import prepare_batch
+from hcp_compile.batch.traffic import CallShape
 from hcp_compile.kernels import measured
-from hcp_compile.packing import log_uniform_lengths
-from hcp_compile.placements import placement_rule
-from hcp_compile.prepared import prepare_batch
-from hcp_compile.schemes.traffic import CallShape
 from hcp_compile.validation import InputError
 
 MEASURED = json.loads(measured.MEASURED_FILE.read_text())
@@ -426,7 +426,7 @@ def test_command_errors_name_the_argument():
 def test_the_runtime_never_imports_the_advisor():
     """The advisor is a tool beside the runtime: importing the library, its backend and its
     passes loads no module of ``hcp_advise``."""
-    script = ("import sys, hcp_compile, hcp_compile.backend, hcp_compile.passes.hierarchical_cp\n"
+    script = ("import sys, hcp_compile, hcp_compile.compiled.backend, hcp_compile.passes.hierarchical_cp\n"
               "print(sorted(m for m in sys.modules if m.split('.')[0] == 'hcp_advise'))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -32,8 +32,8 @@ from compile_cases import (
     model_cases, model_stream_cases, table_counts, text_collectives, torch_varlen_cases,
 )
 from cp_cases import cu_seqlens, mesh_id
+from hcp_compile.batch.schedule import HEAD_GROUPS, head_groups, rank_kv_heads
 from hcp_compile.passes.match import UnsupportedAttention
-from hcp_compile.schedule import HEAD_GROUPS, head_groups, rank_kv_heads
 
 # compiled vs eager CP: the same kernels and collectives, equal up to rounding
 # (checks.assert_rounding_close): Inductor's decompositions (also under aot_eager, in the

@@ -19,8 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import hcp_compile  # noqa: F401  (registers the ops)
 from hcp_compile.kernels import BlockSpec, run_backward, run_forward
-from hcp_compile.kernels.cost import estimate_block_runtime_ms
 from hcp_compile.kernels import measured
+from hcp_compile.kernels.cost import estimate_block_runtime_ms
 from hcp_compile.kernels.measured import throughput
 from cp_cases import cu_seqlens, seeded
 

@@ -19,8 +19,8 @@ from checks import assert_matches, expected_for, local_rows
 from cp_cases import AttentionCase, World, cu_seqlens, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, new_cache_key, resolve_kernel, \
     run_backward, run_forward
+from hcp_compile.batch.prepared import host_values
 from hcp_compile.kernels.cudnn import block_calls
-from hcp_compile.prepared import host_values
 from test_dense_kernel import check_second_halves
 
 HAS_FRONTEND = cudnn.frontend()[0] is not None

@@ -16,7 +16,7 @@ from attention_reference import reference_with_grads
 from checks import assert_matches, nan_filled_results
 from cp_cases import HEAD_DIM, cu_seqlens, seeded
 from hcp_compile.kernels import BlockSpec, dense, run_backward, run_forward
-from hcp_compile.merge import merge_partials
+from hcp_compile.kernels.merge import merge_partials
 
 
 def contract_mask(cu_q: list[int], cu_k: list[int], causal: bool) -> torch.Tensor:

@@ -10,9 +10,9 @@ import hcp_compile as hc
 from attention_reference import reference_with_grads
 from checks import assert_matches, expected_for, nan_filled_results
 from cp_cases import AttentionCase, cu_seqlens, seeded
-from hcp_compile.merge import merge_partials
 from hcp_compile.kernels import KERNELS, BlockRequest, measured, BlockSpec, new_cache_key, resolve_kernel, run_backward, run_forward
 from hcp_compile.kernels import dense, flex
+from hcp_compile.kernels.merge import merge_partials
 from test_dense_kernel import check_second_halves
 from test_kernels import split_keys
 

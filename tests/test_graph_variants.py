@@ -1,5 +1,5 @@
 """The choice between a compiled graph and its narrower variants
-(``hcp_compile.graph_variants``), with stand-in graphs: which one each batch runs, each
+(``hcp_compile.compiled.graph_variants``), with stand-in graphs: which one each batch runs, each
 narrower graph compiled once and on first use, and a broader graph kept for the batches whose
 graph cannot be used. The graphs themselves run in tests/test_compile.py (gqa-graph-variants)."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import fx
 
-from hcp_compile import layout
-from hcp_compile.graph_variants import GraphVariants, cu_seqlens_inputs, graph_copy
-from hcp_compile.layout import Kind
-from hcp_compile.placements import placement_rule
-from hcp_compile.prepared import Exchanges, MeshShape
+from hcp_compile.batch import layout
+from hcp_compile.batch.layout import Kind
+from hcp_compile.batch.placements import placement_rule
+from hcp_compile.batch.prepared import Exchanges, MeshShape
+from hcp_compile.compiled.graph_variants import GraphVariants, cu_seqlens_inputs, graph_copy
 
 MESH = MeshShape(ulysses=2, ring=2, placement="balanced")
 NOTHING = (2,) * 32  # every document whole on its rank (balanced, 2 x 2)

@@ -29,8 +29,8 @@ from compile_cases import (
     CompiledAttentionCase, TorchVarlenCase, capture_aot_graphs, split_forward_backward,
 )
 from cp_cases import AttentionCase, World, mesh_id
-from hcp_compile import schedule
-from hcp_compile.schedule import HEAD_GROUPS, head_groups, kv_head_repeat, rank_kv_heads
+from hcp_compile.batch import schedule
+from hcp_compile.batch.schedule import HEAD_GROUPS, head_groups, kv_head_repeat, rank_kv_heads
 
 MESHES = ((2, 1), (2, 2))  # (ulysses, ring)
 SUITE = "test_head_groups:suite"

@@ -14,9 +14,10 @@ import hcp_advise as advise
 import hcp_compile as hc
 from hcp_advise import HostCounts, PhaseTimes, cu_seqlens_of, host_counts, host_measured, rank_sizes
 from hcp_advise.host_measured import HostConstants, HostRecord
-from hcp_compile import InputError, hierarchical, layout
+from hcp_compile import InputError, hierarchical
+from hcp_compile.batch import layout
+from hcp_compile.batch.placements import placement_rule
 from hcp_compile.kernels import KERNELS, cudnn
-from hcp_compile.placements import placement_rule
 
 from benchmarks import host_times
 

@@ -19,7 +19,7 @@ from attention_reference import document_mask, reference_with_grads
 from checks import assert_matches, expected_for, nan_filled_results
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded, World
 from hcp_compile.hierarchical import _join_regions, _split_regions
-from hcp_compile.merge import merge_partials
+from hcp_compile.kernels.merge import merge_partials
 from hcp_compile.kernels import (
     KERNELS, BlockRequest, BlockSpec, cudnn, dense, flex, flex_mask, measured, resolve_kernel, run_backward,
     run_forward,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"hcp_compile": ROOT / "hcp_compile", "hcp_compile.passes": ROOT / "passes"}
-ABOVE_THE_PASSES = {"hcp_compile", "hcp_compile.backend", "hcp_compile.explain"}
+ABOVE_THE_PASSES = {"hcp_compile", "hcp_compile.compiled.backend", "hcp_compile.explain"}
 
 
 def module_files() -> dict[str, Path]:
@@ -65,9 +65,10 @@ def reaches(edges: dict[str, set[str]], start: str, goal: str) -> bool:
 
 def test_merge_does_not_import_the_kernels():
     edges = graph()
-    kernels = {name for name in edges if name.startswith("hcp_compile.kernels")}
-    assert not edges["hcp_compile.merge"] & kernels, edges["hcp_compile.merge"]
-    assert not any(reaches(edges, "hcp_compile.merge", k) for k in kernels)
+    beside = {"hcp_compile.kernels.merge", "hcp_compile.kernels.precision"}
+    kernels = {name for name in edges if name.startswith("hcp_compile.kernels")} - beside
+    assert not edges["hcp_compile.kernels.merge"] & kernels, edges["hcp_compile.kernels.merge"]
+    assert not any(reaches(edges, "hcp_compile.kernels.merge", k) for k in kernels)
 
 
 def test_passes_import_only_layers_below_them():
@@ -79,5 +80,30 @@ def test_passes_import_only_layers_below_them():
 def test_the_schemes_are_below_the_algorithm():
     """A scheme is a way to move data: it imports nothing of the attention that runs it."""
     edges = graph()
-    for name in [n for n in edges if n.startswith("hcp_compile.schemes")]:
+    for name in [n for n in edges if n.startswith("hcp_compile.exchange.schemes")]:
         assert not reaches(edges, name, "hcp_compile.hierarchical"), name
+
+
+# each folder of the runtime and what it may import (docs/extending.md, "The tree"): the
+# kernels stand alone, the exchange runs on them, the host's batch work reads the schemes'
+# registry and the kernels' cache keys; none imports the doors above them
+LAYERS = {
+    "hcp_compile.kernels": ("hcp_compile.kernels", "hcp_compile.validation"),
+    "hcp_compile.exchange": ("hcp_compile.exchange", "hcp_compile.kernels", "hcp_compile.validation"),
+    "hcp_compile.batch": ("hcp_compile.batch", "hcp_compile.exchange", "hcp_compile.kernels",
+                          "hcp_compile.validation"),
+}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_each_folder_imports_only_the_layers_below_it():
+    edges = graph()
+    assert all(any(_within(name, folder) for name in edges) for folder in LAYERS)  # the folders exist
+    for name, targets in edges.items():
+        for folder, allowed in LAYERS.items():
+            if _within(name, folder):
+                wrong = {t for t in targets if not any(_within(t, a) for a in allowed)}
+                assert not wrong, f"{name} imports {sorted(wrong)}, above its layer"

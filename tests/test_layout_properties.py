@@ -1,5 +1,5 @@
 """Property tests of the token layout and the placement rules (docs/design.md §2), driving
-``hcp_compile.layout`` directly for every rank of a mesh in one process, and what the
+``hcp_compile.batch.layout`` directly for every rank of a mesh in one process, and what the
 balanced rule promises through ``shard_plan`` on meshes up to 8 x 8 of torch's fake process
 group (no collective runs, so one process stands for every rank)."""
 
@@ -19,8 +19,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hcp_compile as hc
 from cp_cases import cu_seqlens
-from hcp_compile import layout, schedule
-from hcp_compile.placements import PLACEMENTS
+from hcp_compile.batch import layout, schedule
+from hcp_compile.batch.placements import PLACEMENTS
 
 SETTINGS = settings(max_examples=40, deadline=None)
 lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=10).map(tuple)

@@ -1,4 +1,4 @@
-"""hcp_compile/merge.py: the ring's merge of partial softmax results and the fp32 sums, against
+"""hcp_compile/kernels/merge.py: the ring's merge of partial softmax results and the fp32 sums, against
 a float64 reference computed from first principles (the merged lse a logsumexp of the two, the
 weights exp(lse_i - lse)), with rows unseen on one side, on both sides, no rows at all, head
 dims 8/64/80/128, 1 and 3 heads, bf16 and fp32 outputs:
@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hcp_compile import merge
-from hcp_compile.merge import accumulate, merge_partials, merge_partials_torch
+from hcp_compile.kernels import merge
+from hcp_compile.kernels.merge import accumulate, merge_partials, merge_partials_torch
 
 INF = float("inf")
 HEAD_DIMS = (8, 64, 80, 128)
@@ -253,15 +253,16 @@ def interpreter_checks() -> None:
     print("interpreter checks passed")
 
 
-# The subprocess loads hcp_compile/merge.py (and precision.py, all it imports from the package)
-# without running the package's __init__, which imports Dynamo: seconds saved.
+# The subprocess loads hcp_compile/kernels/merge.py (and precision.py, all it imports from the package)
+# without running the packages' __init__ files, which import Dynamo: seconds saved.
 INTERPRETER_MAIN = """
 import sys, types
 from pathlib import Path
 root = Path.cwd().parent / "hcp_compile"
-package = types.ModuleType("hcp_compile")
-package.__path__ = [str(root)]
-sys.modules["hcp_compile"] = package
+for name, folder in (("hcp_compile", root), ("hcp_compile.kernels", root / "kernels")):
+    package = types.ModuleType(name)
+    package.__path__ = [str(folder)]
+    sys.modules[name] = package
 import test_merge
 test_merge.interpreter_checks()
 """

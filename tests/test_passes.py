@@ -33,19 +33,19 @@ from attention_reference import reference_attention, reference_with_grads
 from checks import assert_matches
 from compile_cases import counting_runs
 from cp_cases import HEAD_DIM, MESHES, cu_seqlens, mesh_id, scheme_cases, seeded
-from hcp_compile.compiled import checked_layout, hierarchical_varlen_attention
+from hcp_compile.compiled.inserted import checked_layout, hierarchical_varlen_attention
+from hcp_compile.exchange.mesh import CPGroups, resolve_groups
+from hcp_compile.exchange.schemes import SCHEMES
 from hcp_compile.marking import AttentionMark
-from hcp_compile.mesh import CPGroups, resolve_groups
 from hcp_compile.passes import report
-from hcp_compile.plan import format_bytes
-from hcp_compile.schemes import SCHEMES
 from hcp_compile.passes.hierarchical_cp import HierarchicalCPPass
+from hcp_compile.plan import format_bytes
 from hcp_compile.passes.match import (
     AttentionCall, AttentionMatch, UnsupportedAttention, find_attention, readable_module_path,
 )
 from hcp_compile.passes.rewrite import RewriteConfig, rewrite_attention
 
-BACKEND_MODULE = importlib.import_module("hcp_compile.backend")  # hc.backend is the function
+BACKEND_MODULE = importlib.import_module("hcp_compile.compiled.backend")  # hc.backend is the function
 DUMP_FILES = {"before_rewrite.py", "after_rewrite.py", "aot_forward.py", "aot_backward.py", "matches.md"}
 
 

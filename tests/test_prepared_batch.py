@@ -26,9 +26,10 @@ from attention_reference import reference_with_grads
 from checks import assert_matches, assert_raised, local_rows
 from compile_cases import VarlenAttention, fresh_dynamo
 from cp_cases import World, cu_seqlens, seeded
-from hcp_compile import batch_check, layout, pickling, prepared, schedule, validation
-from hcp_compile.placements import PLACEMENTS
-from hcp_compile.prepared import BatchValues, MeshShape, PreparedBatch, prepare_batch
+from hcp_compile import validation
+from hcp_compile.batch import layout, pickling, prepared, schedule
+from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch, prepare_batch
 
 MESH = (2, 2)  # (ulysses, ring)
 SUITE = "test_prepared_batch:suite"
@@ -183,7 +184,7 @@ def test_batch_prepared_for_another_placement_is_refused_naming_it(world):
 
 FINGERPRINT_CODE = """
 import torch
-from hcp_compile.prepared import BatchValues, MeshShape, PreparedBatch
+from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch
 values = BatchValues.of(torch.tensor({cu}))
 print(PreparedBatch(values, MeshShape(2, 2, "balanced")).fingerprint(True))
 """
@@ -215,17 +216,17 @@ def test_fingerprint_is_the_same_in_another_process():
 def test_check_flags_exactly_the_broken_rules():
     batch = prepare_batch(cu_seqlens(DOCS), ulysses=2, ring=1, rank=0)
     others = BatchValues.of(cu_seqlens(tuple(reversed(DOCS))).long())
-    call = batch_check.BatchCall(
+    call = validation.BatchCall(
         {"q": 10**6, "k": 10**6, "v": 10**6}, {"max_seqlen_q": max(DOCS) - 1, "max_seqlen_k": max(DOCS)},
         keys=others, rank=(0, 1), planned=MeshShape(2, 1, "zigzag"),
     )
-    failures = batch_check.check(batch, call)
+    failures = validation.check(batch, call)
     # BATCH_RULES: starts at 0, non-decreasing, shard tokens, same documents, max_seqlen, planned
-    assert batch_check.flags(failures) == [False, False, True, True, True, True]
+    assert validation.flags(failures) == [False, False, True, True, True, True]
     assert [f.message.split(":")[0] for f in failures] == [
         "cu_seqlens_k", "max_seqlen_q", "cu_seqlens", "q", "k", "v"]
-    fine = batch_check.BatchCall({n: sum(DOCS) for n in "qkv"}, {"max_seqlen_q": max(DOCS), "max_seqlen_k": max(DOCS)})
-    assert batch_check.check(prepared.prepare(batch.batch, None), fine) == ()  # a single device
+    fine = validation.BatchCall({n: sum(DOCS) for n in "qkv"}, {"max_seqlen_q": max(DOCS), "max_seqlen_k": max(DOCS)})
+    assert validation.check(prepared.prepare(batch.batch, None), fine) == ()  # a single device
 
 
 def test_pickled_batch_holds_what_the_host_derives():
@@ -247,9 +248,9 @@ def test_pickled_batch_holds_what_the_host_derives():
 def test_compiled_check_keeps_each_calls_own_verdict():
     """``hcp::batch_layout`` keeps its result per call: the same batch with other token counts,
     or after ``shard_plan`` laid its values out for another mesh shape, gets the verdict that
-    ``batch_check`` gives that call, not the one kept for the first."""
-    import hcp_compile.compiled  # noqa: F401 -- registers hcp::batch_layout
-    from hcp_compile.schemes import DEFAULT_SCHEME
+    ``validation.check`` gives that call, not the one kept for the first."""
+    import hcp_compile.compiled.inserted  # noqa: F401 -- registers hcp::batch_layout
+    from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 
     cu = cu_seqlens(DOCS)
     batch = prepared.prepare(prepared.host_values(cu), MeshShape(2, 2, "balanced"))
@@ -262,9 +263,9 @@ def test_compiled_check_keeps_each_calls_own_verdict():
         return [bool(flag) for flag in on_host[:rules].tolist()]
 
     def expected(count: int) -> list[bool]:
-        call = batch_check.BatchCall({n: count for n in "qkv"}, {"max_seqlen_q": max(DOCS), "max_seqlen_k": max(DOCS)},
+        call = validation.BatchCall({n: count for n in "qkv"}, {"max_seqlen_q": max(DOCS), "max_seqlen_k": max(DOCS)},
                                      rank=(1, 1), planned=prepared.planned_shape(batch.batch))
-        return batch_check.flags(batch_check.check(batch, call))
+        return validation.flags(validation.check(batch, call))
 
     assert verdict(tokens) == expected(tokens) and not any(expected(tokens))
     assert verdict(tokens + 1) == expected(tokens + 1) and any(expected(tokens + 1))

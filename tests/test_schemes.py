@@ -1,6 +1,6 @@
 """Collective schemes (hcp_compile/schemes, docs/extending.md "A collective scheme"): eager CP
 under each scheme equals the float64 single-device reference (output and q/k/v gradients,
-pads exactly zero), and what each scheme says it sends (``schemes.traffic.call_traffic``,
+pads exactly zero), and what each scheme says it sends (``batch.traffic.call_traffic``,
 collectives and bytes per group, forward and backward) is what the collectives were measured
 sending (tests/traffic.py) on every rank of every mesh."""
 
@@ -12,11 +12,11 @@ import torch
 from checks import assert_matches, expected_for, local_rows
 from cp_cases import MESHES, cu_seqlens, mesh_id, scheme_cases
 import hcp_advise as advise
-from hcp_compile import layout
-from hcp_compile.placements import placement_rule
+from hcp_compile.batch import layout
+from hcp_compile.batch.placements import placement_rule
+from hcp_compile.exchange.schemes import SCHEMES
+from hcp_compile.batch.traffic import CallShape, call_traffic
 from hcp_compile.plan import format_bytes
-from hcp_compile.schemes import SCHEMES
-from hcp_compile.schemes.traffic import CallShape, call_traffic
 
 CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
          for mesh in MESHES for case in scheme_cases()]

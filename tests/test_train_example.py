@@ -22,7 +22,7 @@ import hcp_compile as hc
 from checks import assert_matches
 from cp_cases import World
 from distributed import WORLD_DIR_ENV
-from hcp_compile.mesh import resolve_groups
+from hcp_compile.exchange.mesh import resolve_groups
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_packed.py"
 SMALL = ["--layers", "1", "--tokens", "160", "--min-doc", "8", "--max-doc", "60"]

@@ -24,15 +24,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..precision import accumulate_dtype
-from ..validation import InputError
-from .contract import BlockRequest, BlockSpec, BoundedCache, Kernel, KeysByValue, new_cache_key
-from .cudnn import CudnnKernel
-from .dense import DenseKernel
-from .flash import FlashKernel
-from .flex import FlexKernel
-from .measured import composition, device_kind, fastest
-from .torch_kernel import TorchKernel
+from hcp_compile.kernels.contract import BlockRequest, BlockSpec, BoundedCache, Kernel, KeysByValue, new_cache_key
+from hcp_compile.kernels.cudnn import CudnnKernel
+from hcp_compile.kernels.dense import DenseKernel
+from hcp_compile.kernels.flash import FlashKernel
+from hcp_compile.kernels.flex import FlexKernel
+from hcp_compile.kernels.measured import composition, device_kind, fastest
+from hcp_compile.kernels.precision import accumulate_dtype
+from hcp_compile.kernels.torch_kernel import TorchKernel
+from hcp_compile.validation import InputError
 
 KERNELS: dict[str, Kernel] = {
     k.name: k for k in (TorchKernel(), FlashKernel(), FlexKernel(), DenseKernel(), CudnnKernel())
@@ -136,4 +136,4 @@ def _(dout, q, k, v, out, lse, *spec_and_kernel):
     )
 
 
-from . import cost  # noqa: E402,F401  (registers the ops' FLOP formulas)
+from hcp_compile.kernels import cost  # noqa: E402,F401  (registers the ops' FLOP formulas)

@@ -239,7 +239,10 @@ class Kernel(Protocol):
     ``out``/``lse`` may be the merge of several blocks (the ring backward passes the merged
     ones): the result is then this block's exact share of the merged attention's gradient;
     rows with ``lse = -inf`` get none. Hkv may divide Hq (GQA): kernels take the KV heads as
-    they are, without repeating them."""
+    they are, without repeating them.
+
+    Optional: ``calls(spec) -> int``, how many kernel invocations a block with queries and keys
+    costs where that is more than one (the advisor's host part counts them; ``hcp_advise``)."""
 
     name: str
     # whether it can mask a window by positions inside the document (a ring step under a

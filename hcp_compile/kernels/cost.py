@@ -13,8 +13,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import register_flop_formula
 
-from .contract import BlockSpec
-from .measured import device_kind, throughput
+from hcp_compile.kernels.contract import BlockSpec
+from hcp_compile.kernels.measured import device_kind, throughput
 
 
 def block_flops(

@@ -85,8 +85,8 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..merge import accumulate, merge_partials
-from .contract import HOST_READS, BlockRequest, BlockSpec, SpecCache, new_cache_key
+from hcp_compile.kernels.contract import HOST_READS, BlockRequest, BlockSpec, SpecCache, new_cache_key
+from hcp_compile.kernels.merge import accumulate, merge_partials
 
 # the name nvidia-cudnn-frontend installs its module under
 FRONTEND_MODULE = "cudnn"
@@ -469,7 +469,7 @@ CHECK_TOLERANCE = 2e-2
 
 
 def _largest_error_against_torch(device: torch.device) -> float:
-    from .torch_kernel import TorchKernel  # the reference kernel, imported only for the check
+    from hcp_compile.kernels.torch_kernel import TorchKernel  # the reference kernel, imported only for the check
 
     lengths = (1, 200, 57)
     generator = torch.Generator().manual_seed(0)
@@ -490,6 +490,9 @@ def _largest_error_against_torch(device: torch.device) -> float:
 class CudnnKernel:
     name = "cudnn"
     masks_by_position = False
+
+    def calls(self, spec: BlockSpec) -> int:
+        return len(call_masks(spec))
 
     def supports(self, request: BlockRequest) -> str | None:
         _, missing = frontend()

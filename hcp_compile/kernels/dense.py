@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..merge import accumulate, merge_partials
-from ..precision import accumulate_dtype
-from .contract import BlockRequest, BlockSpec, SpecCache
-from .flash import FlashKernel
-from .torch_kernel import TorchKernel
+from hcp_compile.kernels.contract import BlockRequest, BlockSpec, SpecCache
+from hcp_compile.kernels.flash import FlashKernel
+from hcp_compile.kernels.merge import accumulate, merge_partials
+from hcp_compile.kernels.precision import accumulate_dtype
+from hcp_compile.kernels.torch_kernel import TorchKernel
 
 # a segment with fewer query or key rows runs in the varlen kernel: a dense call has a fixed
 # cost, and short segments are many (docs/design.md §8.6)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..validation import InputError
-from .contract import BlockRequest, BlockSpec
+from hcp_compile.kernels.contract import BlockRequest, BlockSpec
+from hcp_compile.validation import InputError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -45,9 +45,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import flex_attention as flex_module
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, flex_attention
 
-from ..precision import accumulate_dtype
-from .contract import BlockRequest, BlockSpec
-from .flex_mask import BLOCK_SIZE, DocumentMask, document_mask, mask_function
+from hcp_compile.kernels.contract import BlockRequest, BlockSpec
+from hcp_compile.kernels.flex_mask import BLOCK_SIZE, DocumentMask, document_mask, mask_function
+from hcp_compile.kernels.precision import accumulate_dtype
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # torch.compile backend per device type; other devices run flex uncompiled (tests set "cpu" to

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from .contract import BlockSpec, SpecCache
+from hcp_compile.kernels.contract import BlockSpec, SpecCache
 
 # the rows of a mask block: what flex's GPU kernels are tiled for
 BLOCK_SIZE = 128

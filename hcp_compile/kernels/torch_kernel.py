@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..precision import accumulate_dtype
-from .contract import BlockRequest, BlockSpec
+from hcp_compile.kernels.contract import BlockRequest, BlockSpec
+from hcp_compile.kernels.precision import accumulate_dtype
 
 QUERY_BLOCK = 1024
 

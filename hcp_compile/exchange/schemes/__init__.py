@@ -4,11 +4,11 @@ in :data:`SCHEMES`. The ``scheme`` option of ``context_parallel`` and of the ``h
 
 from __future__ import annotations
 
-from ..validation import InputError
-from .allgather import AllGatherKV
-from .protocol import CollectiveScheme, GroupShape, GroupTraffic, HeadExchange, KVRing, Traffic
-from .ring import ZigzagRing
-from .ulysses import AllToAllHeads
+from hcp_compile.exchange.schemes.allgather import AllGatherKV
+from hcp_compile.exchange.schemes.protocol import CollectiveScheme, GroupShape, GroupTraffic, HeadExchange, KVRing, Traffic
+from hcp_compile.exchange.schemes.ring import ZigzagRing
+from hcp_compile.exchange.schemes.ulysses import AllToAllHeads
+from hcp_compile.validation import InputError
 
 SCHEMES: dict[str, CollectiveScheme] = {
     "ring": CollectiveScheme("ring", AllToAllHeads(), ZigzagRing()),

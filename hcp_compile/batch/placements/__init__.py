@@ -5,10 +5,10 @@ registered here."""
 
 from __future__ import annotations
 
-from ..layout import PlacementRule
-from ..validation import InputError
-from .balanced import balanced
-from .zigzag import zigzag
+from hcp_compile.batch.layout import PlacementRule
+from hcp_compile.batch.placements.balanced import balanced
+from hcp_compile.batch.placements.zigzag import zigzag
+from hcp_compile.validation import InputError
 
 PLACEMENTS: dict[str, PlacementRule] = {"balanced": balanced, "zigzag": zigzag}
 DEFAULT_PLACEMENT = "balanced"

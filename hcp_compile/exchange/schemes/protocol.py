@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..collectives import Issued
-from ..mesh import CPGroups
+from hcp_compile.exchange.collectives import Issued
+from hcp_compile.exchange.mesh import CPGroups
 
 
 @dataclass(frozen=True)

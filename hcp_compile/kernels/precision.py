@@ -1,6 +1,6 @@
 """The precision of lse and of every accumulation (the ring merge, dq and the dKV sums).
 
-It sits below both the kernels and :mod:`hcp_compile.merge`, which each need it, so that
+It sits below both the kernels and :mod:`hcp_compile.kernels.merge`, which each need it, so that
 neither imports the other's package for it."""
 
 import torch

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import RankSizes
-from ..precision import accumulate_dtype
-from ..schedule import exchanged_head_groups, kv_head_repeat, schedule_steps
-from . import scheme_named
-from .protocol import GroupShape, GroupTraffic, Traffic
+from hcp_compile.batch.layout import RankSizes
+from hcp_compile.batch.schedule import exchanged_head_groups, kv_head_repeat, schedule_steps
+from hcp_compile.exchange.schemes import scheme_named
+from hcp_compile.exchange.schemes.protocol import GroupShape, GroupTraffic, Traffic
+from hcp_compile.kernels.precision import accumulate_dtype
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def call_traffic(scheme: str, sizes: RankSizes, call: CallShape, ulysses: int, r
     """The collectives and bytes of one forward and backward on the rank with ``sizes``, under
     the collective scheme named ``scheme``; ``steps``: the ring steps (default: as an eager
     schedule of ``sizes`` has them; a compiled graph has ``ring`` unless it is built for batches
-    without a ring section: hcp_compile.graph_variants). No head group, and nothing sent, where
+    without a ring section: hcp_compile.compiled.graph_variants). No head group, and nothing sent, where
     nothing is exchanged (:func:`schedule.exchanged_head_groups`)."""
     repeat = kv_head_repeat(call.heads_kv, ulysses)
     steps = schedule_steps(sizes, ring) if steps is None else steps

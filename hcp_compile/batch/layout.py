@@ -1,7 +1,7 @@
 """Token layout of hierarchical context parallelism: pure tensor math, no collectives
 (docs/design.md §2).
 
-A placement rule (:mod:`hcp_compile.placements`) gives every document one of three
+A placement rule (:mod:`hcp_compile.batch.placements`) gives every document one of three
 placements; everything else follows from that here:
 
 - ``LOCAL``: the whole document on one rank, all heads: no exchange, no ring transfer;

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..layout import Assignment, Kind
+from hcp_compile.batch.layout import Assignment, Kind
 
 
 @dataclass(frozen=True)

@@ -15,18 +15,16 @@ import torch.distributed as dist
 from torch import fx
 from torch._guards import TracingContext, tracing
 
-from .graph_variants import GraphVariants, cu_seqlens_inputs, graph_copy
-from .kernels import KERNEL_CHOICES
-from .kernels.cost import estimate_block_runtime_ms
-from .mesh import CPGroups, MeshLike, make_mesh, resolve_groups
-from .placements import DEFAULT_PLACEMENT, check_placement
-from .prepared import Exchanges, MeshShape
-from .schemes import DEFAULT_SCHEME, check_scheme
-from .validation import InputError, check_flags
+from hcp_compile.batch.prepared import Exchanges, MeshShape
+from hcp_compile.compiled.graph_variants import GraphVariants, cu_seqlens_inputs, graph_copy
+from hcp_compile.exchange.mesh import CPGroups, MeshLike, make_mesh, resolve_groups
+from hcp_compile.kernels.cost import estimate_block_runtime_ms
+from hcp_compile.options import AttentionOptions
+from hcp_compile.validation import InputError
 
 if TYPE_CHECKING:
-    from .passes.hierarchical_cp import GraphDump, HierarchicalCPPass
-    from .passes.rewrite import RewriteConfig
+    from hcp_compile.passes.hierarchical_cp import GraphDump, HierarchicalCPPass
+    from hcp_compile.passes.rewrite import RewriteConfig
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 # torch 2.11's overlap scheduler counts every compute node's FLOPs on real tensors made from
@@ -41,50 +39,32 @@ DUMP_ENV = "HCP_DUMP_DIR"
 
 
 @dataclass(frozen=True)
-class BackendOptions:
-    """Options of the ``hcp`` backend.
+class BackendOptions(AttentionOptions):
+    """Options of the ``hcp`` backend: those of :class:`hcp_compile.options.AttentionOptions`
+    (the layout check of each batch is what ``agree_across_ranks`` agrees on), and
 
     mesh: a ``("ring", "ulysses")`` DeviceMesh or a pair ``(ulysses_group, ring_group)``.
         Default: Ulysses over the ranks of one node (``LOCAL_WORLD_SIZE`` as set by torchrun,
         else the whole world), ring across nodes.
     inner: the compiler of the rewritten graph: ``"inductor"``, ``"aot_eager"`` or ``"eager"``.
-    kernel: the attention kernel, as in ``context_parallel`` (a module's mark overrides it).
-    placement: the token layout rule, as given to ``shard_plan`` (``"balanced"`` or
-        ``"zigzag"``).
     dump_dir: write every compiled graph's files under ``dump_dir/rank<R>/graph_<N>/``
         (default: the ``HCP_DUMP_DIR`` environment variable; caches are bypassed while dumping,
         so every graph is traced and written).
-    agree_across_ranks: the layout check of each batch is all-reduced over the mesh, so all
-        ranks fail together on one rank's bad input (one tiny collective per mesh dimension larger than 1, per batch).
-    recompute_exchange: as in ``context_parallel``: the backward exchanges q, KV and the
-        output again instead of the forward's exchanged copies being saved.
-    scheme: the collective scheme that moves q, k, v and the results between ranks, a key of
-        ``hcp_compile.schemes.SCHEMES``: ``"ring"`` (KV hops round the ring, each hidden by a
-        step) or ``"allgather"`` (every ring section in one all-gather: for short ring steps).
     """
 
     mesh: MeshLike | None = None
     inner: str = "inductor"
-    kernel: str = "auto"
-    placement: str = DEFAULT_PLACEMENT
     dump_dir: str | None = None
-    agree_across_ranks: bool = True
-    recompute_exchange: bool = False
-    scheme: str = DEFAULT_SCHEME
 
     def __post_init__(self) -> None:
-        check_placement(self.placement)
-        check_scheme(self.scheme)
+        super().__post_init__()
         if self.inner not in INNER_COMPILERS:
             raise InputError(f"inner: expected one of {INNER_COMPILERS}, got {self.inner!r}")
-        if self.kernel not in KERNEL_CHOICES:
-            raise InputError(f"kernel: expected one of {KERNEL_CHOICES}, got {self.kernel!r}")
-        check_flags(self, ("agree_across_ranks", "recompute_exchange"))
 
 
 def rewrite_config(groups: CPGroups, options: BackendOptions) -> RewriteConfig:
     """What the rewrite pass takes of the options, for the mesh's ``groups``."""
-    from .passes.rewrite import RewriteConfig  # see HcpBackend._compile
+    from hcp_compile.passes.rewrite import RewriteConfig  # see HcpBackend._compile
 
     return RewriteConfig(groups, options.kernel, options.agree_across_ranks, options.placement,
                          options.recompute_exchange, options.scheme)
@@ -162,7 +142,7 @@ class HcpBackend:
         groups = resolve_groups(options.mesh if options.mesh is not None else default_mesh())
         config = rewrite_config(groups, options)
         example_inputs = list(example_inputs)
-        from .passes.match import find_attention  # see _compile
+        from hcp_compile.passes.match import find_attention  # see _compile
 
         inputs = cu_seqlens_inputs(gm.graph, find_attention(gm.graph))
         if inputs is None:
@@ -187,7 +167,7 @@ class HcpBackend:
                  groups: CPGroups) -> Callable:
         # imported on first compile: the pass is an Inductor CustomGraphPass, and importing
         # torch._inductor would add about a second to every `import hcp_compile`
-        from .passes.hierarchical_cp import HierarchicalCPPass
+        from hcp_compile.passes.hierarchical_cp import HierarchicalCPPass
 
         options = self.options
         dump = _graph_dump(options.dump_dir or os.environ.get(DUMP_ENV))
@@ -277,7 +257,7 @@ def default_mesh():
 
 def _graph_dump(folder: str | None) -> GraphDump | None:
     """The next free ``graph_<N>`` folder of this rank under ``folder``."""
-    from .passes.hierarchical_cp import GraphDump
+    from hcp_compile.passes.hierarchical_cp import GraphDump
 
     if not folder:
         return None

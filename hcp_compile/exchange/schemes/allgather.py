@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..collectives import arrived, gather_sections, send_pieces
-from ..merge import accumulate
-from ..precision import accumulate_dtype
-from .protocol import GroupShape, GroupTraffic
-from .sections import SectionRing, SectionSteps
+from hcp_compile.exchange.collectives import arrived, gather_sections, send_pieces
+from hcp_compile.exchange.schemes.protocol import GroupShape, GroupTraffic
+from hcp_compile.exchange.schemes.sections import SectionRing, SectionSteps
+from hcp_compile.kernels.merge import accumulate
+from hcp_compile.kernels.precision import accumulate_dtype
 
 
 class _Gathered(SectionSteps):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..layout import Assignment, Kind
+from hcp_compile.batch.layout import Assignment, Kind
 
 
 def zigzag(lengths: Tensor, ulysses: int, ring: int) -> Assignment:

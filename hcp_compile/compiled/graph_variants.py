@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from torch import fx
 
-from .prepared import Exchanges, MeshShape, host_values, prepare
+from hcp_compile.batch.prepared import Exchanges, MeshShape, host_values, prepare
 
 
 def cu_seqlens_inputs(graph: fx.Graph, matches: Sequence[Any]) -> tuple[int, ...] | None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..mesh import CPGroups
-from .protocol import KVGradSteps, KVSteps
+from hcp_compile.exchange.mesh import CPGroups
+from hcp_compile.exchange.schemes.protocol import KVGradSteps, KVSteps
 
 
 class SectionSteps:

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from .validation import InputError
+from hcp_compile.validation import InputError
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor) -> tuple[Tensor, int]:

@@ -3,7 +3,7 @@
 It is the eager algorithm (``HierarchicalAttention`` on a ``RingSchedule``) with the host-side
 parts done by opaque ops when the graph runs: ``hcp::batch_layout`` reads ``cu_seqlens`` to the
 host, finds its :class:`prepared.PreparedBatch` by value (the one ``shard_plan`` made, here or
-in a DataLoader worker) and checks the call against it (``batch_check.check``), the verdict is
+in a DataLoader worker) and checks the call against it (``validation.check``), the verdict is
 agreed over the mesh, and the few sizes the collectives need become the graph's
 data-dependent sizes; ``hcp::schedule_tables`` hands every attention call its schedule's
 tables from the same prepared batch (docs/design.md §5).
@@ -19,16 +19,18 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import batch_check, layout, validation
-from .hierarchical import HierarchicalAttention
-from .kernels import BoundedCache, KeysByValue
-from .layout import RankSizes
-from .mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
-from .prepared import (
+from hcp_compile import validation
+
+from hcp_compile.batch import layout
+from hcp_compile.batch.layout import RankSizes
+from hcp_compile.exchange.mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
+from hcp_compile.hierarchical import HierarchicalAttention
+from hcp_compile.kernels import BoundedCache, KeysByValue
+from hcp_compile.batch.prepared import (
     BatchValues, Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values,
 )
-from .schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
-from .schemes import DEFAULT_SCHEME
+from hcp_compile.batch.schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 
 
 def checked_layout(
@@ -94,7 +96,7 @@ def batch_layout_op(
     ``on_host``: the verdict, then rank ``(ring_rank, ulysses_rank)``'s sizes
     (:func:`layout.rank_size_values`; zeros when the batch could not be laid out) and the
     first of the cache keys that name its segmentations of this batch. The verdict:
-    ``batch_check.flags`` of the call (``tokens``: q, k and v's token counts,
+    ``validation.flags`` of the call (``tokens``: q, k and v's token counts,
     ``max_seqlens``: both ``max_seqlen``) on the batch's :class:`prepared.PreparedBatch`,
     then its fingerprint and the negation. ``cu_on_host``: a CPU copy of ``cu_seqlens_q``, by
     which ``hcp::schedule_tables`` finds the prepared batch.
@@ -129,11 +131,11 @@ def _check_call(
     (ring rank, Ulysses rank) of ``mesh``."""
     prepared = prepare(queries, mesh)
     ring_rank, ulysses_rank = rank
-    call = batch_check.BatchCall(
+    call = validation.BatchCall(
         dict(zip("qkv", tokens)), {"max_seqlen_q": max_seqlens[0], "max_seqlen_k": max_seqlens[1]},
         keys=keys, rank=rank, planned=planned,
     )
-    failed = batch_check.flags(batch_check.check(prepared, call))
+    failed = validation.flags(validation.check(prepared, call))
     fingerprint = prepared.fingerprint(recompute_exchange, scheme, Exchanges(graph_for))
     if prepared.laid_out:
         sizes = prepared.rank_size_values(ring_rank, ulysses_rank)

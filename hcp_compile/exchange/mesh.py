@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .validation import BATCHES_DIFFER, SAME_BATCH
+from hcp_compile.validation import BATCHES_DIFFER, SAME_BATCH
 
 MESH_DIM_NAMES = ("ring", "ulysses")
 DATA_DIM_NAME = "data"  # the data-parallel dim of a 3-D mesh (make_mesh(..., data=D))

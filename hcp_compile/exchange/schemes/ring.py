@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..collectives import arrived, ring_shift
-from ..merge import accumulate
-from ..precision import accumulate_dtype
-from .protocol import GroupShape, GroupTraffic
-from .sections import SectionRing, SectionSteps
+from hcp_compile.exchange.collectives import arrived, ring_shift
+from hcp_compile.exchange.schemes.protocol import GroupShape, GroupTraffic
+from hcp_compile.exchange.schemes.sections import SectionRing, SectionSteps
+from hcp_compile.kernels.merge import accumulate
+from hcp_compile.kernels.precision import accumulate_dtype
 
 
 class _Hops(SectionSteps):

@@ -1,7 +1,7 @@
 """The attention schedule of one rank for one batch: the segmentation of its local region and
 of every ring step over the exchange stream (pure tensor math on top of
-:mod:`hcp_compile.layout`), the collective scheme that moves the data (by name, one of
-``hcp_compile.schemes.SCHEMES``), and the rules that split the heads over the Ulysses group and
+:mod:`hcp_compile.batch.layout`), the collective scheme that moves the data (by name, one of
+``hcp_compile.exchange.schemes.SCHEMES``), and the rules that split the heads over the Ulysses group and
 into head groups (docs/design.md §3.2, §3.6)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import layout
-from .layout import BatchLayout, RankSizes, StepKind
-from .schemes import DEFAULT_SCHEME
+from hcp_compile.batch import layout
+from hcp_compile.batch.layout import BatchLayout, RankSizes, StepKind
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 
 
 # Head groups the exchange is pipelined over when the heads allow it (docs/design.md §3.6):
@@ -79,7 +79,7 @@ class RingSchedule:
     window_left: int
     window_right: int
     kernel: str
-    scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.schemes.SCHEMES
+    scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.exchange.schemes.SCHEMES
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def schedule_steps(sizes: RankSizes, ring: int) -> int:
     """How many ring steps a schedule has: without a ring section (a batch of short documents)
     nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
     keeps every step (its graphs for batches without a ring section make the width the
-    constant 0: hcp_compile.graph_variants)."""
+    constant 0: hcp_compile.compiled.graph_variants)."""
     return 1 if isinstance(sizes.ring_width, int) and sizes.ring_width == 0 else ring
 
 

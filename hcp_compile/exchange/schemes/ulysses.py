@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from ..collectives import Issued, gather_heads, join_heads, scatter_heads
-from .protocol import GroupShape, GroupTraffic
+from hcp_compile.exchange.collectives import Issued, gather_heads, join_heads, scatter_heads
+from hcp_compile.exchange.schemes.protocol import GroupShape, GroupTraffic
 
 
 class AllToAllHeads:

@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import layout, pickling, validation
-from .kernels.contract import HOST_READS, BoundedCache
-from .layout import BatchLayout, RankSizes, StreamTokens
-from .placements import DEFAULT_PLACEMENT, check_placement, placement_rule
-from .schedule import ScheduleTables, schedule_steps, schedule_tables
-from .schemes import DEFAULT_SCHEME
-from .validation import CU_NON_DECREASING, CU_STARTS_AT_0, Failure
+from hcp_compile import validation
+
+from hcp_compile.batch import layout, pickling
+from hcp_compile.batch.layout import BatchLayout, RankSizes, StreamTokens
+from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement, placement_rule
+from hcp_compile.batch.schedule import ScheduleTables, schedule_steps, schedule_tables
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME
+from hcp_compile.kernels.contract import HOST_READS, BoundedCache
+from hcp_compile.validation import CU_NON_DECREASING, CU_STARTS_AT_0, Failure
 
 
 @dataclass(frozen=True, eq=False)
@@ -308,7 +310,7 @@ class PreparedBatch:
         return tuple(t.to(device, copy=True, non_blocking=True) for t in pinned[key])
 
     def __reduce__(self) -> tuple:
-        # its tensors as one buffer (hcp_compile/pickling.py: a DataLoader moves each tensor
+        # its tensors as one buffer (hcp_compile/batch/pickling.py: a DataLoader moves each tensor
         # through a shared-memory segment of its own); pinned memory is this process's: a
         # worker's would arrive as plain memory
         state = {k: v for k, v in self.__dict__.items() if k != "_pinned"}

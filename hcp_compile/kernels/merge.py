@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .precision import accumulate_dtype
+from hcp_compile.kernels.precision import accumulate_dtype
 
 try:  # the module works without Triton: the torch expressions are used everywhere then
     import triton
