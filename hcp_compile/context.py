@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from hcp_compile import validation
-from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, planned_shape, prepare
-from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
+from hcp_compile.batch.call import checked_batch, rank_schedule
+from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
+from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed, schedule_steps
 from hcp_compile.exchange.mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
 from hcp_compile.hierarchical import HierarchicalAttention
 from hcp_compile.kernels import BlockRequest, new_cache_key, resolve_kernel
 from hcp_compile.options import AttentionOptions
-from hcp_compile.validation import BatchCall, InputError, check
+from hcp_compile.validation import InputError
 
 _ACTIVE: contextvars.ContextVar["ContextParallel | None"] = contextvars.ContextVar(
     "hcp_compile_context_parallel", default=None
@@ -115,9 +116,8 @@ class ContextParallel:
             active = (prepared.steps_seeing_keys(ring_rank, ulysses_rank, causal, window)
                       if self.options.skip_outside_window else None)
             flat = prepared.device_tables(ring_rank, ulysses_rank, steps, causal, windowed, q.device)
-            tables = ScheduleTables.unflat(*flat, sizes, steps, windowed)
-            self._schedules[key] = assemble_schedule(
-                tables, sizes, max_seqlen, ring_rank, groups.ring_size, causal=causal, scale=scale,
+            self._schedules[key] = rank_schedule(
+                flat, sizes, steps, ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=scale,
                 window=window, kernel=kernel, active=None if active is None else list(active),
                 first_cache_key=new_cache_key(cache_keys_needed(groups.ring_size)), scheme=self.options.scheme,
             )
@@ -133,12 +133,9 @@ class ContextParallel:
         if cu_k is not cu_q:
             validation.check_cu_seqlens_dtype(cu_k, "cu_seqlens_k")
             keys = host_values(cu_k)
-        call = BatchCall(
-            {"q": q.shape[0], "k": k.shape[0], "v": v.shape[0]},
-            {"max_seqlen_q": max_q, "max_seqlen_k": max_k}, keys,
-            (groups.ring_rank, groups.ulysses_rank), planned_shape(prepared.batch),
-        )
-        validation.raise_first(check(prepared, call))
+        _, failures = checked_batch(prepared.batch, keys, self.shape, (q.shape[0], k.shape[0], v.shape[0]),
+                                    (max_q, max_k), (groups.ring_rank, groups.ulysses_rank))
+        validation.raise_first(failures)
         return resolve_kernel(
             self.options.kernel, BlockRequest.of(q, k, window, context_parallel=True),
             "context_parallel(mesh, kernel=...)",

@@ -7,11 +7,11 @@ import torch
 from torch import Tensor
 
 from hcp_compile import validation
-from hcp_compile.batch.prepared import PreparedBatch, host_values
+from hcp_compile.batch.call import checked_batch
+from hcp_compile.batch.prepared import host_values
 from hcp_compile.context import active_context
 from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, KeysByValue, resolve_kernel
 from hcp_compile.kernels.precision import accumulate_dtype
-from hcp_compile.validation import BatchCall, check
 
 
 @torch.library.custom_op("hcp::varlen_attention", mutates_args=())
@@ -152,10 +152,6 @@ def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
     validation.check_qkv(q, k, v)
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         validation.check_cu_seqlens_dtype(cu, name)
-    queries = host_values(cu_q)
-    call = BatchCall(
-        {"q": q.shape[0], "k": k.shape[0], "v": v.shape[0]},
-        {"max_seqlen_q": max_q, "max_seqlen_k": max_k},
-        keys=None if cu_k is cu_q else host_values(cu_k),
-    )
-    validation.raise_first(check(PreparedBatch(queries, None), call))  # nothing to lay out: not cached
+    keys = None if cu_k is cu_q else host_values(cu_k)
+    _, failures = checked_batch(host_values(cu_q), keys, None, (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k))
+    validation.raise_first(failures)

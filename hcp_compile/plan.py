@@ -9,7 +9,6 @@ from tabulate import tabulate
 from torch import Tensor
 
 from hcp_compile import validation
-
 from hcp_compile.batch import layout
 from hcp_compile.batch.layout import Kind
 from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement

@@ -17,7 +17,6 @@ from hcp_compile.exchange.mesh import CPGroups
 from hcp_compile.exchange.schemes import Traffic
 from hcp_compile.batch.traffic import CallShape, call_traffic, whole_exchange_sizes
 from hcp_compile.plan import format_bytes
-
 from hcp_compile.passes.rewrite import Rewritten
 
 HEADERS = (

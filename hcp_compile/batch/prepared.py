@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from hcp_compile import validation
-
 from hcp_compile.batch import layout, pickling
 from hcp_compile.batch.layout import BatchLayout, RankSizes, StreamTokens
 from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement, placement_rule

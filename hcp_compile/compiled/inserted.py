@@ -20,17 +20,17 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from hcp_compile import validation
-
 from hcp_compile.batch import layout
+from hcp_compile.batch.call import checked_batch, rank_schedule
 from hcp_compile.batch.layout import RankSizes
-from hcp_compile.exchange.mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
-from hcp_compile.hierarchical import HierarchicalAttention
-from hcp_compile.kernels import BoundedCache, KeysByValue
 from hcp_compile.batch.prepared import (
     BatchValues, Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values,
 )
-from hcp_compile.batch.schedule import ScheduleTables, assemble_schedule, cache_keys_needed, schedule_steps
+from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, schedule_steps
+from hcp_compile.exchange.mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME
+from hcp_compile.hierarchical import HierarchicalAttention
+from hcp_compile.kernels import BoundedCache, KeysByValue
 
 
 def checked_layout(
@@ -114,7 +114,7 @@ def batch_layout_op(
     on_host = _checked_calls.get(call)
     if on_host is None:
         on_host = _checked_calls.put(call, _check_call(
-            queries, keys, planned, MeshShape(ulysses, ring, placement), (ring_rank, ulysses_rank), tokens,
+            queries, keys, MeshShape(ulysses, ring, placement), (ring_rank, ulysses_rank), tokens,
             max_seqlens, recompute_exchange, scheme, graph_for,
         ))
     cu_on_host = queries.values.clone()
@@ -123,19 +123,15 @@ def batch_layout_op(
 
 
 def _check_call(
-    queries: BatchValues, keys: BatchValues | None, planned: MeshShape | None, mesh: MeshShape,
+    queries: BatchValues, keys: BatchValues | None, mesh: MeshShape,
     rank: tuple[int, int], tokens: list[int], max_seqlens: list[int], recompute_exchange: bool, scheme: str,
     graph_for: str,
 ) -> Tensor:
     """``batch_layout``'s ``on_host`` for one call of the batch ``queries`` on rank ``rank``
     (ring rank, Ulysses rank) of ``mesh``."""
-    prepared = prepare(queries, mesh)
+    prepared, failures = checked_batch(queries, keys, mesh, tokens, max_seqlens, rank)
     ring_rank, ulysses_rank = rank
-    call = validation.BatchCall(
-        dict(zip("qkv", tokens)), {"max_seqlen_q": max_seqlens[0], "max_seqlen_k": max_seqlens[1]},
-        keys=keys, rank=rank, planned=planned,
-    )
-    failed = validation.flags(validation.check(prepared, call))
+    failed = validation.flags(failures)
     fingerprint = prepared.fingerprint(recompute_exchange, scheme, Exchanges(graph_for))
     if prepared.laid_out:
         sizes = prepared.rank_size_values(ring_rank, ulysses_rank)
@@ -216,10 +212,9 @@ def hierarchical_varlen_attention(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
         groups.ring_rank, groups.ulysses_rank, steps, causal, windowed, values,
     )
-    sched = assemble_schedule(
-        ScheduleTables.unflat(*flat, rank_sizes, steps, windowed), rank_sizes, max_seqlen, groups.ring_rank,
-        groups.ring_size, causal=causal, scale=float(scale), window=window, kernel=kernel,
-        first_cache_key=first_cache_key, scheme=scheme,
+    sched = rank_schedule(
+        flat, rank_sizes, steps, groups.ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=float(scale),
+        window=window, kernel=kernel, first_cache_key=first_cache_key, scheme=scheme,
     )
     return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse, recompute_exchange)
 

@@ -1,0 +1,53 @@
+"""One attention call on one batch, the same steps for every door (docs/design.md §2.4, §9).
+
+    cu_seqlens ──► host_values ──► checked_batch ──► agreement ──► rank_schedule ──► the algorithm
+                   (once per       (prepared for     (eager: an     (the tables
+                   tensor and      the mesh, and     all-reduce;    the kernels
+                   version)        checked against  compiled: in   and the ring
+                                   the call)         the graph)     steps read)
+
+The single-device op stops after the check; eager CP (hcp_compile/context.py) runs every step
+in the call; the compiled graph runs the first two in its host op (``hcp::batch_layout``), the
+agreement as collectives of the graph, and the schedule from its tables op
+(``hcp::schedule_tables``, hcp_compile/compiled/inserted.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hcp_compile.batch.layout import RankSizes
+from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch, planned_shape, prepare
+from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule
+from hcp_compile.validation import BatchCall, Failure, check
+
+
+def checked_batch(
+    queries: BatchValues, keys: BatchValues | None, mesh: MeshShape | None, tokens: Sequence[int],
+    max_seqlens: Sequence[object], rank: tuple[int, int] = (0, 0),
+) -> tuple[PreparedBatch, tuple[Failure, ...]]:
+    """The batch ``queries`` (``cu_seqlens_q``'s values) prepared for ``mesh`` (None: one
+    device, nothing to lay out), and the rules a call breaks on it: ``keys``,
+    ``cu_seqlens_k``'s values where it is another tensor; ``tokens``, q, k and v's token
+    counts; ``max_seqlens``, both ``max_seqlen`` as passed; ``rank``, (ring rank, Ulysses
+    rank)."""
+    prepared = prepare(queries, mesh) if mesh is not None else PreparedBatch(queries, None)
+    call = BatchCall(
+        dict(zip("qkv", tokens)), {"max_seqlen_q": max_seqlens[0], "max_seqlen_k": max_seqlens[1]},
+        keys, rank, planned_shape(queries) if mesh is not None else None,
+    )
+    return prepared, check(prepared, call)
+
+
+def rank_schedule(
+    flat: Sequence, sizes: RankSizes, steps: int, ring_rank: int, ring: int, max_seqlen: object, *,
+    causal: bool, scale: float, window: tuple[int, int], kernel: str, first_cache_key: object, scheme: str,
+    active: list[bool] | None = None,
+) -> RingSchedule:
+    """This rank's ring schedule from its flat tables (:meth:`PreparedBatch.device_tables`,
+    eagerly or through the graph's tables op) and its sizes (host ints, or a graph's symbols)."""
+    tables = ScheduleTables.unflat(*flat, sizes, steps, window != (-1, -1))
+    return assemble_schedule(
+        tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window, kernel=kernel,
+        active=active, first_cache_key=first_cache_key, scheme=scheme,
+    )
