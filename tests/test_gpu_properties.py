@@ -1,16 +1,18 @@
-"""``scripts/gpu_properties.py`` (the GPU property suite) on CPU: its phases run and pass on
-tiny batches, a wrong result is caught with a reproducer that ``--replay`` runs again, the
+"""``scripts/gpu_properties.py`` (the GPU property suite): on CUDA (``-m gpu``) a bounded run
+that must pass; on CPU its phases run and pass on tiny batches, a wrong result is caught with a reproducer that ``--replay`` runs again, the
 bound's arithmetic, and the GPU profile's random cases cover what issue 23 asks for."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,13 +23,13 @@ import gpu_properties as props  # noqa: E402
 from _common import Result  # noqa: E402  (examples/, on the path through gpu_properties)
 
 
-def run_suite(tmp_path: Path, capfd, monkeypatch, *args: str) -> tuple[int, dict, str]:
-    """``main`` on CPU (its worlds are processes of their own): exit code, the JSON summary
-    it writes to ``$OUT`` and what it and its processes printed."""
+def run_suite(tmp_path: Path, capfd, monkeypatch, *args: str, device: str = "cpu") -> tuple[int, dict, str]:
+    """``main`` on ``device`` (its worlds are processes of their own): exit code, the JSON
+    summary it writes to ``$OUT`` and what it and its processes printed."""
     out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
     monkeypatch.setenv("OUT", str(out))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    code = props.main(["--device", "cpu", *args])
+    code = props.main(["--device", device, *args])
     output = "".join(capfd.readouterr())
     assert (out / "gpu_properties.txt").read_text() in output
     return code, json.loads((out / "gpu_properties.json").read_text()), output
@@ -222,3 +224,19 @@ def test_a_world_that_died_is_recorded_at_its_check_and_resumed_after_it(tmp_pat
     write("inflight.json", inflight(-1))
     line, resume = props.world_failure(tmp_path, [3, 0, 0, 0], "cuda")
     assert resume == (4, 0) and line["mode"] == "prepare"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_property_suite_passes_on_this_gpu(tmp_path, capfd, monkeypatch):
+    """The GPU property suite as part of ``pytest -m gpu``: random batches through every
+    kernel on one device and CP with 2 ranks sharing the GPU, eager and compiled, within a
+    bounded time (``HCP_PROPERTY_MINUTES``, default 3; ``HCP_PROPERTY_SEED``, default 0).
+    Longer runs: ``python scripts/gpu_properties.py --minutes N --seed S``."""
+    minutes = os.environ.get("HCP_PROPERTY_MINUTES", "3")
+    seed = os.environ.get("HCP_PROPERTY_SEED", "0")
+    code, summary, output = run_suite(tmp_path, capfd, monkeypatch, "--phases", "single,2x1,1x2",
+                                      "--minutes", minutes, "--seed", seed, device="cuda")
+    assert code == 0, output
+    totals = summary["totals"]
+    assert totals["failed"] == 0 and totals["passed"] == totals["checks"] > 0, output
