@@ -1,4 +1,4 @@
-"""The host time of one rank's eager CP call, measured and fitted (issue 26: the advisor's host
+"""The host time of one rank's eager CP call, measured and fitted (the advisor's host
 part, hcp_advise/host_measured.json).
 
     python -m benchmarks.host_times --out host.json          # on one GPU: measure, fit, write

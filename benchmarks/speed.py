@@ -1,5 +1,5 @@
 """Speed of hierarchical CP against the best one-GPU kernel and PyTorch's native context
-parallelism, on packed workloads (issue 9): one table, one JSON file, optionally one plot.
+parallelism, on packed workloads: one table, one JSON file, optionally one plot.
 
 Launch from the repository root, one process per GPU (ulysses A x ring R = the world size):
     torchrun --nproc-per-node 2 -m benchmarks.speed --ulysses 2 --ring 1
@@ -95,7 +95,7 @@ mode the GPU's free memory is filled with normal samples, so that those buffers 
 like real activations: zeros (fresh memory from the driver) would run the tensor cores
 faster than real data does. The one-GPU rows run as usual.
 
-Stream mode (``--stream N --layers L``; issue 24): training is no batch repeated but a stream,
+Stream mode (``--stream N --layers L``): training is no batch repeated but a stream,
 every step a batch of new document lengths through every layer. Step s draws its lengths from
 the workload's distribution (W2, W4: log-uniform 256..32K; W3: 128..2K; as many tokens as the
 workload) seeded (workload seed, s), the same on every rank and in every run (step 0 is the
@@ -137,7 +137,7 @@ time some kernel runs in it, and the plan's part (``traced_step_ms``, ``traced_b
 ``traced_plan_ms``); step minus busy is the time the GPU waited for the host (no
 communication in a one-GPU or fake-rank stream).
 
-Mixed stream (``--mixed N``; issue 37): one process through every batch composition. A stream
+Mixed stream (``--mixed N``): one process through every batch composition. A stream
 as above (``--layers``, the modes, ``--kernel``, ``--fake-rank``) of N steps whose batches come
 from the ``--workloads`` (default the eight of W1..W4 at 128K and 256K) in rounds that hold each
 workload once, every round in a random order (seeded: the same in every run), step s a new batch

@@ -1,5 +1,5 @@
 """GPU property suite: random packed batches through every kernel and every context-parallel
-mode, against an fp32 per-document reference (issue 23).
+mode, against an fp32 per-document reference.
 
     python scripts/gpu_properties.py                         # one H200: 5 minutes, seed 0
     python scripts/gpu_properties.py --minutes 8 --seed 3

@@ -1,6 +1,7 @@
 """``scripts/gpu_properties.py`` (the GPU property suite): on CUDA (``-m gpu``) a bounded run
-that must pass; on CPU its phases run and pass on tiny batches, a wrong result is caught with a reproducer that ``--replay`` runs again, the
-bound's arithmetic, and the GPU profile's random cases cover what issue 23 asks for."""
+that must pass; on CPU its phases run and pass on tiny batches, a wrong result is caught with a
+reproducer that ``--replay`` runs again, the bound's arithmetic, and the GPU profile's random
+cases cover the mixtures, thresholds, heads, dtypes and masks the suite must."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ def test_reproducer_json_round_trips():
 
 def test_gpu_cases_cover_the_issue():
     """500 cases per phase of the CUDA profile (pure Python: nothing runs): the mixtures,
-    thresholds, heads, dtypes and masks issue 23 lists, and every case valid for its mesh."""
+    thresholds, heads, dtypes and masks the suite must cover, and every case valid for its mesh."""
     lengths: Counter = Counter()
     seen = {key: set() for key in ("ratio", "head_dim", "dtype", "mask", "kernel")}
     hkv_below_ulysses = one_token_batches_with_empty_documents = 0

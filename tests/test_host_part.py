@@ -1,4 +1,4 @@
-"""The advisor's host part (issue 26): the call counts against a real eager call, the fit of
+"""The advisor's host part: the call counts against a real eager call, the fit of
 benchmarks/host_times.py, the rule that a phase lasts the longer of host and GPU, the record's
 loader, and the measuring command on CPU."""
 

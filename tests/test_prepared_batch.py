@@ -1,7 +1,7 @@
 """A batch prepared ahead of time (``prepare_batch`` in a DataLoader worker, no process group)
 is pickled to the training process and taken as it is by ``shard_plan``, eager CP and the
 compiled graph, which derive nothing again and give the results of the on-the-fly path
-(docs/design.md §2, §9; issue 24's per-batch host work off the critical path). Also: the
+(docs/design.md §2, §9; the per-batch host work off the critical path). Also: the
 fingerprint the ranks agree on tells any number of placements apart, and ``check`` flags
 exactly the broken rules.
 """
