@@ -413,7 +413,10 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
 
 class Block(nn.Module):
     """Projections around the library's attention call, with a residual; subclassed per
-    case (marks are class attributes, so every case marks a class of its own)."""
+    case (marks are class attributes, so every case marks a class of its own).
+    ``sized_by_tokens``: the views name the token count read from ``x`` instead of -1."""
+
+    sized_by_tokens = False
 
     def __init__(self, heads_q: int, heads_kv: int, causal: bool):
         super().__init__()
@@ -422,13 +425,14 @@ class Block(nn.Module):
         self.o = nn.Linear(heads_q * HEAD_DIM, MODEL_DIM)
 
     def forward(self, x, cu, max_seqlen):
+        tokens = x.shape[0] if self.sized_by_tokens else -1
         q, k, v = self.qkv(x).split(
             [self.heads_q * HEAD_DIM, self.heads_kv * HEAD_DIM, self.heads_kv * HEAD_DIM], -1)
-        q = q.reshape(-1, self.heads_q, HEAD_DIM)
-        k = k.reshape(-1, self.heads_kv, HEAD_DIM)
-        v = v.reshape(-1, self.heads_kv, HEAD_DIM)
+        q = q.reshape(tokens, self.heads_q, HEAD_DIM)
+        k = k.reshape(tokens, self.heads_kv, HEAD_DIM)
+        v = v.reshape(tokens, self.heads_kv, HEAD_DIM)
         out = self.attend(q, k, v, cu, max_seqlen)
-        return x + self.o(out.reshape(-1, self.heads_q * HEAD_DIM))
+        return x + self.o(out.reshape(tokens, self.heads_q * HEAD_DIM))
 
     def attend(self, q, k, v, cu, max_seqlen):
         return hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=self.causal)
@@ -536,15 +540,7 @@ class ModelCase:
 class ShapedBlock(Block):
     """:class:`Block` that sizes its views by the token count it reads from ``x``."""
 
-    def forward(self, x, cu, max_seqlen):
-        tokens = x.shape[0]
-        q, k, v = self.qkv(x).split(
-            [self.heads_q * HEAD_DIM, self.heads_kv * HEAD_DIM, self.heads_kv * HEAD_DIM], -1)
-        q = q.view(tokens, self.heads_q, HEAD_DIM)
-        k = k.view(tokens, self.heads_kv, HEAD_DIM)
-        v = v.view(tokens, self.heads_kv, HEAD_DIM)
-        out = self.attend(q, k, v, cu, max_seqlen)
-        return x + self.o(out.reshape(tokens, self.heads_q * HEAD_DIM))
+    sized_by_tokens = True
 
 
 @dataclass(frozen=True)

@@ -621,9 +621,8 @@ def request(device="cpu", dtype=torch.float32, head_dim=64, window=(-1, -1), cp=
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_every_registered_kernel_runs_by_its_name_or_says_why_not(traced_flex, name):
     """The op's ``kernel`` argument reaches that kernel: where it can run the call (on CPU:
-    torch, flex) it
-    gives the float64 reference's output and gradients; where it cannot, an InputError names
-    it and why, never another kernel's answer."""
+    torch, flex) it gives the float64 reference's output and gradients; where it cannot, an
+    InputError names it and why, never another kernel's answer."""
     lengths = (5, 9, 1)
     x = {n: seeded(f"registered/{n}", sum(lengths), 2, 8) for n in ("q", "k", "v", "dout")}
     cu = cu_seqlens(lengths)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import hcp_compile as hc
 from attention_reference import reference_with_grads
 from checks import assert_matches
-from cp_cases import seeded
+from cp_cases import cu_seqlens, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 64
@@ -46,7 +46,7 @@ def batch(name: str, lengths: tuple[int, ...], device: torch.device, dtype: torc
     tokens = sum(lengths)
     shapes = {"q": HEADS_Q, "k": HEADS_KV, "v": HEADS_KV, "dout": HEADS_Q}
     values = {n: seeded(f"long-lived/{name}/{n}", tokens, heads, HEAD_DIM).to(dtype) for n, heads in shapes.items()}
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_seqlens(lengths)
     return {"host": values, "cu": cu, "device": {n: t.to(device) for n, t in values.items()},
             "cu_device": cu.to(device), "longest": max(lengths)}
 
