@@ -5,8 +5,8 @@ cuDNN's dense attention (``aten._scaled_dot_product_cudnn_attention``, what SDPA
 ``[B, H, T, D]`` tensors) is the fastest kernel on long causal documents, but cuDNN's varlen
 form is slow and wrong for segments without keys (§8.2), and cuDNN builds a graph for every
 new shape, which a batch with new document lengths every step would pay on every step
-(docs/design.md §8.6 has the measurements). So this kernel cuts a block into pieces whose dense calls come in a
-bounded set of shapes:
+(docs/design.md §8.6 has the measurements). So this kernel cuts a block into pieces whose
+dense calls come in a bounded set of shapes:
 
 - a segment with at least ``MIN_DENSE_ROWS`` query and key rows gets dense calls whose sizes
   have at most ``DENSE_SIZE_BITS`` significant bits (``dense_rows``). A causal segment (aligned
