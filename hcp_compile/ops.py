@@ -74,7 +74,10 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.args = (max_q, max_k, causal, scale, left, right)
-    ctx.kernel = _kernel(kernel, q, k, cu_q, max(max_q, max_k), left, right)
+    # the request, not its resolution: this runs while AOTAutograd traces, and a backward graph
+    # that named the kernel would be reused from Inductor's cache by a process in which that
+    # kernel does not load (the cache key is the forward graph, which says "auto")
+    ctx.kernel = kernel
 
 
 def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
@@ -95,12 +98,14 @@ def varlen_attention_backward_op(
     causal: bool, softmax_scale: float, window_left: int, window_right: int, kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of ``hcp::varlen_attention``, its autograd formula: the inputs are the
-    ones the forward op checked, with its resolved kernel. An op of its own, so that a
-    compiled backward finds the batch's cache key when it runs, not when it is traced."""
+    ones the forward op checked, with its kernel argument, resolved here as the forward
+    resolved it. An op of its own, so that a compiled backward finds the batch's cache key
+    and kernel when it runs, not when it is traced."""
     spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k),
                      covered_rows=q.shape[0])
-    return tuple(KERNELS[kernel].backward(grad_out, q, k, v, out, lse, spec))
+    chosen = _kernel(kernel, q, k, cu_seqlens_q, max(max_seqlen_q, max_seqlen_k), window_left, window_right)
+    return tuple(KERNELS[chosen].backward(grad_out, q, k, v, out, lse, spec))
 
 
 @varlen_attention_backward_op.register_fake

@@ -340,3 +340,25 @@ def test_opcheck_varlen_attention_backward(heads, mask):
     out, lse = torch.ops.hcp.varlen_attention(q, k, v, *args, "torch")
     dout = seeded("opcheck/dout", *q.shape)
     torch.library.opcheck(torch.ops.hcp.varlen_attention_backward, (dout, q, k, v, out, lse, *args, "torch"))
+
+
+def test_compiled_backward_resolves_the_kernel_when_it_runs_not_when_traced():
+    """Inductor's cache is keyed by the forward graph, which says ``"auto"``; a backward graph
+    that named the kernel chosen at trace time would be reused by a process where that kernel
+    does not load (cudnn without its package)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_kernels = []
+
+    def keep_backward(gm: fx.GraphModule, _inputs):
+        backward_kernels.extend(node.args[-1] for node in gm.graph.nodes
+                                if node.target is torch.ops.hcp.varlen_attention_backward.default)
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(hc.varlen_attention, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep_backward))
+    leaves = [t.requires_grad_() for t in qkv((4, 2))]
+    compiled(*leaves, CU, CU, 9, 9, causal=True).sum().backward()
+    torch._dynamo.reset()
+    assert backward_kernels == ["auto"]
