@@ -202,6 +202,7 @@ from benchmarks.common import (
     exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths, stream_seed, union_intervals,
 )
 from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
+from hcp_compile.batch.layout import window_by_position
 from hcp_compile.batch.prepared import PreparedBatch
 from hcp_compile.kernels import KERNEL_CHOICES, BlockRequest, BoundedCache, KeysByValue, resolve_kernel
 
@@ -778,7 +779,8 @@ def hcp_kernel(workload: Workload, heads: str, setup: Setup, cp: bool = True) ->
     q, k = (torch.empty(0, h, setup.args.head_dim, device=setup.device, dtype=setup.dtype) for h in HEADS[heads])
     # one device judges each call by its batch's composition (the op passes it); CP by the mean
     composition = {} if cp else {"segments": len(workload.lengths), "longest": max(workload.lengths)}
-    request = BlockRequest.of(q, k, workload.window, context_parallel=cp, **composition)
+    by_position = cp and window_by_position(workload.window, setup.args.ring)
+    request = BlockRequest.of(q, k, workload.window, window_by_position=by_position, **composition)
     try:
         return resolve_kernel(kernel, request)
     except hcp_compile.InputError:

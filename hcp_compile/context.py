@@ -9,6 +9,7 @@ from torch import Tensor
 
 from hcp_compile import validation
 from hcp_compile.batch.call import checked_batch, rank_schedule
+from hcp_compile.batch.layout import window_by_position
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed, schedule_steps
 from hcp_compile.exchange.mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
@@ -112,7 +113,8 @@ class ContextParallel:
             groups = self.groups
             ring_rank, ulysses_rank = groups.ring_rank, groups.ulysses_rank
             sizes = prepared.rank_sizes(ring_rank, ulysses_rank)
-            steps, windowed = schedule_steps(sizes, groups.ring_size), window != (-1, -1)
+            steps = schedule_steps(sizes, groups.ring_size)
+            windowed = window_by_position(window, groups.ring_size)
             active = (prepared.steps_seeing_keys(ring_rank, ulysses_rank, causal, window)
                       if self.options.skip_outside_window else None)
             flat = prepared.device_tables(ring_rank, ulysses_rank, steps, causal, windowed, q.device)
@@ -137,7 +139,7 @@ class ContextParallel:
                                     (max_q, max_k), (groups.ring_rank, groups.ulysses_rank))
         validation.raise_first(failures)
         return resolve_kernel(
-            self.options.kernel, BlockRequest.of(q, k, window, context_parallel=True),
+            self.options.kernel, BlockRequest.of(q, k, window, window_by_position=window_by_position(window, groups.ring_size)),
             "context_parallel(mesh, kernel=...)",
         )
 

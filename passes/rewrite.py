@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 
+from hcp_compile.batch.layout import window_by_position
 from hcp_compile.batch.prepared import Exchanges
 from hcp_compile.compiled.inserted import checked_layout, hierarchical_varlen_attention
 from hcp_compile.exchange.mesh import CPGroups
@@ -133,7 +134,8 @@ def _rewrite_one(
     kernel = (match.mark.kernel if match.mark and match.mark.kernel else None) or config.kernel
     with _refusing(match):
         kernel = resolve_kernel(
-            kernel, BlockRequest.of(q_value, k_value, match.call.window, context_parallel=True),
+            kernel, BlockRequest.of(q_value, k_value, match.call.window,
+                                      window_by_position=window_by_position(match.call.window, groups.ring_size)),
             "@hcp_compile.attention(kernel=...) on the module, or options={'kernel': ...}",
         )
     outputs = _output_users(node)

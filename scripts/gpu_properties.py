@@ -101,6 +101,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import hcp_compile  # noqa: E402
+from hcp_compile.batch.layout import window_by_position  # noqa: E402
 from hcp_compile.batch.placements import PLACEMENTS  # noqa: E402
 from hcp_compile.batch.placements.balanced import DEFAULT_COST  # noqa: E402
 from hcp_compile.compiled.backend import INNER_COMPILERS  # noqa: E402
@@ -263,17 +264,19 @@ def phase_kind(phase: str) -> str:
     return "single" if phase == "single" else "cp"
 
 
-def kernel_request(config: Config | Case, device: str, context_parallel: bool) -> BlockRequest:
-    windowed = config.window != (-1, -1)
+def kernel_request(config: Config | Case, device: str, ring: int) -> BlockRequest:
+    """What a call of ``config`` asks of a kernel under a ring of ``ring`` ranks (1: a single
+    device or a mesh without a ring)."""
     return BlockRequest(torch.device(device), DTYPES[config.dtype], config.head_dim, config.heads_q,
-                        config.heads_kv, config.window, context_parallel and windowed)
+                        config.heads_kv, config.window, window_by_position(config.window, ring))
 
 
-def claim(kernel: str, config: Config | Case, device: str, context_parallel: bool) -> str | None:
-    """None when ``kernel`` claims the case, else its reason ("auto" claims everything)."""
+def claim(kernel: str, config: Config | Case, device: str, ring: int) -> str | None:
+    """None when ``kernel`` claims the case under a ring of ``ring`` ranks, else its reason
+    ("auto" claims everything)."""
     if kernel == "auto":
         return None
-    return KERNELS[kernel].supports(kernel_request(config, device, context_parallel))
+    return KERNELS[kernel].supports(kernel_request(config, device, ring))
 
 
 def draw(seed: int, phase: str, index: int, device: str, kernels: tuple[str, ...] = ()) -> tuple[Case, list[Run]]:
@@ -311,7 +314,7 @@ def _config(seed: int, phase: str, index: int, device: str, kernels: tuple[str, 
         # the first draw continues the case's own stream: without --kernels, a seed draws what it did before
         draws = rng if attempt == 0 else random.Random(f"{seed}/{phase}/{index}/config/{attempt}")
         config = _fresh_config(draws, phase, device)
-        claiming = [k for k in (kernels or ("auto", *KERNELS)) if claim(k, config, device, context_parallel=cp) is None]
+        claiming = [k for k in (kernels or ("auto", *KERNELS)) if claim(k, config, device, PHASES[phase][1]) is None]
         if claiming:
             return config if not cp else dataclasses.replace(config, kernel=draws.choice(claiming))
     raise ValueError(f"--kernels: none of {list(kernels)} claims any of {CLAIM_ATTEMPTS} cases drawn for phase "
@@ -784,7 +787,7 @@ class Rank:
         if run.mode == "baseline":
             return None
         if run.mode == "kernel":
-            reason = claim(run.kernel, case, self.config.device, context_parallel=False)
+            reason = claim(run.kernel, case, self.config.device, ring=1)
             if reason is not None:
                 return f"not claimed: {run.kernel} {reason}"
             if run.kernel == "torch" and case.tokens > self.profile.torch_max_tokens:

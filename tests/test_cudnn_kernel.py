@@ -86,7 +86,7 @@ def test_mask_bounds_count_the_diagonal_in_the_left_bound():
 def cuda_request(window=(-1, -1), cp=False, head_dim=128) -> BlockRequest:
     q = torch.empty(1, 4, head_dim, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 2, head_dim, dtype=torch.bfloat16, device="meta")
-    return dataclasses.replace(BlockRequest.of(q, k, window, context_parallel=cp), device=torch.device("cuda"))
+    return dataclasses.replace(BlockRequest.of(q, k, window, window_by_position=cp), device=torch.device("cuda"))
 
 
 @pytest.fixture
@@ -412,12 +412,17 @@ CP_MESH = (2, 2)
 SUITE = "test_cudnn_kernel:suite"
 
 
+def supports_but_positions(kernel: cudnn.CudnnKernel, request: BlockRequest) -> str | None:
+    """The kernel's refusal of a window by position, its CUDA-only checks waived."""
+    return cudnn._NO_WINDOW_BY_POSITION if request.window_by_position else None
+
+
 @dataclasses.dataclass(frozen=True)
 class StandInCase(AttentionCase):
     """The attention under eager CP with every block on the cudnn kernel, its cuDNN calls run
     by :class:`RaggedStandIn` and its local region's outputs starting as NaN (in the world's
-    processes, which the test's monkeypatch does not reach; the kernel's CUDA-only
-    ``supports`` is waived there)."""
+    processes, which the test's monkeypatch does not reach; the kernel's CUDA-only checks
+    are waived there, its refusal of a window by position kept)."""
 
     @property
     def id(self) -> str:
@@ -426,17 +431,22 @@ class StandInCase(AttentionCase):
     def run(self, world: World) -> dict:
         with mock.patch.object(cudnn, "GRAPHS", RaggedStandIn()), \
                 mock.patch.object(cudnn, "uninitialized", PoisonedBuffers()), \
-                mock.patch.object(cudnn.CudnnKernel, "supports", lambda kernel, request: None), \
+                mock.patch.object(cudnn.CudnnKernel, "supports", supports_but_positions), \
                 hc.context_parallel(world.mesh, placement=self.placement, kernel="cudnn"):
             return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
 
 
 CP_CASES = [StandInCase("many", 4, 2, True), StandInCase("mixed", 4, 1, True), StandInCase("long", 4, 4, False),
             StandInCase("mixed", 4, 2, True, placement="zigzag")]
+# a mesh without a ring: its window masks by the offsets in the segments, which cuDNN takes
+# (layout.window_by_position); the stand-in, like cuDNN, ignores positions, so a block that
+# needed them would give a wrong answer here
+WINDOW_MESH = (2, 1)
+WINDOW_CASES = [StandInCase("long", 4, 2, True, (17, 0)), StandInCase("mixed", 4, 2, True, (4, 0))]
 
 
 def suite(mesh: tuple[int, int]) -> list:
-    return CP_CASES
+    return WINDOW_CASES if tuple(mesh) == WINDOW_MESH else CP_CASES
 
 
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
@@ -445,6 +455,18 @@ def test_under_context_parallelism_matches_reference(cp_world, case):
     calls; full ones) and the local region through the kernel's calls, on 2 x 2."""
     reference = expected_for(case)
     for rank, result in enumerate(cp_world(CP_MESH, suite=SUITE).values(case.id)):
+        index = result["global_index"]
+        for name in ("out", "dq", "dk", "dv"):
+            assert_matches(result[name], local_rows(reference[name], index), f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c.id)
+def test_a_window_on_a_mesh_without_a_ring_matches_reference(cp_world, case):
+    """Ulysses alone (2 x 1) under a sliding window: every block through the kernel's calls
+    with the window by offsets, and "auto" may take cudnn there (it refuses a window by
+    position, which a ring needs)."""
+    reference = expected_for(case)
+    for rank, result in enumerate(cp_world(WINDOW_MESH, suite=SUITE).values(case.id)):
         index = result["global_index"]
         for name in ("out", "dq", "dk", "dv"):
             assert_matches(result[name], local_rows(reference[name], index), f"rank {rank} {name}")

@@ -142,7 +142,6 @@ def test_gpu_cases_cover_the_issue():
     seen = {key: set() for key in ("ratio", "head_dim", "dtype", "mask", "kernel")}
     hkv_below_ulysses = one_token_batches_with_empty_documents = 0
     for phase, (ulysses, ring) in props.PHASES.items():
-        edges = props.code_thresholds(ring)
         for index in range(500):
             case, runs = props.draw(0, phase, index, "cuda")
             assert (case, runs) == props.draw(0, phase, index, "cuda")  # every rank draws the same
@@ -162,7 +161,7 @@ def test_gpu_cases_cover_the_issue():
                 assert {r.mode for r in runs} == {"baseline", "eager", "compiled"}
                 kernel = runs[1].kernel
                 seen["kernel"].add(kernel)
-                assert props.claim(kernel, case, "cuda", context_parallel=True) is None
+                assert props.claim(kernel, case, "cuda", props.PHASES[case.phase][1]) is None
                 if kernel == "torch":
                     assert case.tokens <= profile.torch_max_tokens
     assert {0, 1, 2, 3} <= set(lengths)

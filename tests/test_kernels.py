@@ -615,7 +615,7 @@ def test_kernel_under_context_parallelism_matches_reference(cp_world, case):
 def request(device="cpu", dtype=torch.float32, head_dim=64, window=(-1, -1), cp=False) -> BlockRequest:
     q = torch.empty(1, 4, head_dim, dtype=dtype, device="meta")
     k = torch.empty(1, 2, head_dim, dtype=dtype, device="meta")
-    return dataclasses.replace(BlockRequest.of(q, k, window, context_parallel=cp), device=torch.device(device))
+    return dataclasses.replace(BlockRequest.of(q, k, window, window_by_position=cp), device=torch.device(device))
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

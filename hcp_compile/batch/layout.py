@@ -318,6 +318,15 @@ def step_sources(ring_rank: int, ring: int, steps: int) -> list[int]:
     return [(ring_rank - s) % ring for s in range(steps)]
 
 
+def window_by_position(window: tuple[int, int], ring: int) -> bool:
+    """Whether a window must mask by the tokens' positions in their documents (passed to the
+    kernels with each step) rather than by offsets inside the step's segments. Only a ring of
+    several ranks needs positions: with one ring rank a document's zigzag is the document
+    itself, so every segment holds its document's rows in order from position 0, and its
+    offsets are the positions (any kernel that windows varlen segments can take the call)."""
+    return window != (-1, -1) and ring > 1
+
+
 def step_kind(ring_rank: int, source: int, causal: bool) -> StepKind:
     if not causal:
         return StepKind.FULL

@@ -207,7 +207,7 @@ def hierarchical_varlen_attention(
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
     steps = schedule_steps(rank_sizes, groups.ring_size)
-    windowed = window != (-1, -1)
+    windowed = layout.window_by_position(window, groups.ring_size)
     flat = torch.ops.hcp.schedule_tables(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
         groups.ring_rank, groups.ulysses_rank, steps, causal, windowed, values,

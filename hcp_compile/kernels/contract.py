@@ -213,7 +213,7 @@ class BlockRequest:
     heads_kv: int
     window: tuple[int, int] = (-1, -1)
     # the window masks by positions inside the document, not inside the block's segments
-    # (ring steps under context parallelism)
+    # (ring steps under context parallelism with a ring of several ranks)
     window_by_position: bool = False
     # the batch's composition where the caller knows it on the host: its number of documents
     # and the longest (``kernel="auto"`` judges a call by them; None: unknown)
@@ -222,11 +222,11 @@ class BlockRequest:
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, window: tuple[int, int] = (-1, -1), *,
-           context_parallel: bool = False, segments: int | None = None,
+           window_by_position: bool = False, segments: int | None = None,
            longest: int | None = None) -> "BlockRequest":
         windowed = window != (-1, -1)
         return cls(q.device, q.dtype, int(q.shape[-1]), int(q.shape[1]), int(k.shape[1]),
-                   window, context_parallel and windowed, segments, longest)
+                   window, window_by_position and windowed, segments, longest)
 
 
 class Kernel(Protocol):

@@ -115,8 +115,8 @@ WORKSPACE_SHARE = 0.15
 # for a few batches
 CACHED_BLOCKS = 256
 _NO_WINDOW_BY_POSITION = (
-    "cannot apply a sliding window under context parallelism (its masks are local to a "
-    "block; the window needs positions inside the document)"
+    "cannot apply a sliding window under context parallelism with a ring of several ranks "
+    "(its masks are local to a block; a ring step's window needs positions inside the document)"
 )
 
 
