@@ -1,15 +1,17 @@
 """The input contract of hcp_compile (docs/design.md §9): every rule, its condition and its
 message, in one place.
 
-Errors name the argument, say what was expected and how to fix it. Two kinds of rules live
+Errors name the argument, say what was expected and how to fix it, and name only the rules the
+input broke (tests/test_error_messages.py checks each text). Two kinds of rules live
 here. The rules of a call that need no batch values (types, shapes, head split, window) are
 checked by the functions below, on the host by the single-device op and eager CP, and at
 compile time by the ``hcp`` rewrite (``passes/rewrite.py``). The rules of a batch (its
 ``cu_seqlens`` against the call and the mesh) are :class:`Rule` records checked by one
 function, :func:`check`, on the host copy of ``cu_seqlens`` that every path reads
 anyway; it returns :class:`Failure` records that eager CP raises after the ranks agree and
-the compiled path turns into agreed flags (:data:`BATCH_RULES`), which carry no values, so
-there the message leaves out what was found. All checks run before any collective.
+the compiled path turns into agreed flags (:data:`BATCH_RULES`, one per rule and argument),
+which carry no values, so there the message names the arguments and rules that failed but
+leaves out what was found: it is the same on every rank. All checks run before any collective.
 """
 
 from __future__ import annotations
@@ -47,14 +49,17 @@ class Rule:
 
 @dataclass(frozen=True)
 class Failure:
-    """A rule one call broke, with the message that says how (the value found)."""
+    """A rule one call broke for ``argument``, with the message that says how (the value
+    found)."""
 
     rule: Rule
+    argument: str
     message: str
 
     @classmethod
     def of(cls, rule: Rule, found: str = "", argument: str = "") -> "Failure":
-        return cls(rule, rule.message(found, argument))
+        argument = argument or rule.argument
+        return cls(rule, argument, rule.message(found, argument))
 
     def error(self) -> InputError:
         return InputError(self.message)
@@ -75,13 +80,14 @@ CU_NON_DECREASING = Rule(
     "cu_seqlens", "must be non-decreasing (cumulative document lengths)",
     "pass the running sum of the document lengths, starting at 0",
 )
+# an int by then: the op's schema and varlen_attention's type check (MAX_SEQLEN_INT) make it one
 MAX_SEQLEN_COVERS = Rule(
-    "max_seqlen", "must be an int at least the longest document's length",
+    "max_seqlen", "must be at least the longest document's length",
     "pass the longest document length (or larger)",
 )
 SHARD_TOKENS = Rule(
-    "q, k, v", "under context parallelism must hold this rank's token count under "
-    "shard_plan(cu_seqlens, mesh, placement=...) for the attention's mesh and placement",
+    "q, k, v", "under context parallelism must hold this rank's token count of "
+    "shard_plan(cu_seqlens, mesh, placement)",
     "pass the local shards, hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)",
 )
 SAME_DOCUMENTS = Rule(
@@ -90,48 +96,66 @@ SAME_DOCUMENTS = Rule(
 )
 PLANNED_FOR_THIS_MESH = Rule(
     "cu_seqlens", "must be the batch shard_plan laid out for the attention's mesh shape and "
-    "placement", "give shard_plan the mesh and placement of context_parallel (or of the hcp "
-    "backend's options)",
+    "placement", "give shard_plan the mesh and placement the attention runs with",
 )
 # a single device: each cu_seqlens describes the whole tensor of its side
 CU_ENDS_AT_TOKENS = Rule(
     "cu_seqlens", "last entry must equal the number of packed tokens",
-    "the last entry must equal the number of packed tokens",
+    "pass the cu_seqlens of the tensors' own packed batch",
 )
 SAME_DOCUMENT_COUNT = Rule(
     "cu_seqlens_q, cu_seqlens_k", "expected the same number of documents",
     "pass one entry per document in both",
 )
+# one fingerprint tells the ranks whether they hold the same batch and options, not which differ
 SAME_BATCH = Rule(
-    "cu_seqlens", "must be the same global cu_seqlens on every rank of the context-parallel "
-    "mesh (the one its shards were cut from)", "check the data loader: all ranks of a "
-    "context-parallel group read the same batch",
+    "cu_seqlens", "must be the same on every rank of the context-parallel mesh, as must the mesh "
+    "shape and options", "give every rank the same batch (check the data loader) and the same options",
 )
-
 BATCHES_DIFFER = (
     "another cu_seqlens, mesh shape, placement, recompute_exchange or scheme on some rank (the "
-    "ranks were given different batches or options), or compiled graphs built for batches that "
-    "exchange different things on some ranks (where one could not be built, a warning said why)"
+    "ranks were given different batches or options)"
+)
+# compiled: the same batch, but a rank runs a broader graph because it could not build the
+# graph the others run (graph_variants), so their collectives differ
+SAME_GRAPH = Rule(
+    "compiled graphs", "every rank must run the graph for what the batch exchanges",
+    "see the warning of the rank that could not build its graph",
+)
+GRAPHS_DIFFER = "graphs built for batches that exchange different things on some ranks"
+
+# the rules of a batch under context parallelism for each argument they check, in the order of
+# the compiled path's flags and of its error's lines
+BATCH_RULES: tuple[tuple[Rule, str], ...] = (
+    (CU_STARTS_AT_0, "cu_seqlens_q"), (CU_STARTS_AT_0, "cu_seqlens_k"),
+    (CU_NON_DECREASING, "cu_seqlens_q"), (CU_NON_DECREASING, "cu_seqlens_k"),
+    (SHARD_TOKENS, "q"), (SHARD_TOKENS, "k"), (SHARD_TOKENS, "v"),
+    (SAME_DOCUMENTS, "cu_seqlens_k"),
+    (MAX_SEQLEN_COVERS, "max_seqlen_q"), (MAX_SEQLEN_COVERS, "max_seqlen_k"),
+    (PLANNED_FOR_THIS_MESH, "cu_seqlens"),
 )
 
-# the rules of a batch under context parallelism, in the order of the compiled path's flags
-BATCH_RULES = (
-    CU_STARTS_AT_0, CU_NON_DECREASING, SHARD_TOKENS, SAME_DOCUMENTS, MAX_SEQLEN_COVERS,
-    PLANNED_FOR_THIS_MESH,
-)
 
-
-def rejected_batch_error(failed: Sequence[bool], batches_differ: bool) -> InputError | None:
+def rejected_batch_error(
+    failed: Sequence[bool], *, batches_differ: bool, graphs_differ: bool,
+) -> InputError | None:
     """The error of the compiled path's batch check, from its flags agreed over the mesh (None
-    when they accept the batch): every failed rule's message."""
-    messages = [rule.message() for rule, bad in zip(BATCH_RULES, failed) if bad]
+    when they accept the batch): one line per failed rule, naming the arguments that broke it.
+    Ranks given different batches may run different graphs too (each batch picks its own): the
+    graphs are named only where the batches agree."""
+    arguments: dict[Rule, list[str]] = {}
+    for (rule, argument), bad in zip(BATCH_RULES, failed):
+        if bad:
+            arguments.setdefault(rule, []).append(argument)
+    messages = [rule.message(argument=", ".join(names)) for rule, names in arguments.items()]
     if batches_differ:
         messages.append(SAME_BATCH.message(BATCHES_DIFFER))
+    elif graphs_differ:
+        messages.append(SAME_GRAPH.message(GRAPHS_DIFFER))
     if not messages:
         return None
     return InputError(
-        "cu_seqlens: the batch does not match the local shards on some rank of the "
-        "context-parallel mesh (checked when the compiled graph ran, agreed by every rank); failed:\n"
+        "the compiled graph's batch check failed on a rank of the context-parallel mesh:\n"
         + "\n".join(f"  - {message}" for message in messages)
     )
 
@@ -146,7 +170,18 @@ def check_same_token_counts(q: Tensor, k: Tensor, v: Tensor) -> None:
     when the graph runs)."""
     counts = (q.shape[0], k.shape[0], v.shape[0])
     if counts[1] != counts[0] or counts[2] != counts[0]:
-        raise SHARD_TOKENS.error(f"{counts[0]}, {counts[1]} and {counts[2]} tokens (q, k, v)")
+        q_count, k_count, v_count = (_hint(c) for c in counts)
+        raise SHARD_TOKENS.error(f"{q_count}, {k_count} and {v_count} tokens (q, k, v)")
+
+
+def _hint(size: int | torch.SymInt) -> int:
+    """A size for a message: a dynamic one (compiled) as its example value, not as a symbol
+    the user never named."""
+    return size.node.hint if isinstance(size, torch.SymInt) else size
+
+
+def _shown(t: Tensor) -> tuple[int, ...]:
+    return tuple(_hint(size) for size in t.shape)
 
 
 def check_cu_seqlens_dtype(cu_seqlens: Tensor, name: str) -> None:
@@ -162,7 +197,7 @@ def check_cu_seqlens_dtype(cu_seqlens: Tensor, name: str) -> None:
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise InputError(
             f"{name}: expected a 1-D tensor [num_docs + 1] with at least 2 entries, got shape "
-            f"{tuple(cu_seqlens.shape)}"
+            f"{tuple(cu_seqlens.shape)}; pass the document boundaries [0, ..., tokens]"
         )
 
 
@@ -172,22 +207,30 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, token_counts: bool = True) -> 
     :data:`SHARD_TOKENS`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 3:
-            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise InputError(f"{name}: expected a tensor of shape [tokens, heads, head_dim], got {shape}")
+            shape = _shown(t) if isinstance(t, Tensor) else type(t).__name__
+            raise InputError(
+                f"{name}: expected a tensor of shape [tokens, heads, head_dim], got {shape}; pass "
+                "the packed batch (THD), one row per token"
+            )
     first = 0 if token_counts else 1
     if k.shape[first:] != v.shape[first:]:
-        raise InputError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise InputError(f"k, v: expected equal shapes, got {_shown(k)} and {_shown(v)}")
     if q.shape[2] != k.shape[2]:
-        raise InputError(f"q, k: head_dim differs ({q.shape[2]} vs {k.shape[2]})")
-    if len({q.dtype, k.dtype, v.dtype}) != 1 or len({q.device, k.device, v.device}) != 1:
         raise InputError(
-            f"q, k, v: expected one dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
-            f"{q.device}/{k.device}/{v.device}"
+            f"q, k: expected the same head_dim, got {_hint(q.shape[2])} and {_hint(k.shape[2])}"
+        )
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise InputError(
+            f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype} and {v.dtype}; convert them to one"
+        )
+    if len({q.device, k.device, v.device}) != 1:
+        raise InputError(
+            f"q, k, v: expected one device, got {q.device}, {k.device} and {v.device}; move them to one"
         )
     if q.shape[1] % k.shape[1] != 0:
         raise InputError(
-            f"q, k: query heads ({q.shape[1]}) must be a multiple of key/value heads "
-            f"({k.shape[1]}) for grouped-query attention"
+            f"q, k: query heads ({_hint(q.shape[1])}) must be a multiple of key/value heads "
+            f"({_hint(k.shape[1])}) for grouped-query attention"
         )
 
 
@@ -209,17 +252,18 @@ def check_head_split(heads_q: int, heads_kv: int, ulysses: int) -> None:
 # rules of a single-device call (and the Python types of any call)
 # --------------------------------------------------------------------------------------------
 
-def check_argument_types(tensors: Mapping[str, object], ints: Mapping[str, object]) -> None:
+MAX_SEQLEN_INT = Rule("max_seqlen", "expected an int", "pass the longest document length as an int")
+
+
+def check_argument_types(tensors: Mapping[str, object], max_seqlens: Mapping[str, object]) -> None:
     """The Python types, which the op's schema would reject with a dispatcher error or
-    coerce (a float ``max_seqlen`` becomes an int)."""
+    coerce (a bool ``max_seqlen`` becomes an int)."""
     for name, value in tensors.items():
         if not isinstance(value, Tensor):
             raise InputError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    for name, value in ints.items():
+    for name, value in max_seqlens.items():
         if not isinstance(value, int) or isinstance(value, bool):
-            raise InputError(
-                f"{name}: got {value!r}; expected an int, the longest document length (or larger)"
-            )
+            raise MAX_SEQLEN_INT.error(repr(value), name)
 
 
 def check_window(window_size: tuple[int, int]) -> tuple[int, int]:
@@ -265,7 +309,7 @@ class BatchCall:
     """What one attention call brings to the checks of its batch, as the host sees it."""
 
     tokens: Mapping[str, int]  # token counts of "q", "k" and "v"
-    max_seqlens: Mapping[str, object]  # "max_seqlen_q", "max_seqlen_k" as passed
+    max_seqlens: Mapping[str, int]  # "max_seqlen_q", "max_seqlen_k" as passed
     keys: BatchValues | None = None  # cu_seqlens_k's values; None: the tensor of cu_seqlens_q
     rank: tuple[int, int] = (0, 0)  # (ring rank, Ulysses rank) under context parallelism
     planned: MeshShape | None = None  # what shard_plan laid these values out for last
@@ -285,9 +329,13 @@ def check(prepared: PreparedBatch, call: BatchCall) -> tuple[Failure, ...]:
 
 
 def flags(failures: tuple[Failure, ...]) -> list[bool]:
-    """One flag per rule of :data:`BATCH_RULES`: True where ``failures`` break it."""
-    broken = {failure.rule for failure in failures}
-    return [rule in broken for rule in BATCH_RULES]
+    """One flag per rule and argument of :data:`BATCH_RULES`: True where ``failures`` break it."""
+    broken = {(failure.rule, failure.argument) for failure in failures}
+    unflagged = broken - set(BATCH_RULES)
+    if unflagged:  # a failure the compiled path could not report would let the batch run
+        names = sorted(f"{argument}: {rule.expected}" for rule, argument in unflagged)
+        raise RuntimeError(f"hcp_compile (internal): the compiled batch check has no flag for {names}")
+    return [key in broken for key in BATCH_RULES]
 
 
 def _single_device(queries: BatchValues, keys: BatchValues, call: BatchCall) -> tuple[Failure, ...]:
@@ -296,7 +344,7 @@ def _single_device(queries: BatchValues, keys: BatchValues, call: BatchCall) -> 
     for cu_name, values, tensors in (("cu_seqlens_q", queries, "q"), ("cu_seqlens_k", keys, "kv")):
         for name in tensors:
             if call.tokens[name] != values.num_tokens:
-                failed.append(Failure(CU_ENDS_AT_TOKENS, (
+                failed.append(Failure(CU_ENDS_AT_TOKENS, cu_name, (
                     f"{cu_name}: last entry is {values.num_tokens} but {name} has "
                     f"{call.tokens[name]} tokens; {CU_ENDS_AT_TOKENS.fix}"
                 )))
@@ -331,9 +379,9 @@ def _context_parallel(prepared: PreparedBatch, call: BatchCall) -> tuple[Failure
     return tuple(failed)
 
 
-def _max_seqlen(name: str, max_seqlens: Mapping[str, object], longest: int) -> list[Failure]:
+def _max_seqlen(name: str, max_seqlens: Mapping[str, int], longest: int) -> list[Failure]:
     bound = max_seqlens[name]
-    if isinstance(bound, int) and not isinstance(bound, bool) and bound >= longest:
+    if bound >= longest:
         return []
-    found = f"{bound!r} while the longest document in cu_seqlens has {longest} tokens"
+    found = f"{bound} while the longest document in cu_seqlens has {longest} tokens"
     return [Failure.of(MAX_SEQLEN_COVERS, found, name)]

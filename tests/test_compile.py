@@ -420,7 +420,8 @@ def test_batch_not_fitting_the_shards_raises_on_every_rank(cp_world, mesh, case,
     for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
         outcome = result[phase]
         assert "hcp_compile.validation.InputError" in outcome["types"], f"rank {rank}: {outcome}"
-        assert "the batch does not match the local shards" in outcome["message"], f"rank {rank}: {outcome}"
+        assert "the compiled graph's batch check failed on a rank of the context-parallel mesh" in outcome["message"], \
+            f"rank {rank}: {outcome}"
         assert result["graphs"] == 1, f"rank {rank}: compiled {result['graphs']} graphs"
         assert_matches(result["first"], local_rows(expected_out, result["global_index"]),
                        f"rank {rank} out of the valid batch")

@@ -852,7 +852,7 @@ def compiled_on(mesh, model: nn.Module):
 
 def test_compiled_refuses_max_seqlen_below_the_longest_document(mesh):
     q, k, v = qkv()
-    with pytest.raises(hc.InputError, match="max_seqlen: must be an int at least the longest document's length"):
+    with pytest.raises(hc.InputError, match="max_seqlen_q, max_seqlen_k: must be at least the longest document's length"):
         compiled_on(mesh, GivenMaxSeqlen())(q, k, v, CU, 6)
 
 

@@ -221,8 +221,9 @@ def test_check_flags_exactly_the_broken_rules():
         keys=others, rank=(0, 1), planned=MeshShape(2, 1, "zigzag"),
     )
     failures = validation.check(batch, call)
-    # BATCH_RULES: starts at 0, non-decreasing, shard tokens, same documents, max_seqlen, planned
-    assert validation.flags(failures) == [False, False, True, True, True, True]
+    # BATCH_RULES, one flag per rule and argument: starts at 0 (q, k), non-decreasing (q, k),
+    # shard tokens (q, k, v), same documents, max_seqlen (q, k), planned
+    assert validation.flags(failures) == [False, False, False, False, True, True, True, True, True, False, True]
     assert [f.message.split(":")[0] for f in failures] == [
         "cu_seqlens_k", "max_seqlen_q", "cu_seqlens", "q", "k", "v"]
     fine = validation.BatchCall({n: sum(DOCS) for n in "qkv"}, {"max_seqlen_q": max(DOCS), "max_seqlen_k": max(DOCS)})

@@ -24,7 +24,7 @@ from hcp_compile.validation import BatchCall, Failure, check
 
 def checked_batch(
     queries: BatchValues, keys: BatchValues | None, mesh: MeshShape | None, tokens: Sequence[int],
-    max_seqlens: Sequence[object], rank: tuple[int, int] = (0, 0),
+    max_seqlens: Sequence[int], rank: tuple[int, int] = (0, 0),
 ) -> tuple[PreparedBatch, tuple[Failure, ...]]:
     """The batch ``queries`` (``cu_seqlens_q``'s values) prepared for ``mesh`` (None: one
     device, nothing to lay out), and the rules a call breaks on it: ``keys``,

@@ -189,21 +189,17 @@ class PreparedBatch:
             return Exchanges.HEADS if self._derived["exchanged"] else Exchanges.NOTHING
         return Exchanges.RING
 
-    def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME,
-                    graph_for: Exchanges = Exchanges.RING) -> int:
+    def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME) -> int:
         """A hash of the values, the mesh shape, the placement, ``recompute_exchange`` and the
         collective scheme (the options every rank must share: ranks that differ in them would
         exchange buffers of different layouts or sizes), below 2**62 so that its negation fits
         an int64 too: ranks all-reduce the maximum of both to learn whether they hold the same
         batch. Names, not indices, go in, so any number of placements and schemes is told
-        apart. ``graph_for``: the batches the compiled graph that checks the batch was built
-        for (graph_variants): ranks running graphs of different collectives then fail the
-        check together instead of waiting for each other."""
-        key = ("fingerprint", recompute_exchange, scheme, graph_for)
+        apart."""
+        key = ("fingerprint", recompute_exchange, scheme)
         if key not in self._derived:
             shape = "single" if self.mesh is None else f"{self.mesh.ulysses}x{self.mesh.ring}:{self.mesh.placement}"
-            graph = "" if graph_for is Exchanges.RING else f"|graph-for-{graph_for.value}"
-            salted = hashlib.sha256(self.batch.digest + f"|{shape}|{int(recompute_exchange)}|{scheme}{graph}".encode())
+            salted = hashlib.sha256(self.batch.digest + f"|{shape}|{int(recompute_exchange)}|{scheme}".encode())
             self._derived[key] = int.from_bytes(salted.digest()[:8], "little") & (2**62 - 1)
         return self._derived[key]
 

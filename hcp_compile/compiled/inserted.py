@@ -51,7 +51,7 @@ def checked_layout(
     batch are all-reduced over the mesh first, so every rank raises together (also when the
     ranks were given different batches, or differ in ``placement``, ``recompute_exchange`` or
     ``scheme``, or run graphs built for different batches beside each other (``graph_for``, a
-    :class:`prepared.Exchanges` value), which the fingerprint covers) instead of some ranks waiting in the
+    :class:`prepared.Exchanges` value), which the verdict covers) instead of some ranks waiting in the
     next collective. The verdict travels where eager CP's agreement does
     (:func:`mesh.agreement_device`): on the host where the groups' backends take a CPU tensor,
     so that reading it waits for no GPU work; only on a GPU-only backend (NCCL) is that read
@@ -80,9 +80,11 @@ class CheckedBatch(NamedTuple):
     sizes: tuple[int | torch.SymInt, ...]  # layout.rank_size_values of this rank, then the first cache key
 
 
-# the verdict: one flag per rule of validation.BATCH_RULES, then the fingerprint and its
-# negation (an all-reduced max of both gives the highest and the lowest fingerprint of the mesh)
-_FLAGS = len(validation.BATCH_RULES) + 2
+# the verdict: one flag per rule and argument of validation.BATCH_RULES, then the batch's
+# fingerprint and the graph's kind (Exchanges), each followed by its negation (an all-reduced max
+# of both gives the highest and the lowest of the mesh): apart, so the error can tell ranks given
+# different batches from ranks running different graphs of one batch
+_FLAGS = len(validation.BATCH_RULES) + 4
 
 
 @torch.library.custom_op("hcp::batch_layout", mutates_args=())
@@ -98,8 +100,9 @@ def batch_layout_op(
     first of the cache keys that name its segmentations of this batch. The verdict:
     ``validation.flags`` of the call (``tokens``: q, k and v's token counts,
     ``max_seqlens``: both ``max_seqlen``) on the batch's :class:`prepared.PreparedBatch`,
-    then its fingerprint and the negation. ``cu_on_host``: a CPU copy of ``cu_seqlens_q``, by
-    which ``hcp::schedule_tables`` finds the prepared batch.
+    then its fingerprint, the kind of graph (``graph_for``) and their negations.
+    ``cu_on_host``: a CPU copy of ``cu_seqlens_q``, by which ``hcp::schedule_tables`` finds
+    the prepared batch.
 
     On a GPU the rule's hundreds of small sorts, scans and searches, and the checks, would cost
     milliseconds of launches per call; the host copy of ``cu_seqlens``, made once per tensor and
@@ -132,7 +135,8 @@ def _check_call(
     prepared, failures = checked_batch(queries, keys, mesh, tokens, max_seqlens, rank)
     ring_rank, ulysses_rank = rank
     failed = validation.flags(failures)
-    fingerprint = prepared.fingerprint(recompute_exchange, scheme, Exchanges(graph_for))
+    fingerprint = prepared.fingerprint(recompute_exchange, scheme)
+    graph = list(Exchanges).index(Exchanges(graph_for))
     if prepared.laid_out:
         sizes = prepared.rank_size_values(ring_rank, ulysses_rank)
     else:
@@ -141,7 +145,8 @@ def _check_call(
     # left _batch_keys: it names the same segmentations
     key = _batch_keys.key((queries.digest, mesh.ulysses, mesh.ring, mesh.placement, ring_rank, ulysses_rank),
                           cache_keys_needed(mesh.ring))
-    return torch.tensor([*failed, fingerprint, -fingerprint, *sizes.tolist(), key], dtype=torch.int64)
+    verdict = [*failed, fingerprint, -fingerprint, graph, -graph]
+    return torch.tensor([*verdict, *sizes.tolist(), key], dtype=torch.int64)
 
 
 # the keys of the batches seen last (a compiled model's graphs see one batch per step)
@@ -168,8 +173,9 @@ def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_r
 def raise_if_rejected(flags: Tensor, sizes: Tensor) -> Tensor:
     """Raise :class:`InputError` on the host if the (agreed) ``flags`` reject the batch, else
     pass ``sizes`` on."""
-    *failed, highest, negated_lowest = flags.tolist()
-    error = validation.rejected_batch_error(failed, batches_differ=highest != -negated_lowest)
+    *failed, highest, negated_lowest, highest_graph, negated_lowest_graph = flags.tolist()
+    error = validation.rejected_batch_error(failed, batches_differ=highest != -negated_lowest,
+                                            graphs_differ=highest_graph != -negated_lowest_graph)
     if error is not None:
         raise error
     return sizes.clone()

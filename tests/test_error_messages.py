@@ -1,0 +1,375 @@
+"""The whole text of every error hcp_compile raises for bad input, each triggered by a minimal
+input: it names the argument, what was expected and the fix, and no rule the input did not break
+(hcp_compile/validation.py). An exact comparison checks both at once.
+
+Single-process: one device, or a one-rank gloo world (``one_rank_mesh``) for the eager and
+compiled context-parallel doors; the errors that need ranks to disagree run in one 2-rank world
+(:func:`rank_cases`). The errors of the mesh, plans, packing, kernels, marks and transformers
+are checked, by the rule they name, with the features they belong to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import hcp_compile as hc
+from hcp_compile import validation
+from hcp_compile.batch.prepared import prepare_batch
+from hcp_compile.compiled.backend import default_mesh
+from hcp_compile.kernels import KERNEL_CHOICES
+from hcp_compile.passes.match import UnsupportedAttention, _window
+from cp_cases import ErrorSetup, World, cu_seqlens, seeded
+
+DOCS = (5, 0, 9)  # 14 tokens, the longest 9
+CU = cu_seqlens(DOCS)
+Q = seeded("messages/q", 14, 4, 8)
+KV = seeded("messages/kv", 14, 2, 8)
+
+
+def message_of(action: Callable[[], object], error: type[BaseException] = hc.InputError) -> str:
+    with pytest.raises(error) as raised:
+        action()
+    return str(raised.value)
+
+
+def call(**overrides) -> dict:
+    return {"q": Q, "k": KV, "v": KV, "cu_seqlens_q": CU, "cu_seqlens_k": CU, "max_seqlen_q": 9,
+            "max_seqlen_k": 9, "causal": True, **overrides}
+
+
+# --------------------------------------------------------------------------------------------
+# one device: varlen_attention with no context parallelism
+# --------------------------------------------------------------------------------------------
+
+SINGLE_DEVICE = {
+    "q-not-a-tensor": ({"q": Q.tolist()}, "q: expected a torch.Tensor, got list"),
+    "max-seqlen-not-int": (
+        {"max_seqlen_q": 9.0},
+        "max_seqlen_q: expected an int, got 9.0; pass the longest document length as an int"),
+    "window": (
+        {"window_size": (-2, 0)},
+        "window_size: expected (left, right) ints >= -1 (-1 = unlimited), got (-2, 0)"),
+    "q-2d": (
+        {"q": Q[:, 0]},
+        "q: expected a tensor of shape [tokens, heads, head_dim], got (14, 8); pass the packed "
+        "batch (THD), one row per token"),
+    "k-v-shapes": ({"v": KV[:, :1]}, "k, v: expected equal shapes, got (14, 2, 8) and (14, 1, 8)"),
+    "head-dim": ({"k": KV[..., :4], "v": KV[..., :4]}, "q, k: expected the same head_dim, got 8 and 4"),
+    # one dtype differs: the message does not speak of devices
+    "dtype": (
+        {"v": KV.double()},
+        "q, k, v: expected one dtype, got torch.float32, torch.float32 and torch.float64; convert "
+        "them to one"),
+    "gqa-heads": (
+        {"q": Q[:, :3]},
+        "q, k: query heads (3) must be a multiple of key/value heads (2) for grouped-query attention"),
+    "cu-dtype": (
+        {"cu_seqlens_k": CU.long()},
+        "cu_seqlens_k: expected dtype torch.int32 (as varlen attention kernels take), got "
+        "torch.int64; convert with cu_seqlens_k.to(torch.int32)"),
+    "cu-shape": (
+        {"cu_seqlens_q": CU[None]},
+        "cu_seqlens_q: expected a 1-D tensor [num_docs + 1] with at least 2 entries, got shape "
+        "(1, 4); pass the document boundaries [0, ..., tokens]"),
+    # cu_seqlens + 1 also ends past the tokens: only its own rule is named
+    "cu-start": ({"cu_seqlens_q": CU + 1}, "cu_seqlens_q: must start at 0, got 1; prepend a 0"),
+    "cu-decreasing": (
+        {"cu_seqlens_k": torch.tensor([0, 9, 5, 14], dtype=torch.int32)},
+        "cu_seqlens_k: must be non-decreasing (cumulative document lengths), got entry 2 (5) < "
+        "entry 1 (9); pass the running sum of the document lengths, starting at 0"),
+    "cu-last-entry": (
+        {"cu_seqlens_q": cu_seqlens((5, 0, 8)), "max_seqlen_q": 8},
+        "cu_seqlens_q: last entry is 13 but q has 14 tokens; pass the cu_seqlens of the tensors' "
+        "own packed batch"),
+    "document-counts": (
+        {"cu_seqlens_k": cu_seqlens((5, 9)), "causal": False},
+        "cu_seqlens_q, cu_seqlens_k: expected the same number of documents, got 3 and 2; pass one "
+        "entry per document in both"),
+    "max-seqlen-too-small": (
+        {"max_seqlen_k": 8},
+        "max_seqlen_k: must be at least the longest document's length, got 8 while the longest "
+        "document in cu_seqlens has 9 tokens; pass the longest document length (or larger)"),
+}
+
+
+@pytest.mark.parametrize("overrides, message", SINGLE_DEVICE.values(), ids=SINGLE_DEVICE.keys())
+def test_single_device_error_text(overrides, message):
+    assert message_of(lambda: hc.varlen_attention(**call(**overrides))) == message
+
+
+def test_device_differs_error_text():
+    """Not reachable through the op on a CPU-only machine (the dispatcher picks the meta
+    kernel first): the rule itself."""
+    message = message_of(lambda: validation.check_qkv(Q, KV, KV.to("meta")))
+    assert message == "q, k, v: expected one device, got cpu, cpu and meta; move them to one"
+
+
+def test_unknown_kernel_error_text():
+    message = message_of(lambda: torch.ops.hcp.varlen_attention(Q, KV, KV, CU, CU, 9, 9, True, 0.3, -1, -1, "x"))
+    assert message == f"kernel: expected one of {KERNEL_CHOICES}, got 'x'"
+
+
+# --------------------------------------------------------------------------------------------
+# eager context parallelism on a one-rank mesh
+# --------------------------------------------------------------------------------------------
+
+def attend_cp(mesh, **overrides) -> torch.Tensor:
+    # as a user does; it also replaces what another test's plan of these values recorded
+    hc.shard_plan(overrides.get("cu_seqlens_q", CU), mesh)
+    with hc.context_parallel(mesh):
+        return hc.varlen_attention(**call(**overrides))
+
+
+def test_cp_shard_tokens_error_text(one_rank_mesh):
+    assert message_of(lambda: attend_cp(one_rank_mesh, q=Q[:10])) == (
+        "q: under context parallelism must hold this rank's token count of shard_plan(cu_seqlens, "
+        "mesh, placement), got 10 tokens where this cu_seqlens sharded over ulysses=1 x ring=1 "
+        "(placement 'balanced') gives 14 per rank; pass the local shards, "
+        "hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)")
+
+
+def test_cp_same_documents_error_text(one_rank_mesh):
+    other = cu_seqlens((9, 0, 5))
+    assert message_of(lambda: attend_cp(one_rank_mesh, cu_seqlens_k=other)) == (
+        "cu_seqlens_k: must equal cu_seqlens_q under context parallelism (queries and keys come "
+        "from the same packed documents); pass the same cu_seqlens for both")
+
+
+def test_cp_max_seqlen_error_text(one_rank_mesh):
+    assert message_of(lambda: attend_cp(one_rank_mesh, max_seqlen_q=8)) == (
+        "max_seqlen_q: must be at least the longest document's length, got 8 while the longest "
+        "document in cu_seqlens has 9 tokens; pass the longest document length (or larger)")
+
+
+def test_cp_planned_for_another_placement_error_text(one_rank_mesh):
+    cu = cu_seqlens((6, 8))  # values of its own: the record of the plan is kept by value
+    hc.shard_plan(cu, one_rank_mesh, placement="zigzag")
+    with hc.context_parallel(one_rank_mesh):
+        message = message_of(lambda: hc.varlen_attention(**call(cu_seqlens_q=cu, cu_seqlens_k=cu)))
+    assert message == (
+        "cu_seqlens: must be the batch shard_plan laid out for the attention's mesh shape and "
+        "placement, got a batch sharded for ulysses=1 x ring=1 with placement='zigzag', but the "
+        "attention runs on ulysses=1 x ring=1 with placement='balanced'; give shard_plan the mesh "
+        "and placement the attention runs with")
+
+
+def test_graph_of_another_backend_inside_context_parallel_error_text(one_rank_mesh):
+    compiled = torch.compile(hc.varlen_attention, backend="aot_eager", fullgraph=True)
+    with hc.context_parallel(one_rank_mesh):
+        message = message_of(lambda: compiled(**call()))
+    assert message == (
+        "varlen_attention: a graph compiled with a backend other than 'hcp' ran inside "
+        "hcp_compile.context_parallel, so its attention would ignore the other ranks' tokens; "
+        "compile with backend='hcp' (options={'mesh': mesh}) or run eagerly")
+
+
+# --------------------------------------------------------------------------------------------
+# the compiled door on a one-rank mesh: the agreed batch check names only the failed rules
+# --------------------------------------------------------------------------------------------
+
+CHECK_FAILED = "the compiled graph's batch check failed on a rank of the context-parallel mesh:\n"
+# eager and compiled: ranks given different batches or options
+SAME_BATCH = (
+    "cu_seqlens: must be the same on every rank of the context-parallel mesh, as must the mesh "
+    "shape and options, got another cu_seqlens, mesh shape, placement, recompute_exchange or scheme "
+    "on some rank (the ranks were given different batches or options); give every rank the same "
+    "batch (check the data loader) and the same options")
+MAX_SEQLEN_LINE = ": must be at least the longest document's length; pass the longest document length (or larger)"
+
+
+@pytest.fixture
+def compiled(one_rank_mesh) -> Iterator[Callable]:
+    """``varlen_attention`` compiled by the hcp backend (eager inner compiler: the fastest),
+    every argument an input; the batch ``CU`` planned for the mesh."""
+    torch._dynamo.reset()
+    hc.shard_plan(CU, one_rank_mesh)
+
+    def attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        return hc.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   causal=causal)
+
+    yield torch.compile(attend, backend="hcp", fullgraph=True,
+                        options={"mesh": one_rank_mesh, "inner": "eager"})
+    torch._dynamo.reset()
+
+
+COMPILED_BATCH = {
+    # max_seqlen alone: no rule of the shards or of cu_seqlens
+    "max-seqlen-both": ({"max_seqlen_q": 8, "max_seqlen_k": 8},
+                        f"  - max_seqlen_q, max_seqlen_k{MAX_SEQLEN_LINE}"),
+    "max-seqlen-k": ({"max_seqlen_k": 8}, f"  - max_seqlen_k{MAX_SEQLEN_LINE}"),
+    "tokens": (
+        {"q": Q[:12], "k": KV[:12], "v": KV[:12]},
+        "  - q, k, v: under context parallelism must hold this rank's token count of "
+        "shard_plan(cu_seqlens, mesh, placement); pass the local shards, "
+        "hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)"),
+    "same-documents": (
+        {"cu_seqlens_k": cu_seqlens((9, 0, 5))},
+        "  - cu_seqlens_k: must equal cu_seqlens_q under context parallelism (queries and keys "
+        "come from the same packed documents); pass the same cu_seqlens for both"),
+    "cu-start": ({"cu_seqlens_q": CU + 1, "cu_seqlens_k": CU}, "  - cu_seqlens_q: must start at 0; prepend a 0"),
+    "cu-decreasing": (
+        {"cu_seqlens_k": torch.tensor([0, 9, 5, 14], dtype=torch.int32)},
+        "  - cu_seqlens_k: must be non-decreasing (cumulative document lengths); pass the running "
+        "sum of the document lengths, starting at 0"),
+}
+
+
+@pytest.mark.parametrize("overrides, line", COMPILED_BATCH.values(), ids=COMPILED_BATCH.keys())
+def test_compiled_batch_check_error_text(compiled, overrides, line):
+    assert compiled(**call()).shape == Q.shape  # the valid batch runs
+    assert message_of(lambda: compiled(**call(**overrides))) == CHECK_FAILED + line
+
+
+def test_compiled_planned_for_another_placement_error_text(compiled, one_rank_mesh):
+    cu = cu_seqlens((6, 8))
+    hc.shard_plan(cu, one_rank_mesh, placement="zigzag")
+    assert message_of(lambda: compiled(**call(cu_seqlens_q=cu, cu_seqlens_k=cu))) == CHECK_FAILED + (
+        "  - cu_seqlens: must be the batch shard_plan laid out for the attention's mesh shape and "
+        "placement; give shard_plan the mesh and placement the attention runs with")
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compiled_token_counts_differ_error_text(compiled, dynamic):
+    """At compile time, with the sizes found (a dynamic size as its value, not its symbol)."""
+    if dynamic:
+        compiled(**call())
+        compiled(**call(q=Q[:13], k=KV[:13], v=KV[:13], cu_seqlens_q=cu_seqlens((5, 0, 8)),
+                        cu_seqlens_k=cu_seqlens((5, 0, 8)), max_seqlen_q=8, max_seqlen_k=8))
+    message = message_of(lambda: compiled(**call(k=KV[:10], v=KV[:10])), UnsupportedAttention)
+    assert message == (
+        "hcp::varlen_attention at top level: q, k, v: under context parallelism must hold this "
+        "rank's token count of shard_plan(cu_seqlens, mesh, placement), got 14, 10 and 10 tokens "
+        "(q, k, v); pass the local shards, hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)")
+
+
+def test_compiled_cu_seqlens_dtype_error_text(compiled):
+    message = message_of(lambda: compiled(**call(cu_seqlens_q=CU.long(), cu_seqlens_k=CU.long())),
+                         UnsupportedAttention)
+    assert message == (
+        "hcp::varlen_attention at top level: cu_seqlens_q: expected dtype torch.int32 (as varlen "
+        "attention kernels take), got torch.int64; convert with cu_seqlens_q.to(torch.int32)")
+
+
+def test_compiled_ranks_that_differ_error_text():
+    """What ranks given different batches, or running different graphs of one batch, raise (the
+    flags as agreed over the mesh; ranks that differ: tests/test_compile.py). Different batches
+    may pick different graphs: then only the batches are named."""
+    fine = [False] * len(validation.BATCH_RULES)
+    batches = f"  - {SAME_BATCH}"
+    graphs = ("  - compiled graphs: every rank must run the graph for what the batch exchanges, got "
+              "graphs built for batches that exchange different things on some ranks; see the warning "
+              "of the rank that could not build its graph")
+    for batches_differ, graphs_differ, line in ((True, False, batches), (True, True, batches),
+                                                (False, True, graphs)):
+        error = validation.rejected_batch_error(fine, batches_differ=batches_differ, graphs_differ=graphs_differ)
+        assert str(error) == CHECK_FAILED + line
+    assert validation.rejected_batch_error(fine, batches_differ=False, graphs_differ=False) is None
+
+
+# --------------------------------------------------------------------------------------------
+# options, the backend, and the host-side helpers
+# --------------------------------------------------------------------------------------------
+
+OPTIONS = {
+    "flag": (lambda: hc.CPOptions(recompute_exchange="false"),
+             "recompute_exchange: expected True or False, got 'false'"),
+    "timeout": (lambda: hc.CPOptions(agreement_timeout_s=0),
+                "agreement_timeout_s: expected a number of seconds > 0, or None for the process "
+                "group's own timeout, got 0"),
+    "kernel": (lambda: hc.CPOptions(kernel="x"), f"kernel: expected one of {KERNEL_CHOICES}, got 'x'"),
+    "placement": (lambda: hc.CPOptions(placement="x"),
+                  "placement: expected one of ('balanced', 'zigzag'), got 'x'"),
+    "scheme": (lambda: hc.CPOptions(scheme="x"), "scheme: expected one of ['allgather', 'ring'], got 'x'"),
+    "inner": (lambda: hc.backend(inner="x"),
+              "inner: expected one of ('inductor', 'aot_eager', 'eager'), got 'x'"),
+    "no-mesh": (default_mesh,
+                "mesh: no mesh was given and torch.distributed is not initialized; call "
+                "init_process_group (or launch with torchrun) or pass options={'mesh': mesh}"),
+    "prepare-batch-ring": (lambda: prepare_batch(CU, ulysses=2, ring=0),
+                           "ring: expected a positive int (the mesh's size), got 0"),
+    "prepare-batch-causal": (lambda: prepare_batch(CU, ulysses=2, ring=1, causal="yes"),
+                             "causal: expected True or False, got 'yes'"),
+    "prepare-batch-cu": (lambda: prepare_batch(CU + 1, ulysses=2, ring=1),
+                         "cu_seqlens: must start at 0, got 1; prepend a 0"),
+    "window-not-constant": (lambda: _window("left", -1),
+                            "window_size: expected constant ints, got ('left', -1); a window that "
+                            "changes between calls cannot be laid out at compile time"),
+}
+
+
+@pytest.mark.parametrize("action, message", OPTIONS.values(), ids=OPTIONS.keys())
+def test_option_and_helper_error_text(action, message):
+    assert message_of(action) == message
+
+
+def test_head_split_error_text():
+    """The rules of a Ulysses size above 1 (on every rank of a mesh: tests/test_cp_errors.py)."""
+    assert message_of(lambda: validation.check_head_split(3, 1, 2)) == (
+        "q: 3 query heads cannot be split over ulysses=2 ranks; choose a mesh whose ulysses size "
+        "divides the number of query heads")
+    assert message_of(lambda: validation.check_head_split(6, 3, 2)) == (
+        "k: 3 key/value heads must divide or be divisible by ulysses=2; choose another ulysses size")
+
+
+# --------------------------------------------------------------------------------------------
+# ranks that disagree: one 2-rank world (ulysses=2)
+# --------------------------------------------------------------------------------------------
+
+RANK_MESH = (2, 1)
+ANOTHER_RANK = (
+    "another rank of the context-parallel mesh rejected its input (see that rank's error); all "
+    "ranks stop here instead of waiting in a collective")
+
+
+@dataclass(frozen=True)
+class RankCase:
+    """``action`` on every rank of the world; ``messages[rank]``: the text that rank raises."""
+
+    id: str
+    action: Callable[[ErrorSetup], object] = field(compare=False)
+    messages: tuple[str, str]
+
+    def run(self, world: World) -> dict:
+        self.action(ErrorSetup(world))
+        return {}
+
+
+def _other_batch_on_rank_1(s: ErrorSetup) -> torch.Tensor:
+    # the same documents in another order: the same token count on each rank, another batch
+    cu = s.permuted if s.rank == 1 else s.cu
+    return s.attend(cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+def _short_q_on_rank_1(s: ErrorSetup) -> torch.Tensor:
+    return s.attend(q=s.q[:-1] if s.rank == 1 else s.q)
+
+
+# ErrorSetup's batch (5, 0, 9) gives each rank of ulysses=2 7 tokens
+SHORT_Q = (
+    "q: under context parallelism must hold this rank's token count of shard_plan(cu_seqlens, mesh, "
+    "placement), got 6 tokens where this cu_seqlens sharded over ulysses=2 x ring=1 (placement "
+    "'balanced') gives 7 per rank; pass the local shards, hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)")
+RANK_CASES = [
+    RankCase("messages-other-batch", _other_batch_on_rank_1, (SAME_BATCH, SAME_BATCH)),
+    RankCase("messages-one-rank-short-q", _short_q_on_rank_1, (ANOTHER_RANK, SHORT_Q)),
+]
+
+
+def rank_cases(mesh: tuple[int, int]) -> list[RankCase]:
+    """The suite of the 2-rank world (tests/distributed.py)."""
+    return RANK_CASES
+
+
+@pytest.mark.parametrize("case", RANK_CASES, ids=lambda c: c.id)
+def test_ranks_that_disagree_error_text(cp_world, case):
+    """Ranks given different batches raise the same text on every rank; a rank with a bad
+    input raises its own error, the others say that another rank did."""
+    records = cp_world(RANK_MESH, suite="test_error_messages:rank_cases").per_rank(case.id)
+    assert [record.message for record in records] == list(case.messages)
+    own_errors = [message != ANOTHER_RANK for message in case.messages]
+    assert [record.raised_instance_of(hc.InputError) for record in records] == own_errors
