@@ -1,0 +1,95 @@
+"""``examples/fsdp2_compile.py`` as users run it (a subprocess that spawns its ranks): FSDP2
+(``fully_shard`` per layer, then the root) over the same ranks as hierarchical CP, eager and
+compiled with ``backend="hcp"``, two SGD steps whose losses and full gradients must match one
+process without CP or FSDP. On CPU: 4 gloo ranks, ulysses 2 x ring 2, float64, inner compiler
+aot_eager. On CUDA (``-m gpu``): the 4 ranks sharing one GPU over gloo, bf16 with fp32
+parameters and reduction, Inductor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_compile.py"
+CPU_DEADLINE_S = 300  # generous: the cores may be shared (measured: 25-36 s on 2 cores)
+GPU_DEADLINE_S = 600  # 4 ranks compiling with Inductor on one GPU's host
+MODES = ("eager", "compiled")
+STEPS = 2
+FLOAT64_TOL = 1e-10  # relative to each gradient's largest |value|; measured ~1e-15
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the example's table."""
+
+    mode: str
+    step: int
+    loss_error: float
+    grad_error: float
+    verdict: str
+
+
+def run_example(*args: str, deadline_s: float) -> str:
+    """The example's output; fails the test with it when the run fails. The example spawns its
+    ranks, so a run past the deadline is ended with its whole process group."""
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        output, _ = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session this call started, nothing else
+        output, _ = proc.communicate()
+        pytest.fail(f"fsdp2_compile.py {' '.join(args)} ran past {deadline_s} s:\n{output}")
+    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{output}"
+    return output
+
+
+def table(output: str) -> list[Row]:
+    """The rows ``mode step loss loss-1-process loss-error max-diff grad-error parameter bound
+    verdict`` of the example's table."""
+    rows = []
+    for line in output.splitlines():
+        fields = line.split()
+        if len(fields) == 10 and fields[0] in MODES:
+            rows.append(Row(fields[0], int(fields[1]), float(fields[4]), float(fields[6]), fields[9]))
+    return rows
+
+
+def assert_every_step_passes(output: str, tol: float | None) -> None:
+    rows = table(output)
+    assert [(r.mode, r.step) for r in rows] == [(m, s) for m in MODES for s in range(1, STEPS + 1)], output
+    for row in rows:
+        assert row.verdict == "PASS", f"{row}\n{output}"
+        if tol is not None:
+            assert row.loss_error <= tol and row.grad_error <= tol, f"{row}\n{output}"
+    assert output.rstrip().endswith("PASS"), output
+    # the compiled layers' pre-hook marks the batch dims dynamic: both layers and both batches
+    # (of other token and document counts) run the first graph
+    assert f"1 graph for 2 layers x {STEPS} batches" in output, output
+
+
+def test_fsdp2_with_cp_eager_and_compiled_matches_one_process_on_cpu() -> None:
+    output = run_example("--steps", str(STEPS), "--inner", "aot_eager", deadline_s=CPU_DEADLINE_S)
+    assert "FSDP2 over all 4 ranks + hcp CP ulysses 2 x ring 2, cpu, float64" in output, output
+    assert "inner aot_eager" in output, output
+    assert_every_step_passes(output, FLOAT64_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp2_with_cp_on_one_shared_gpu() -> None:
+    """bf16 compute: the example's own bound (4 x what bf16 costs the model on one device)."""
+    output = run_example("--device", "cuda", "--share-gpu", "--steps", str(STEPS),
+                         deadline_s=GPU_DEADLINE_S)
+    assert "(one GPU, shared), bfloat16" in output, output
+    assert_every_step_passes(output, tol=None)
