@@ -9,7 +9,8 @@
 Each mesh's rank runs alone over torch's fake process group (``benchmarks/speed.py
 --fake-rank``, mode ``hcp-eager``): its kernels, layout copies and merges, no communication.
 That is what the advisor's compute part (:func:`hcp_advise.compute_times`) predicts
-for that rank from kernels/measured.json, so the two are set side by side here: measured ms,
+for that rank from the device's kernel measurements (kernels/measured.json, or what
+``python -m hcp_advise --measure`` stored), so the two are set side by side here: measured ms,
 predicted ms and the prediction's error; beside them the prediction with the host part (each
 phase the longer of the rank's compute and its host time, hcp_advise/host_measured.json; none
 where the device's constants were not measured). The communication part is checked against
@@ -30,7 +31,7 @@ from tabulate import tabulate
 
 from hcp_advise import (
     DEFAULT_DEVICE, block_work, bounded_by_host, compute_times, cu_seqlens_of, host_counts, host_measured,
-    host_times, rank_sizes,
+    host_times, kernel_table, rank_sizes,
 )
 from hcp_compile import InputError
 from hcp_compile.batch import layout
@@ -79,14 +80,16 @@ def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, p
                  window: int = -1) -> tuple[float, float | None]:
     """The advisor's time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses rank
     ``rank % ulysses``, as ``make_mesh`` numbers them) alone, for the batch of document
-    ``lengths``: its compute; its compute bounded by its host time per phase (None where
-    hcp_advise/host_measured.json has no eager host times for the device and kernel).
+    ``lengths``: its compute, with the kernel times the advisor has for ``device_kind``
+    (``hcp_advise.kernel_table``: what ``--measure`` stored, else kernels/measured.json); its
+    compute bounded by its host time per phase (None where hcp_advise/host_measured.json has no
+    eager host times for the device and kernel).
     ``window``: the call's causal sliding window (-1: none)."""
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule(placement))
     heads_q, heads_kv = HEADS[heads]
     call = CallShape(heads_q, heads_kv, head_dim, torch.bfloat16, window=window)
     ring_rank, ulysses_rank = rank // ulysses, rank % ulysses
-    times = compute_times(block_work(batch, window), ring_rank, ulysses_rank, call, kernel, device_kind)
+    times = compute_times(block_work(batch, window), ring_rank, ulysses_rank, call, kernel, kernel_table(device_kind))
     record = host_measured.find(device_kind, "hcp-eager", kernel)
     sizes = rank_sizes(batch, ring_rank, ulysses_rank)
     host = host_times(host_counts(sizes, ring_rank, ring, kernel, heads_kv), record)  # 0 without a record

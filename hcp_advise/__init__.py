@@ -11,10 +11,11 @@ command.py):
 
 - compute (:func:`compute_times`): each block's visible query-key pairs (from the real layout
   of the placement rule, :mod:`hcp_compile.batch.layout`) times ``14 * head_dim`` FLOPs per pair
-  and query head, at the TF/s that kernels/measured.json records for the kernel on the
-  device kind and the block's composition (one document, log-uniform or short documents)
-  and, where the device recorded several call sizes, for calls of the block's work; the
-  forward takes 2 of the 7 products (docs/design.md §7);
+  and query head, at the TF/s measured for the kernel on the device kind and the block's
+  composition (one document, log-uniform or short documents) and, where the device recorded
+  several call sizes, for calls of the block's work (:func:`kernel_table`: what
+  ``python -m hcp_advise --measure`` stored for that GPU kind, measure.py, else
+  kernels/measured.json); the forward takes 2 of the 7 products (docs/design.md §7);
 - all-to-all (:func:`exchange_times`) and ring (:func:`hop_times`): the bytes that
   ``batch.traffic.call_traffic`` counts for the rank, over the link of each level
   (:class:`Links`), plus a latency per collective;
@@ -29,7 +30,8 @@ command.py):
   longer of its host and GPU time, since the GPU cannot run ahead of the host. Where no
   constants are recorded the host part is 0 and the report says so.
 
-A step's time is its slowest rank's. Not modelled: the GPU work outside the attention kernels
+A step's time is its slowest rank's; options within the model's measured error of the best
+(``MODEL_ERROR``) are reported as a tie. Not modelled: the GPU work outside the attention kernels
 (merges, copies of the ring's strided K/V halves, joins), the host work of a compiled call,
 contention between an all-to-all and ring hops on one NVLink domain; ``benchmarks/advisor_check.py``
 measures how far the model is from single ranks (docs/benchmarks.md, "Advisor check"). A
@@ -42,14 +44,15 @@ from __future__ import annotations
 
 from .records import (
     Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes,
-    HostCounts, Links, Option, PhaseTimes, Prediction, SCHEME,
+    HostCounts, Links, MODEL_ERROR, MODEL_ERROR_WINDOW, Option, PhaseTimes, Prediction, SCHEME,
 )
+from .measurements import KernelTable, Timing, cache_dir, cache_file, entry_of, kernel_table
 from .compute import block_composition, block_work, compute_times, visible_pairs
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .host import bounded_by_host, host_counts, host_times, kernel_calls
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
 from .chooser import advise, cuda_kernel, mesh_options, predict
-from .report import format_advice
+from .report import format_advice, tied
 from .command import batches_from, cu_seqlens_of, main
 
 __all__ = [
@@ -60,20 +63,27 @@ __all__ = [
     "ExchangeTimes",
     "HopTimes",
     "HostCounts",
+    "KernelTable",
     "Links",
+    "MODEL_ERROR",
+    "MODEL_ERROR_WINDOW",
     "Option",
     "PhaseTimes",
     "Prediction",
     "SCHEME",
+    "Timing",
     "advise",
     "batches_from",
     "block_composition",
     "block_work",
     "visible_pairs",
     "bounded_by_host",
+    "cache_dir",
+    "cache_file",
     "compute_times",
     "cu_seqlens_of",
     "cuda_kernel",
+    "entry_of",
     "exchange_bytes",
     "exchange_times",
     "format_advice",
@@ -81,6 +91,7 @@ __all__ = [
     "host_counts",
     "host_times",
     "kernel_calls",
+    "kernel_table",
     "main",
     "mesh_options",
     "pipeline",
@@ -90,4 +101,5 @@ __all__ = [
     "ring_backward",
     "ring_forward",
     "ring_link",
+    "tied",
 ]

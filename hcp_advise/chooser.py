@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from hcp_compile.batch import layout
+from hcp_compile.batch.layout import window_by_position
 from hcp_compile.batch.placements import PLACEMENTS, placement_rule
 from hcp_compile.batch.schedule import head_groups, rank_kv_heads
 from hcp_compile.batch.traffic import CallShape, call_traffic
@@ -21,8 +23,11 @@ from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes
 from .compute import block_work, compute_times
 from .host import host_counts, host_times
 from .host_measured import HostRecord
+from .measurements import MEASURE, KernelTable, kernel_table
 from .overlap import predict_rank
-from .records import Advice, DEFAULT_DEVICE, Links, Option, Prediction, RankPrediction, SCHEME
+from .records import (
+    Advice, DEFAULT_DEVICE, Links, MODEL_ERROR, MODEL_ERROR_WINDOW, Option, Prediction, RankPrediction, SCHEME,
+)
 
 
 def mesh_options(world: int, gpus_per_node: int, heads_q: int, heads_kv: int,
@@ -59,7 +64,7 @@ def _check_positive(**values: int) -> None:
 
 
 def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: CallShape,
-                  kernel: str, device_kind: str, links: Links,
+                  kernel: str, table: KernelTable, links: Links,
                   host: HostRecord | None = None) -> tuple[RankPrediction, float]:
     """The slowest rank's prediction for one batch, and the mean rank's compute; ``host``:
     the measured host constants (None: that part not modelled)."""
@@ -77,7 +82,7 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
         hops = hop_times(sizes[0], call, ulysses, ring, link, links, groups)
         ring_bytes = call_traffic(SCHEME, sizes[0], call, ulysses, ring).ring
         for a in range(ulysses):
-            compute = compute_times(work, r, a, call, kernel, device_kind)
+            compute = compute_times(work, r, a, call, kernel, table)
             issued = host_times(host_counts(sizes[a], r, ring, kernel, call.heads_kv), host)
             step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups, issued)
             ranks.append(RankPrediction(step, compute.total, a2a, exposed_ring, sum(moved[a]),
@@ -88,9 +93,10 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
 
 
 def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call: CallShape,
-            kernel: str, device_kind: str, links: Links, host: HostRecord | None = None) -> Prediction:
-    """``option``'s prediction: the slowest rank of each batch, averaged over ``batches``."""
-    slowest, means = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, device_kind, links, host)
+            kernel: str, table: KernelTable, links: Links, host: HostRecord | None = None) -> Prediction:
+    """``option``'s prediction: the slowest rank of each batch, averaged over ``batches``, with the
+    kernel times of ``table`` (:func:`measurements.kernel_table`)."""
+    slowest, means = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, table, links, host)
                            for b in batches))
 
     def average(values: Sequence[float]) -> float:
@@ -98,7 +104,7 @@ def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call:
 
     groups = head_groups(rank_kv_heads(call.heads_kv, option.ulysses), option.ulysses)
     return Prediction(
-        option, groups, ring_link(option.ulysses, option.ring, gpus_per_node),
+        option, kernel, groups, ring_link(option.ulysses, option.ring, gpus_per_node),
         average([p.step for p in slowest]), average([p.compute for p in slowest]), average(means),
         average([p.exposed_all_to_all for p in slowest]), average([p.exposed_ring for p in slowest]),
         average([p.all_to_all_bytes for p in slowest]), average([p.ring_bytes for p in slowest]),
@@ -106,20 +112,19 @@ def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call:
     )
 
 
-def cuda_kernel(device_kind: str, windowed: bool = False) -> str:
-    """The kernel ``kernel="auto"`` takes under CP on ``device_kind`` with every measured
-    kernel installed: the best mean over the unwindowed compositions (docs/design.md §8.2);
-    under a window the best measured on the windowed composition among the kernels that mask a
-    window by positions in the document, as a ring step needs (``Kernel.masks_by_position``)."""
-    table = measured.throughputs(measured.WINDOW) if windowed else measured.throughputs()
-    if device_kind not in table:
-        raise InputError(f"device_kind: no measurements for {device_kind!r} in "
-                         f"kernels/measured.json; expected one of {sorted(table)}")
-    able = {name: value for name, value in table[device_kind].items()
-            if not windowed or (name in KERNELS and KERNELS[name].masks_by_position)}
+def cuda_kernel(table: KernelTable, windowed: bool = False, by_position: bool = True) -> str:
+    """The kernel ``kernel="auto"`` takes under CP by ``table``'s measurements (the runtime's
+    own where they are its stored ones) with every measured kernel installed: the best mean over
+    the unwindowed compositions (docs/design.md §8.2); under a window the best measured on the
+    windowed composition, among the kernels that mask a window by positions in the document
+    where the mesh's ring steps need that (``by_position``: a ring of several ranks,
+    ``layout.window_by_position``; ``Kernel.masks_by_position``)."""
+    rates = table.throughputs(measured.WINDOW if windowed else None)
+    able = {name: value for name, value in rates.items()
+            if not (windowed and by_position) or (name in KERNELS and KERNELS[name].masks_by_position)}
     if not able:
-        raise InputError(f"window: no kernel measured on {device_kind!r} masks a window by positions "
-                         "in the document, as ring steps need; measure flex there (scripts/measure_kernels.py)")
+        raise InputError(f"window: no kernel measured on {table.device_kind!r} ({table.source}) masks a window "
+                         f"by positions in the document, as ring steps need; run `{MEASURE} --window N` on that GPU")
     return max(able, key=able.__getitem__)
 
 
@@ -127,7 +132,7 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
            heads_kv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
            placements: Sequence[str] = tuple(PLACEMENTS), kernel: str = "auto",
            device_kind: str = DEFAULT_DEVICE, links: Links = Links(), mode: str = "hcp-eager",
-           window: int = -1) -> Advice:
+           window: int = -1, cache_dir: Path | None = None) -> Advice:
     """Predict every valid mesh and placement (:func:`mesh_options`) on ``batches`` (one
     global int32 ``cu_seqlens`` or a sample of them) and rank them, fastest first:
     ``advice.best`` has ``ulysses``, ``ring`` and ``placement`` for ``make_mesh`` and
@@ -136,7 +141,10 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
     measured that part is 0 and ``advice.host_modelled`` False.
     ``window``: a causal sliding window of that many keys back (-1: none), which limits every
     block's pairs and picks the windowed throughputs; the host part is that of calls without
-    one."""
+    one. The kernel times: what ``python -m hcp_advise --measure`` stored for ``device_kind`` in
+    ``cache_dir`` (None: :func:`measurements.cache_dir`), else the runtime's measured.json; with
+    neither an :class:`InputError` says what to run. Predictions closer than the model's measured
+    error (``advice.model_error``) are a tie."""
     started = time.perf_counter()
     batches = [batches] if isinstance(batches, Tensor) else list(batches)
     if not batches:
@@ -155,19 +163,27 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
     if mode not in host_measured.MODES:
         raise InputError(f"mode: expected one of {host_measured.MODES} (the modes whose host work the "
                          f"advisor counts), got {mode!r}")
-    kernel = cuda_kernel(device_kind, window >= 0) if kernel == "auto" else kernel
-    if window >= 0 and kernel in KERNELS and not KERNELS[kernel].masks_by_position:
-        raise InputError(f"kernel: {kernel!r} cannot mask a window by positions in the document, as ring "
-                         "steps under a window need; pass kernel='auto' or one that can (flex)")
+    table = kernel_table(device_kind, cache_dir)
     call = CallShape(heads_q, heads_kv, head_dim, dtype, window=window)
     options = mesh_options(world, gpus_per_node, heads_q, heads_kv, placements)
     if not options:
         raise InputError(f"world: no ulysses x ring = {world} has a Ulysses group inside a node "
                          f"of {gpus_per_node} GPUs that splits {heads_q}/{heads_kv} heads")
-    host = host_measured.find(device_kind, mode, kernel)
+
+    def by_position(option: Option) -> bool:
+        return window_by_position((window, 0) if window >= 0 else (-1, -1), option.ring)
+
+    if kernel != "auto" and kernel in KERNELS and not KERNELS[kernel].masks_by_position:
+        options = [o for o in options if not by_position(o)]  # the meshes that can run it
+        if not options:
+            raise InputError(f"kernel: {kernel!r} cannot mask a window by positions in the document, as ring "
+                             "steps under a window need; pass kernel='auto' or one that can (flex)")
+    kernels = {o: cuda_kernel(table, window >= 0, by_position(o)) if kernel == "auto" else kernel for o in options}
+    hosts = {k: host_measured.find(device_kind, mode, k) for k in set(kernels.values())}
     predictions = sorted(
-        (predict(batches, o, gpus_per_node, call, kernel, device_kind, links, host) for o in options),
+        (predict(batches, o, gpus_per_node, call, kernels[o], table, links, hosts[kernels[o]]) for o in options),
         key=lambda p: (p.step_s, p.exposed_s),
     )
-    return Advice(tuple(predictions), kernel, device_kind, len(batches), time.perf_counter() - started, mode,
-                  host is not None)
+    return Advice(tuple(predictions), device_kind, len(batches), time.perf_counter() - started, mode,
+                  all(h is not None for h in hosts.values()), table.source,
+                  MODEL_ERROR_WINDOW if window >= 0 else MODEL_ERROR)

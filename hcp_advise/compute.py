@@ -10,8 +10,8 @@ from hcp_compile.batch.layout import BatchLayout, Kind
 from hcp_compile.batch.schedule import head_groups, rank_kv_heads
 from hcp_compile.batch.traffic import CallShape
 from hcp_compile.kernels import measured
-from hcp_compile.validation import InputError
 
+from .measurements import KernelTable
 from .records import BlockWork, ComputeTimes, FLOPS_PER_PAIR_HEAD_DIM, FORWARD_SHARE
 
 
@@ -131,28 +131,12 @@ def _window_step(chunk: Tensor, lengths: Tensor, rank: Tensor, source: Tensor, r
     return total.double()
 
 
-def kernel_throughput(kernel: str, device_kind: str, composition: str, call_flops: float | None = None) -> float:
-    """FLOP/s (forward + backward) measured for ``kernel`` on ``device_kind`` for a batch of
-    ``composition`` (kernels/measured.json); with ``call_flops``, the throughput of calls of
-    that much work where the device recorded several sizes (``measured.throughput_at``)."""
-    table = measured.throughputs(composition)
-    if device_kind not in table:
-        raise InputError(f"device_kind: no measurements for {device_kind!r} in "
-                         f"kernels/measured.json; expected one of {sorted(table)} (run "
-                         "scripts/measure_kernels.py on that device to add it)")
-    if kernel not in table[device_kind]:
-        raise InputError(f"kernel: {kernel!r} was not measured on {device_kind!r}; expected "
-                         f"one of {sorted(table[device_kind])}")
-    sized = None if call_flops is None else measured.throughput_at(kernel, device_kind, composition, call_flops)
-    return table[device_kind][kernel] if sized is None else sized
-
-
 def compute_times(work: BlockWork, ring_rank: int, ulysses_rank: int, call: CallShape,
-                  kernel: str, device_kind: str) -> ComputeTimes:
+                  kernel: str, table: KernelTable) -> ComputeTimes:
     """Seconds of rank ``(ring_rank, ulysses_rank)``'s blocks: pairs x ``14 D`` FLOPs per
-    query head, at the throughput measured for the block's composition and for kernel calls
-    of its calls' work (a small call runs below a large one's speed): the local region is one
-    call, a ring step one per head group (docs/design.md §3.6)."""
+    query head, at the throughput ``table`` records for the block's composition and for kernel
+    calls of its calls' work (a small call runs below a large one's speed): the local region is
+    one call, a ring step one per head group (docs/design.md §3.6)."""
     flops_per_pair = FLOPS_PER_PAIR_HEAD_DIM * call.head_dim * call.heads_q
     ulysses = work.local.shape[1]
     groups = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
@@ -161,7 +145,7 @@ def compute_times(work: BlockWork, ring_rank: int, ulysses_rank: int, call: Call
         if composition is None or pairs == 0:
             return 0.0
         flops = pairs * flops_per_pair
-        return flops / kernel_throughput(kernel, device_kind, composition, flops / calls)
+        return flops / table.throughput(kernel, composition, flops / calls)
 
     local = seconds(float(work.local[ring_rank, ulysses_rank]), work.local_kind[ring_rank][ulysses_rank], 1)
     steps = [seconds(float(p), kind, groups) for p, kind in zip(work.steps[ring_rank].tolist(), work.step_kind[ring_rank])]

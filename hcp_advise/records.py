@@ -14,8 +14,15 @@ FLOPS_PER_PAIR_HEAD_DIM = 14
 FORWARD_SHARE = 2 / 7  # the forward's 2 products (q k^T, p v) of the 7 (docs/design.md §7)
 SCHEME = "ring"  # the collective scheme whose overlap the model describes (schemes/ring.py)
 DEFAULT_DEVICE = "NVIDIA H200"
-# predictions closer than this are called a tie: the parts are measured to a few percent
-TIE = 0.01
+STORED_MEASUREMENTS = "hcp_compile/kernels/measured.json"  # the runtime's kernel measurements
+# The model's error: the median of |predicted - measured| / measured (the prediction with its host
+# part; half the ranks came closer) over the ranks of its check (benchmarks/advisor_check.py, each
+# rank measured alone; docs/benchmarks.md, "Advisor check"):
+# benchmarks/results/advisor_check.json, 27 ranks of W1-W3 with cudnn on one NVIDIA H200, 2026-12-02;
+# under a window advisor_check_w4.json, 4 ranks of W4 with flex. Predictions closer than this are a
+# tie. tests/test_advise_explains.py recomputes both from those files.
+MODEL_ERROR = 0.086
+MODEL_ERROR_WINDOW = 0.221
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,7 @@ class Prediction:
     """An option's prediction: the slowest rank's parts, averaged over the batches."""
 
     option: Option
+    kernel: str  # the block kernel of this mesh (under a window a ring may need another)
     head_groups: int
     ring_link: str  # "nvlink", "network" or "-" (no ring)
     step_s: float
@@ -171,13 +179,19 @@ class Advice:
     """The predictions, fastest first; ``best`` is the first."""
 
     predictions: tuple[Prediction, ...]
-    kernel: str
     device_kind: str
     batches: int
     seconds: float  # how long the advice took
     mode: str = "hcp-eager"
-    host_modelled: bool = False  # hcp_advise/host_measured.json has the device, mode and kernel
+    host_modelled: bool = False  # hcp_advise/host_measured.json has the device, mode and kernels
+    measurements: str = STORED_MEASUREMENTS  # the file of the kernel times (measurements.KernelTable.source)
+    model_error: float = MODEL_ERROR  # closer predictions are a tie
 
     @property
     def best(self) -> Prediction:
         return self.predictions[0]
+
+    @property
+    def kernel(self) -> str:
+        """The best option's kernel."""
+        return self.best.kernel

@@ -1,45 +1,68 @@
-"""The advice as a table and the reasons the best option wins."""
+"""The advice as a table, the options the model cannot tell from the best (a tie within its measured
+error) and the reasons the best wins over the others."""
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
 from .host_measured import HOW_TO_ADD
-from .records import Advice, Prediction, TIE
+from .records import Advice, Prediction, STORED_MEASUREMENTS
+
+
+def tied(advice: Advice) -> tuple[Prediction, ...]:
+    """The options after the best whose predicted step is within the model's measured error of
+    the best's (``advice.model_error``): the model cannot rank them against it. A prefix of the
+    predictions, which are sorted by their step."""
+    limit = advice.best.step_s * (1 + advice.model_error)
+    return tuple(p for p in advice.predictions[1:] if p.step_s < limit)
+
+
+def _slower(p: Prediction, best: Prediction) -> str:
+    return f"+{(p.step_s / best.step_s - 1) * 100 if best.step_s else 0:.1f} %"
 
 
 def format_table(advice: Advice) -> str:
+    ties = tied(advice)
+
+    def versus_best(p: Prediction) -> str:
+        if p is advice.best:
+            return "best"
+        return _slower(p, advice.best) + (" tie" if any(p is q for q in ties) else "")
+
     rows = [[
-        f"{p.ulysses} x {p.ring}", p.placement, p.head_groups, p.ring_link,
-        f"{p.step_s * 1e3:.2f}", f"{p.compute_s * 1e3:.2f}",
+        f"{p.ulysses} x {p.ring}", p.placement, p.kernel, p.head_groups, p.ring_link,
+        f"{p.step_s * 1e3:.2f}", versus_best(p), f"{p.compute_s * 1e3:.2f}",
         f"{p.host_s * 1e3:.2f}" if advice.host_modelled else "-",
         f"{(p.compute_s / p.mean_compute_s - 1) * 100:.1f}" if p.mean_compute_s else "0.0",
         f"{p.exposed_all_to_all_s * 1e3:.2f}", f"{p.exposed_ring_s * 1e3:.2f}",
         f"{p.exposed_s / p.step_s * 100:.1f}" if p.step_s else "0.0",
         f"{p.all_to_all_bytes / 2**20:.1f}", f"{p.ring_bytes / 2**20:.1f}",
     ] for p in advice.predictions]
-    headers = ["ulysses x ring", "placement", "head groups", "ring link", "step ms",
+    headers = ["ulysses x ring", "placement", "kernel", "head groups", "ring link", "step ms", "vs best",
                "compute ms", "host ms", "over mean %", "exposed a2a ms", "exposed ring ms", "exposed %",
                "a2a MiB", "ring MiB"]
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
 def reasons(advice: Advice) -> list[str]:
-    """Why the best option wins: against the runner-up, and against the best option of every
-    other mesh, the part (compute of the slowest rank, exposed all-to-all, exposed ring) that
-    makes most of the difference."""
+    """Which options tie with the best (:func:`tied`), and why the best wins over the others:
+    against the first option beyond the tie, and against the best option of every other mesh,
+    the part (compute of the slowest rank, exposed all-to-all, exposed ring, waiting for the
+    host) that makes most of the difference."""
     best = advice.best
     lines = [f"best: ulysses {best.ulysses} x ring {best.ring}, placement {best.placement!r}: "
              f"{best.step_s * 1e3:.2f} ms per call per rank, {best.exposed_s * 1e3:.2f} ms of it "
              f"exposed communication"]
+    ties = tied(advice)
+    if ties:
+        names = ", ".join(f"{p.ulysses} x {p.ring} {p.placement!r} ({_slower(p, best)})" for p in ties)
+        lines.append(f"tie within the model's ±{advice.model_error * 100:.1f} % error (the median error of its check "
+                     f"against ranks measured alone on an NVIDIA H200, docs/benchmarks.md \"Advisor check\"): "
+                     f"{names}; the model cannot rank these, measure them where the choice matters")
     rivals: list[Prediction] = []
-    for p in advice.predictions[1:]:
-        if p is advice.predictions[1] or all((p.ulysses, p.ring) != (q.ulysses, q.ring) for q in rivals + [best]):
+    for p in advice.predictions[1 + len(ties):]:
+        if not rivals or all((p.ulysses, p.ring) != (q.ulysses, q.ring) for q in [best, *ties, *rivals]):
             rivals.append(p)
-    close = [p for p in advice.predictions[1:] if p.step_s <= best.step_s * (1 + TIE)]
-    if close:
-        names = ", ".join(f"{p.ulysses} x {p.ring} {p.placement!r}" for p in close)
-        lines.append(f"within {TIE:.0%} of the best (a tie at the model's accuracy): {names}")
     for p in rivals:
         parts = {
             "compute of its slowest rank": p.compute_s - best.compute_s,
@@ -50,8 +73,7 @@ def reasons(advice: Advice) -> list[str]:
         part = max(parts, key=parts.__getitem__)
         lines.append(
             f"vs ulysses {p.ulysses} x ring {p.ring} {p.placement!r}: {p.step_s * 1e3:.2f} ms "
-            f"(+{(p.step_s / best.step_s - 1) * 100 if best.step_s else 0:.1f} %), mostly "
-            f"{part} (+{parts[part] * 1e3:.2f} ms)"
+            f"({_slower(p, best)}), mostly {part} (+{parts[part] * 1e3:.2f} ms)"
         )
     return lines
 
@@ -61,16 +83,22 @@ def host_note(advice: Advice) -> str:
     if advice.host_modelled:
         return (f"host part: {advice.mode} host times measured on {advice.device_kind} "
                 "(hcp_advise/host_measured.json); a phase lasts the longer of its host and GPU time")
-    return (f"host part not modelled: no {advice.mode} host times for kernel {advice.kernel!r} on "
+    kernels = "/".join(sorted({p.kernel for p in advice.predictions}))
+    return (f"host part not modelled: no {advice.mode} host times for kernel {kernels!r} on "
             f"{advice.device_kind} in hcp_advise/host_measured.json ({HOW_TO_ADD}); ranks whose compute "
             "is a few ms per call are host-bound, so read their steps as floors")
 
 
 def format_advice(advice: Advice) -> str:
+    best = advice.best
+    use = (f"use make_mesh(ulysses={best.ulysses}, ring={best.ring}) and placement={best.placement!r}"
+           + (" (or an option tied with it)" if tied(advice) else ""))
+    if advice.measurements != STORED_MEASUREMENTS:  # the runtime's "auto" does not read them
+        use += (f", with kernel={advice.kernel!r}: the runtime's kernel='auto' chooses by "
+                f"{STORED_MEASUREMENTS}, not by these measurements")
     return "\n".join([
         format_table(advice), "",
         *reasons(advice), host_note(advice), "",
-        f"kernel {advice.kernel!r} at its {advice.device_kind} measurements, {advice.batches} "
-        f"batch(es), advised in {advice.seconds:.2f} s; use make_mesh(ulysses="
-        f"{advice.best.ulysses}, ring={advice.best.ring}) and placement={advice.best.placement!r}",
+        f"kernels at their {advice.device_kind} measurements ({advice.measurements}), "
+        f"{advice.batches} batch(es), advised in {advice.seconds:.2f} s; {use}",
     ])

@@ -15,6 +15,7 @@ import torch
 import hcp_advise as advise
 from hcp_compile.batch import layout
 from hcp_advise import HopTimes, Links, Option
+from hcp_advise.measurements import CACHE_ENV
 from hcp_compile.batch.packing import log_uniform_lengths
 from hcp_compile.batch.placements import placement_rule
 from hcp_compile.batch.prepared import prepare_batch
@@ -28,6 +29,12 @@ LINKS = Links()  # 440 / 290 / 50 GB/s, 10 / 25 us
 BF16 = 2  # bytes
 D = 128
 FLOPS_PER_PAIR = 14 * D * 32  # 7 products of 2 D FLOPs, 32 query heads
+
+
+@pytest.fixture(autouse=True)
+def no_cached_measurements(monkeypatch, tmp_path):
+    """The stored measurements, whatever this user's --measure cached."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
 
 
 def tflops(composition: str) -> float:
@@ -151,7 +158,7 @@ def test_the_slowest_member_of_an_all_to_all_sets_its_time():
     call = CallShape(4, 2, 8, torch.bfloat16)
     links = Links(all_to_all_bytes_per_s=1e6, nvlink_latency_s=0.0)
     got = advise.predict([advise.cu_seqlens_of([1001])], Option(2, 1, "balanced"), 8, call,
-                         "dense", "NVIDIA H200", links)
+                         "dense", advise.kernel_table("NVIDIA H200"), links)
     phases = [501 * (2 + 2) * 8 * 2, 501 * 2 * 8 * 2, 501 * 2 * 8 * 2, 501 * (2 + 2) * 8 * 2]
     assert got.exposed_all_to_all_s == pytest.approx(sum(phases) / 1e6, rel=1e-9)
     assert got.exposed_ring_s == 0
@@ -161,7 +168,8 @@ def test_compute_splits_forward_and_backward_as_two_products_of_seven():
     work = advise.BlockWork(torch.tensor([[7e6]], dtype=torch.float64),
                             torch.tensor([[14e6, 0.0]], dtype=torch.float64),
                             [["short documents"]], [["one document", None]])
-    got = advise.compute_times(work, 0, 0, CallShape(32, 8, D, torch.bfloat16), "dense", "NVIDIA H200")
+    got = advise.compute_times(work, 0, 0, CallShape(32, 8, D, torch.bfloat16), "dense",
+                               advise.kernel_table("NVIDIA H200"))
     local, step = seconds_at(7e6, "short documents"), seconds_at(14e6, "one document")
     assert got.local_forward == pytest.approx(local * 2 / 7, rel=1e-12)
     assert got.local_backward == pytest.approx(local * 5 / 7, rel=1e-12)
@@ -184,7 +192,7 @@ def test_a_block_is_timed_at_the_speed_of_calls_of_its_work(recorded_measurement
     work = advise.BlockWork(torch.tensor([[local_flops / FLOPS_PER_PAIR, 0.0]], dtype=torch.float64),
                             torch.tensor([[step_flops / FLOPS_PER_PAIR]], dtype=torch.float64),
                             [[short, None]], [[short]])
-    got = advise.compute_times(work, 0, 0, CallShape(32, 8, D, torch.bfloat16), "cudnn", "G")
+    got = advise.compute_times(work, 0, 0, CallShape(32, 8, D, torch.bfloat16), "cudnn", advise.kernel_table("G"))
     assert got.local_forward + got.local_backward == pytest.approx(local_flops / 200e12, rel=1e-9)
     assert sum(got.step_forward) + sum(got.step_backward) == pytest.approx(step_flops / 100e12, rel=1e-9)
 
@@ -210,8 +218,8 @@ def test_auto_is_the_best_mean_over_the_unwindowed_compositions(monkeypatch):
     monkeypatch.setattr(measured, "recorded", lambda: table)
     measured._throughputs.cache_clear()
     try:
-        assert advise.cuda_kernel("NVIDIA X") == "b"
-        assert advise.cuda_kernel("NVIDIA X", windowed=True) == "flex"  # a, b: no such kernels
+        assert advise.cuda_kernel(advise.kernel_table("NVIDIA X")) == "b"
+        assert advise.cuda_kernel(advise.kernel_table("NVIDIA X"), windowed=True) == "flex"  # a, b: no such kernels
     finally:
         measured._throughputs.cache_clear()
 
@@ -284,18 +292,24 @@ def test_visible_pairs_count_every_pair_in_the_window():
         assert int(got) == expected, (q0, nq, k0, nk, window)
 
 
-def test_a_window_under_cp_takes_the_fastest_kernel_that_masks_by_position():
+def test_a_window_under_cp_takes_the_fastest_kernel_that_masks_by_position_where_a_ring_needs_it():
     windowed = {name: value for name, value in H200["window"].items() if name in ("flex", "torch")}
-    assert advise.cuda_kernel("NVIDIA H200", windowed=True) == max(windowed, key=windowed.__getitem__) == "flex"
-    assert H200["window"]["cudnn"] > H200["window"]["flex"]  # premise: the fastest cannot take it
-    advice = advise.advise(advise.cu_seqlens_of([3000, 900, 5000, 131]), world=2, gpus_per_node=8, heads_q=32,
-                           heads_kv=8, head_dim=128, window=1024)
-    assert advice.kernel == "flex"
-    whole = advise.advise(advise.cu_seqlens_of([3000, 900, 5000, 131]), world=2, gpus_per_node=8, heads_q=32,
-                          heads_kv=8, head_dim=128, kernel="flex")
+    assert advise.cuda_kernel(advise.kernel_table("NVIDIA H200"), windowed=True) \
+        == max(windowed, key=windowed.__getitem__) == "flex"
+    assert H200["window"]["cudnn"] > H200["window"]["flex"]  # premise: the fastest cannot take it on a ring
+    assert advise.cuda_kernel(advise.kernel_table("NVIDIA H200"), windowed=True, by_position=False) == "cudnn"
+    batch = advise.cu_seqlens_of([3000, 900, 5000, 131])
+    advice = advise.advise(batch, world=2, gpus_per_node=8, heads_q=32, heads_kv=8, head_dim=128, window=1024)
+    # without a ring the window masks by offsets, as on one device (layout.window_by_position)
+    assert prediction(advice, 2, 1, "balanced").kernel == "cudnn"
+    assert prediction(advice, 1, 2, "balanced").kernel == "flex"
+    whole = advise.advise(batch, world=2, gpus_per_node=8, heads_q=32, heads_kv=8, head_dim=128, kernel="flex")
     assert prediction(advice, 2, 1, "balanced").compute_s < prediction(whole, 2, 1, "balanced").compute_s
+    named = advise.advise(batch, world=2, gpus_per_node=8, heads_q=32, heads_kv=8, head_dim=128, kernel="cudnn",
+                          window=1024)
+    assert {(p.ring, p.kernel) for p in named.predictions} == {(1, "cudnn")}  # the ring cannot run it
     with pytest.raises(InputError, match="kernel: 'cudnn' cannot mask a window by positions"):
-        advise.advise(advise.cu_seqlens_of([3000, 900]), world=2, gpus_per_node=8, heads_q=32, heads_kv=8,
+        advise.advise(advise.cu_seqlens_of([3000, 900]), world=2, gpus_per_node=1, heads_q=32, heads_kv=8,
                       head_dim=128, kernel="cudnn", window=1024)
 
 

@@ -7,13 +7,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package
 
 from benchmarks.advisor_check import Comparison, predicted_ms  # noqa: E402
 from benchmarks.speed import workloads  # noqa: E402
+from hcp_advise.measurements import CACHE_ENV  # noqa: E402
 
 DEVICE = "NVIDIA H200"
+
+
+@pytest.fixture(autouse=True)
+def no_cached_measurements(monkeypatch, tmp_path):
+    """The stored measurements, whatever this user's ``--measure`` cached (the environment
+    reaches the subprocesses too)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
 
 
 def test_one_rank_measured_and_predicted_on_cpu(tmp_path):
