@@ -1,7 +1,6 @@
 """FSDP2 and hierarchical context parallelism on the same ranks, eager and compiled.
 
     python examples/fsdp2_compile.py                      # 4 CPU processes (gloo): ulysses 2 x ring 2
-    python examples/fsdp2_compile.py --device cuda --share-gpu   # 4 ranks on one GPU (gloo)
     torchrun --nproc-per-node 8 examples/fsdp2_compile.py --device cuda --ulysses 4 --ring 2
 
 Composed as torchtitan composes data and context parallelism: the context-parallel (CP) ranks
@@ -87,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.inner = "inductor" if args.device == "cuda" else "aot_eager"
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.share_gpu:
+        parser.error("--share-gpu: FSDP2 all-gathers the parameters and gloo's all-gather of CUDA "
+                     "tensors crashes (docs/design.md §7), so ranks cannot share one GPU here; "
+                     "run one rank per GPU with torchrun (NCCL), or on CPU")
     if not 2 * args.max_doc <= args.tokens:
         parser.error("--tokens must be at least 2 * --max-doc: every batch packs >= 2 documents")
     return args
@@ -244,7 +247,7 @@ def worker(me: Worker, args: argparse.Namespace) -> bool:
     if me.rank != 0:
         return True
     print(f"\nFSDP2 over all {me.world_size} ranks + hcp CP ulysses {args.ulysses} x ring {args.ring}, "
-          f"{args.device}{' (one GPU, shared)' if args.share_gpu else ''}, {args.dtype}; "
+          f"{args.device}, {args.dtype}; "
           f"{args.steps} SGD steps on batches of {[b.documents for b in batches]} documents, "
           f"{[int(b.cu_seqlens[-1]) for b in batches]} tokens")
     for mode, took in seconds.items():
