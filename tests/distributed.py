@@ -20,7 +20,9 @@ import datetime
 import importlib
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -174,14 +176,38 @@ def _kill_running(procs: list) -> None:
 # worker side
 # --------------------------------------------------------------------------------------------
 
-def _rank_main(rank: int, ulysses: int, ring: int, out: Path, suite: str, env: dict[str, str],
-               log: Path) -> None:
-    """A rank's process: its output appended to the world's log, the world's variables set."""
+def output_to(log: Path) -> None:
+    """This process's stdout and stderr appended to ``log``, line by line."""
     with open(log, "ab", buffering=0) as file:
         for stream in (1, 2):  # the file descriptors: also what native code writes
             os.dup2(file.fileno(), stream)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+
+
+def run_script(script: Path, args: list[str], deadline_s: float) -> str:
+    """The output of ``python script *args`` (an example that spawns its own ranks); fails the
+    test with it when the run fails. A run past the deadline is ended with its whole process
+    group."""
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        output, _ = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session this call started, nothing else
+        output, _ = proc.communicate()
+        raise AssertionError(f"{script.name} {' '.join(args)} ran past {deadline_s} s:\n{output}") from None
+    assert proc.returncode == 0, f"{script.name}: exit code {proc.returncode}:\n{output}"
+    return output
+
+
+def _rank_main(rank: int, ulysses: int, ring: int, out: Path, suite: str, env: dict[str, str],
+               log: Path) -> None:
+    """A rank's process: its output appended to the world's log, the world's variables set."""
+    output_to(log)
     os.environ.update(env)
     _worker(rank, ulysses, ring, out, suite)
     # a forked rank then ends without the interpreter's teardown of torch (seconds of CPU per

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 import types
 from dataclasses import dataclass
@@ -163,11 +162,7 @@ def run_on_ranks(sources: list[Source], world: int, cwd: Path,
 
 def _rank_main(rank: int, env: dict[str, str], sources: list[Source], cwd: Path,
                log: Path) -> None:
-    with open(log, "ab", buffering=0) as file:
-        for stream in (1, 2):  # the file descriptors: also what native code writes
-            os.dup2(file.fileno(), stream)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    distributed.output_to(log)
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     os.chdir(cwd)  # what a snippet writes lands in the test's folder
     torch.set_num_threads(1)  # several ranks share the test machine's cores

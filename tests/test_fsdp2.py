@@ -1,20 +1,17 @@
 """``examples/fsdp2_compile.py`` as users run it (a subprocess that spawns its ranks): FSDP2
 (``fully_shard`` per layer, then the root) over the same ranks as hierarchical CP, eager and
 compiled with ``backend="hcp"``, two SGD steps whose losses and full gradients must match one
-process without CP or FSDP. On CPU: 4 gloo ranks, ulysses 2 x ring 2, float64, inner compiler
-aot_eager. On CUDA (``-m gpu``): the 4 ranks sharing one GPU over gloo, bf16 with fp32
-parameters and reduction, Inductor."""
+process without CP or FSDP: on CPU, 4 gloo ranks, ulysses 2 x ring 2, float64, inner compiler
+aot_eager. Ranks sharing one GPU are refused (gloo cannot all-gather CUDA tensors)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from distributed import run_script
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_compile.py"
 CPU_DEADLINE_S = 300  # generous: the cores may be shared (measured: 25-36 s on 2 cores)
@@ -35,21 +32,7 @@ class Row:
 
 
 def run_example(*args: str, deadline_s: float) -> str:
-    """The example's output; fails the test with it when the run fails. The example spawns its
-    ranks, so a run past the deadline is ended with its whole process group."""
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        output, _ = proc.communicate(timeout=deadline_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session this call started, nothing else
-        output, _ = proc.communicate()
-        pytest.fail(f"fsdp2_compile.py {' '.join(args)} ran past {deadline_s} s:\n{output}")
-    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{output}"
-    return output
+    return run_script(EXAMPLE, list(args), deadline_s)
 
 
 def table(output: str) -> list[Row]:

@@ -346,6 +346,7 @@ def test_compiled_backward_resolves_the_kernel_when_it_runs_not_when_traced():
     """Inductor's cache is keyed by the forward graph, which says ``"auto"``; a backward graph
     that named the kernel chosen at trace time would be reused by a process where that kernel
     does not load (cudnn without its package)."""
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     backward_kernels = []
@@ -353,11 +354,11 @@ def test_compiled_backward_resolves_the_kernel_when_it_runs_not_when_traced():
     def keep_backward(gm: fx.GraphModule, _inputs):
         backward_kernels.extend(node.args[-1] for node in gm.graph.nodes
                                 if node.target is torch.ops.hcp.varlen_attention_backward.default)
-        return gm
+        return make_boxed_func(gm)
 
     torch._dynamo.reset()
-    compiled = torch.compile(hc.varlen_attention, fullgraph=True,
-                             backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep_backward))
+    compiled = torch.compile(hc.varlen_attention, fullgraph=True, backend=aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=keep_backward))
     leaves = [t.requires_grad_() for t in qkv((4, 2))]
     compiled(*leaves, CU, CU, 9, 9, causal=True).sum().backward()
     torch._dynamo.reset()

@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ import torch.distributed as dist
 import hcp_compile as hc
 from checks import assert_matches
 from cp_cases import World
-from distributed import WORLD_DIR_ENV
+from distributed import WORLD_DIR_ENV, run_script
 from hcp_compile.exchange.mesh import resolve_groups
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_packed.py"
@@ -33,21 +31,7 @@ WORLD_DEADLINE_S = 240
 
 
 def run_example(*args: str, plot: Path) -> str:
-    """The example's output; fails the test with it when the run fails. The example spawns
-    its ranks, so a run past the deadline is ended with its whole process group."""
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args, "--plot", str(plot)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        output, _ = proc.communicate(timeout=RUN_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session this call started, nothing else
-        output, _ = proc.communicate()
-        pytest.fail(f"train_packed.py {' '.join(args)} ran past {RUN_DEADLINE_S} s:\n{output}")
-    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{output}"
-    return output
+    return run_script(EXAMPLE, [*args, "--plot", str(plot)], RUN_DEADLINE_S)
 
 
 def losses(output: str) -> list[float]:
