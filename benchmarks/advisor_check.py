@@ -11,10 +11,11 @@ Each mesh's rank runs alone over torch's fake process group (``benchmarks/speed.
 That is what the advisor's compute part (:func:`hcp_advise.compute_times`) predicts
 for that rank from the device's kernel measurements (kernels/measured.json, or what
 ``python -m hcp_advise --measure`` stored), so the two are set side by side here: measured ms,
-predicted ms and the prediction's error; beside them the prediction with the host part (each
-phase the longer of the rank's compute and its host time, hcp_advise/host_measured.json; none
-where the device's constants were not measured). The communication part is checked against
-the bytes the code sends by the CPU tests (tests/test_schemes.py, tests/test_advise.py).
+predicted ms and the prediction's error; beside them the whole model's prediction of the rank
+(:func:`hcp_advise.predict_rank` with no communication: its kernels, its memory-bound passes
+besides them, and the GPU waiting for its host, hcp_advise/host_measured.json; none where the
+device's host constants were not measured). The communication part is checked against the
+bytes the code sends by the CPU tests (tests/test_schemes.py, tests/test_advise.py).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ import torch
 from tabulate import tabulate
 
 from hcp_advise import (
-    DEFAULT_DEVICE, block_work, bounded_by_host, compute_times, cu_seqlens_of, host_counts, host_measured,
-    host_times, kernel_table, rank_sizes,
+    DEFAULT_DEVICE, ExchangeTimes, HopTimes, active_steps, block_work, compute_times, cu_seqlens_of,
+    cuts_short_segments, host_counts, host_leads, host_measured, host_times, kernel_table, pass_times,
+    predict_rank, rank_sizes,
 )
+from hcp_compile.batch.schedule import head_groups, rank_kv_heads
 from hcp_compile import InputError
 from hcp_compile.batch import layout
 from hcp_compile.batch.placements import placement_rule
@@ -51,7 +54,7 @@ class Comparison:
     measured_ms: float | None
     predicted_ms: float | None
     error: str | None = None  # the run's or the model's error, instead of a time
-    predicted_host_ms: float | None = None  # with the host part; None: not measured for the device
+    predicted_host_ms: float | None = None  # the whole model (passes, host); None: no host times for the device
 
     @property
     def error_pct(self) -> float | None:
@@ -81,22 +84,28 @@ def predicted_ms(lengths: tuple[int, ...], ulysses: int, ring: int, rank: int, p
     """The advisor's time of global rank ``rank`` (ring rank ``rank // ulysses``, Ulysses rank
     ``rank % ulysses``, as ``make_mesh`` numbers them) alone, for the batch of document
     ``lengths``: its compute, with the kernel times the advisor has for ``device_kind``
-    (``hcp_advise.kernel_table``: what ``--measure`` stored, else kernels/measured.json); its
-    compute bounded by its host time per phase (None where hcp_advise/host_measured.json has no
-    eager host times for the device and kernel).
+    (``hcp_advise.kernel_table``: what ``--measure`` stored, else kernels/measured.json); and
+    the whole model's step of the rank with no communication (``predict_rank``: its compute, its
+    passes besides the kernels, the GPU waiting for its host), None where
+    hcp_advise/host_measured.json has no eager host times for the device and kernel.
     ``window``: the call's causal sliding window (-1: none)."""
     batch = layout.batch_layout(cu_seqlens_of(lengths), ulysses, ring, placement_rule(placement))
     heads_q, heads_kv = HEADS[heads]
     call = CallShape(heads_q, heads_kv, head_dim, torch.bfloat16, window=window)
     ring_rank, ulysses_rank = rank // ulysses, rank % ulysses
-    times = compute_times(block_work(batch, window), ring_rank, ulysses_rank, call, kernel, kernel_table(device_kind))
+    work = block_work(batch, window, cuts_short_segments(kernel))
+    times = compute_times(work, ring_rank, ulysses_rank, call, kernel, kernel_table(device_kind))
     record = host_measured.find(device_kind, "hcp-eager", kernel)
+    if record is None:
+        return times.total * 1e3, None
     sizes = rank_sizes(batch, ring_rank, ulysses_rank)
-    host = host_times(host_counts(sizes, ring_rank, ring, kernel, heads_kv), record)  # 0 without a record
-    forward = times.local_forward + sum(times.step_forward)
-    backward = times.local_backward + sum(times.step_backward)
-    with_host = None if record is None else bounded_by_host(forward, backward, host) * 1e3
-    return times.total * 1e3, with_host
+    active = active_steps(work, ring_rank, sizes, ring)
+    step, *_ = predict_rank(
+        times, ExchangeTimes(), HopTimes(), head_groups(rank_kv_heads(heads_kv, ulysses), ulysses),
+        host_times(host_counts(sizes, ring_rank, ring, kernel, heads_kv), record),
+        pass_times(sizes, active, call, ulysses, kernel),
+        host_leads(sizes, ring_rank, ring, kernel, heads_kv, record))
+    return times.total * 1e3, step * 1e3
 
 
 def measure(out: Path, ulysses: int, ring: int, rank: int, args: argparse.Namespace) -> None:
@@ -174,10 +183,11 @@ def table(comparisons: list[Comparison]) -> str:
              ms(c.predicted_ms), pct(c.error_pct), ms(c.predicted_host_ms), pct(c.error_host_pct))
             for c in comparisons]
     text = tabulate(rows, headers=["workload", "mesh AxR", "rank", "placement", "kernel", "measured ms",
-                                   "compute ms", "error", "+ host ms", "error"],
+                                   "compute ms", "error", "model ms", "error"],
                     tablefmt="github")
     if any(c.predicted_ms is not None and c.predicted_host_ms is None for c in comparisons):
-        text += f"\n+ host: not modelled where hcp_advise/host_measured.json has no host times ({host_measured.HOW_TO_ADD})"
+        text += (f"\nmodel: compute, passes and host; not given where hcp_advise/host_measured.json has no host "
+                 f"times ({host_measured.HOW_TO_ADD})")
     return text
 
 

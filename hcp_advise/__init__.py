@@ -23,18 +23,25 @@ command.py):
   overlaps (docs/design.md §3.3, §3.6, §4): every ring hop travels behind the step before the
   one that reads it, the backward's dKV hop behind the next step, its last hop exposed; head
   group ``g + 1``'s exchange behind group ``g``'s ring, group 0's behind the local region;
-- host (:func:`host_counts`, :func:`host_times`, :func:`bounded_by_host`): the seconds a
-  rank's host takes to issue each phase of its eager call, from its kernel calls, ring-step
-  iterations and head groups at the constants hcp_advise/host_measured.json records for the
-  device, mode and kernel (``benchmarks/host_times.py`` measures them); each phase lasts the
-  longer of its host and GPU time, since the GPU cannot run ahead of the host. Where no
-  constants are recorded the host part is 0 and the report says so.
+- passes (:func:`pass_bytes`, :func:`pass_times`): the GPU's memory-bound work besides the
+  attention kernels (merges of partial outputs, fp32 sums of dq and dKV, packing and joining
+  copies), the bytes each pass reads and writes at the bandwidth such passes reach
+  (``PASS_BYTES_PER_S``, from a copy in a stored H200 trace); a ring step's run on the compute
+  stream with its kernels, the others before and after the pipelines;
+- host (:func:`host_counts`, :func:`host_times`, :func:`lead_counts`, :func:`step_with_host`):
+  the seconds a rank's host takes to issue each phase of its eager call, from its kernel calls,
+  ring-step iterations and head groups at the constants hcp_advise/host_measured.json records
+  for the device, mode and kernel (``benchmarks/host_times.py`` measures them). The GPU cannot
+  start a kernel before the host has issued it: a phase's GPU work waits for the host's work
+  before its first kernel (the forward's is exposed, the backward's runs under the forward's GPU
+  work), and a phase ends no sooner than its host has issued its last block and the GPU has run
+  it. Where no constants are recorded the host part is 0 and the report says so.
 
-A step's time is its slowest rank's; options within the model's measured error of the best
-(``MODEL_ERROR``) are reported as a tie. Not modelled: the GPU work outside the attention kernels
-(merges, copies of the ring's strided K/V halves, joins), the host work of a compiled call,
-contention between an all-to-all and ring hops on one NVLink domain; ``benchmarks/advisor_check.py``
-measures how far the model is from single ranks (docs/benchmarks.md, "Advisor check"). A
+A step's time is its slowest rank's, for one call issued alone (the forward's host lead exposed,
+as in the check); options within the model's measured error of the best (``MODEL_ERROR``) are
+reported as a tie. Not modelled: the host work of a compiled call, contention between an
+all-to-all and ring hops on one NVLink domain; ``benchmarks/advisor_check.py`` measures how far
+the model is from single ranks (docs/benchmarks.md, "Advisor check"). A
 causal sliding window (``window``) limits every block's pairs (:func:`visible_pairs`, exact)
 and times them at the windowed throughput of the kernel CP takes for it; its host part is that
 of calls without a window.
@@ -43,13 +50,14 @@ of calls without a window.
 from __future__ import annotations
 
 from .records import (
-    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes,
-    HostCounts, Links, MODEL_ERROR, MODEL_ERROR_WINDOW, Option, PhaseTimes, Prediction, SCHEME,
+    Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes, HostCounts, Links,
+    MODEL_ERROR, MODEL_ERROR_WINDOW, Option, PASS_BYTES_PER_S, Passes, PhaseTimes, Prediction, SCHEME,
 )
 from .measurements import KernelTable, Timing, cache_dir, cache_file, entry_of, kernel_table
-from .compute import block_composition, block_work, compute_times, visible_pairs
+from .compute import block_composition, block_work, compute_times, cuts_short_segments, visible_pairs
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
-from .host import bounded_by_host, host_counts, host_times, kernel_calls
+from .host import host_counts, host_leads, host_times, kernel_calls, lead_counts, step_with_host
+from .passes import active_steps, pass_bytes, pass_times
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
 from .chooser import advise, cuda_kernel, mesh_options, predict
 from .report import format_advice, tied
@@ -68,32 +76,39 @@ __all__ = [
     "MODEL_ERROR",
     "MODEL_ERROR_WINDOW",
     "Option",
+    "PASS_BYTES_PER_S",
+    "Passes",
     "PhaseTimes",
     "Prediction",
     "SCHEME",
     "Timing",
+    "active_steps",
     "advise",
     "batches_from",
     "block_composition",
     "block_work",
     "visible_pairs",
-    "bounded_by_host",
     "cache_dir",
     "cache_file",
     "compute_times",
     "cu_seqlens_of",
     "cuda_kernel",
+    "cuts_short_segments",
     "entry_of",
     "exchange_bytes",
     "exchange_times",
     "format_advice",
     "hop_times",
     "host_counts",
+    "host_leads",
     "host_times",
     "kernel_calls",
     "kernel_table",
+    "lead_counts",
     "main",
     "mesh_options",
+    "pass_bytes",
+    "pass_times",
     "pipeline",
     "predict",
     "predict_rank",
@@ -101,5 +116,6 @@ __all__ = [
     "ring_backward",
     "ring_forward",
     "ring_link",
+    "step_with_host",
     "tied",
 ]

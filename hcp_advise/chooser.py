@@ -20,11 +20,12 @@ from hcp_compile.validation import InputError, check_head_split
 
 from . import host_measured
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
-from .compute import block_work, compute_times
-from .host import host_counts, host_times
+from .compute import block_work, compute_times, cuts_short_segments
+from .host import host_counts, host_leads, host_times
 from .host_measured import HostRecord
 from .measurements import MEASURE, KernelTable, kernel_table
 from .overlap import predict_rank
+from .passes import active_steps, pass_times
 from .records import (
     Advice, DEFAULT_DEVICE, Links, MODEL_ERROR, MODEL_ERROR_WINDOW, Option, Prediction, RankPrediction, SCHEME,
 )
@@ -70,7 +71,7 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
     the measured host constants (None: that part not modelled)."""
     ulysses, ring = option.ulysses, option.ring
     batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(option.placement))
-    work = block_work(batch, call.window)
+    work = block_work(batch, call.window, cuts_short_segments(kernel))
     groups = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
     link = ring_link(ulysses, ring, gpus_per_node)
     ranks = []
@@ -81,14 +82,16 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
         exchange = exchange_times(slowest, links, groups)
         hops = hop_times(sizes[0], call, ulysses, ring, link, links, groups)
         ring_bytes = call_traffic(SCHEME, sizes[0], call, ulysses, ring).ring
+        active = active_steps(work, r, sizes[0], ring)
         for a in range(ulysses):
             compute = compute_times(work, r, a, call, kernel, table)
+            passes = pass_times(sizes[a], active, call, ulysses, kernel)
             issued = host_times(host_counts(sizes[a], r, ring, kernel, call.heads_kv), host)
-            step, a2a, exposed_ring = predict_rank(compute, exchange, hops, groups, issued)
+            lead = host_leads(sizes[a], r, ring, kernel, call.heads_kv, host)
+            step, a2a, exposed_ring, wait = predict_rank(compute, exchange, hops, groups, issued, passes, lead)
             ranks.append(RankPrediction(step, compute.total, a2a, exposed_ring, sum(moved[a]),
                                         ring_bytes.forward_bytes + ring_bytes.backward_bytes,
-                                        issued.forward + issued.backward,
-                                        step - compute.total - a2a - exposed_ring))
+                                        issued.forward + issued.backward, wait, passes.total))
     return max(ranks, key=lambda p: p.step), sum(p.compute for p in ranks) / len(ranks)
 
 
@@ -109,6 +112,7 @@ def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call:
         average([p.exposed_all_to_all for p in slowest]), average([p.exposed_ring for p in slowest]),
         average([p.all_to_all_bytes for p in slowest]), average([p.ring_bytes for p in slowest]),
         average([p.host for p in slowest]), average([p.host_wait for p in slowest]),
+        average([p.passes for p in slowest]),
     )
 
 

@@ -18,10 +18,9 @@ from .records import BlockWork, ComputeTimes, FLOPS_PER_PAIR_HEAD_DIM, FORWARD_S
 def block_composition(segments: int, longest: int, windowed: bool = False) -> str | None:
     """The measured composition a block is timed by; None for a block without segments.
     Unlike ``measured.composition`` (which judges a whole batch), a block whose longest
-    segment is short is short whatever its segment count: a ring step of one document cut
-    into 1K chunks runs at short-segment speed (the dense kernel hands such segments to
-    flash), not at one 131K document's. ``windowed``: a sliding window masks part of the
-    block (some document of it is longer than the window)."""
+    segment is short is short whatever its segment count: ``longest`` is the causal document
+    whose work its longest segment has (:func:`block_work`). ``windowed``: a sliding window
+    masks part of the block (some document of it is longer than the window)."""
     if segments == 0:
         return None
     if windowed:
@@ -29,6 +28,14 @@ def block_composition(segments: int, longest: int, windowed: bool = False) -> st
     if longest < measured.SHORT_DOCUMENT_ROWS:
         return measured.SHORT
     return measured.composition(False, segments, longest)
+
+
+def cuts_short_segments(kernel: str) -> bool:
+    """Whether ``kernel`` runs a segment with fewer than ``dense.MIN_DENSE_ROWS`` query or key rows
+    in a varlen kernel of its own (the dense kernel hands those to flash, kernels/dense.py):
+    then a ring step's segments of a document cut into chunks shorter than that run at the
+    short documents' speed whatever their queries."""
+    return kernel == "dense"
 
 
 def visible_pairs(q0: Tensor, nq: Tensor, k0: Tensor, nk: Tensor, window: int = -1) -> Tensor:
@@ -53,13 +60,19 @@ def _pairs_within(q0: Tensor, nq: Tensor, k0: Tensor, nk: Tensor, d: Tensor) -> 
     return prefix(top) - prefix(bottom)
 
 
-def block_work(batch: BatchLayout, window: int = -1) -> BlockWork:
+def block_work(batch: BatchLayout, window: int = -1, by_chunk: bool = False) -> BlockWork:
     """The pairs and compositions of every rank's blocks under ``batch``'s layout: the local
     region, the own ring step (the ring rank's own ring section, causal inside each document,
     and its GROUP documents) and the ring steps ``s`` against ring rank ``r - s``'s section
     (docs/design.md §3.3: ``LOWER`` for an earlier source, ``UPPER`` for a later one). Real
     tokens only: pads see nothing. ``window``: a causal sliding window of that many keys back
-    (-1: none), which every block masks by position in the document."""
+    (-1: none), which every block masks by position in the document.
+
+    A ring document's segment on a step holds its two chunks ``c`` of queries and one of keys,
+    or one of queries and two of keys (``UPPER``): ``2 c^2`` pairs with no masked tile, the
+    work of a causal document of ``2 c`` tokens, which is what times it (as the own step's
+    segment, two chunks each side). ``by_chunk``: judged by the chunk instead, for a kernel that
+    :func:`cuts_short_segments`."""
     lengths, ring, ulysses = batch.lengths, batch.ring, batch.ulysses
     # empty documents are no segments of any block (communication.rank_sizes drops them too)
     is_local, is_group, is_ring = ((batch.kind == k) & (lengths > 0) for k in (Kind.LOCAL, Kind.GROUP, Kind.RING))
@@ -109,7 +122,7 @@ def block_work(batch: BatchLayout, window: int = -1) -> BlockWork:
     step_kind = [
         [block_composition(n_ring + int(group_count[r]), max(2 * chunk_max, int(group_longest[r])),
                            masked(max(ring_longest, int(group_longest[r]))))]
-        + [block_composition(n_ring, chunk_max, masked(ring_longest))] * (ring - 1)
+        + [block_composition(n_ring, chunk_max if by_chunk else 2 * chunk_max, masked(ring_longest))] * (ring - 1)
         for r in range(ring)
     ]
     local_kind = [[block_composition(int(local_count[r, a]), int(local_longest[r, a]), masked(int(local_longest[r, a])))

@@ -1,6 +1,6 @@
 """The host part: the seconds one rank's host takes to issue its call, from the call counts of
 its layout and the constants measured for the device, mode and kernel
-(hcp_advise/host_measured.json), and how they bound the rank's step."""
+(hcp_advise/host_measured.json), and how the GPU waits for it."""
 
 from __future__ import annotations
 
@@ -62,12 +62,48 @@ def host_times(counts: HostCounts, record: HostRecord | None) -> PhaseTimes:
     return PhaseTimes(phase_seconds(counts, record.forward), phase_seconds(counts, record.backward))
 
 
-def bounded_by_host(device_forward: float, device_backward: float, host: PhaseTimes) -> float:
-    """The step of a rank whose GPU needs ``device_forward`` and ``device_backward`` seconds
-    and whose host needs ``host``: per phase the longer of the two. The host issues every
-    kernel of a phase in order, so the GPU cannot finish the phase before the host has issued
-    its last kernel; and it cannot finish before its own work. Per phase rather than over the
-    whole call, because a phase's host work is not hidden under the other phase's GPU work in
-    a model's step (the backward starts after the loss, the next layer's forward waits for
-    this one's output). Measured against one rank alone: docs/benchmarks.md, "Advisor check"."""
-    return max(host.forward, device_forward) + max(host.backward, device_backward)
+def lead_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int) -> HostCounts:
+    """What the rank's host issues in each phase before its first attention kernel (the GPU has
+    nothing else of the call to run until then): the call's own work (the floor), the first head
+    group's exchange (issued first), and the first block's kernel calls: the local region's, or
+    where it has none the own ring step's (one ring-step iteration). Counted as
+    :func:`host_counts` counts, in a :class:`HostCounts` for :func:`phase_seconds`."""
+    steps = schedule_steps(sizes, ring)
+    groups = min(1, exchanged_head_groups(sizes, steps, heads_kv, len(sizes.exchange)))
+    if sizes.local:
+        return HostCounts(kernel_calls(kernel, None), 0, groups)
+    if sizes.stream:
+        return HostCounts(kernel_calls(kernel, step_kind(ring_rank, ring_rank, True)), 1, groups)
+    return HostCounts(0, 0, groups)
+
+
+def host_leads(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int,
+               record: HostRecord | None) -> PhaseTimes:
+    """The host seconds of each phase before its first kernel (:func:`lead_counts`); 0 without a
+    record."""
+    if record is None:
+        return PhaseTimes()
+    counts = lead_counts(sizes, ring_rank, ring, kernel, heads_kv)
+    return PhaseTimes(phase_seconds(counts, record.forward), phase_seconds(counts, record.backward))
+
+
+def step_with_host(device: PhaseTimes, host: PhaseTimes, lead: PhaseTimes = PhaseTimes(),
+                   tail: PhaseTimes = PhaseTimes()) -> float:
+    """The step of one call issued alone (forward, then at once its backward, as the check
+    measures a rank): the GPU needs ``device`` per phase, the host ``host``, of which ``lead``
+    comes before the phase's first kernel, and ``tail`` is the GPU time of a phase's last block
+    (issued when the host is nearly done with the phase). The host issues every kernel in order
+    and never waits for the GPU, so:
+
+    - a phase's GPU work starts once the host has issued its first kernel (``lead`` after the
+      host began the phase) and once the GPU has finished the forward: the forward's lead is
+      exposed, the backward's runs under the forward's GPU work;
+    - a phase ends when its GPU work is done, and not before the host has issued its last
+      block (its whole host time) and the GPU has run it (``tail``).
+
+    Where the host takes longer than the GPU the step is the host's time plus a tail; where the
+    GPU does, the GPU's plus the forward's lead. Measured against one rank alone:
+    docs/benchmarks.md, "Advisor check"."""
+    forward = max(lead.forward + device.forward, host.forward + tail.forward)
+    start = max(forward, host.forward + lead.backward)
+    return max(start + device.backward, host.forward + host.backward + tail.backward)

@@ -5,9 +5,10 @@ visible, in about 2 minutes; stored for later calls (measurements.py).
 
 Each timing is the wall time of forward + backward calls on new batches after a warm-up batch
 (which builds what a kernel builds per shape), as scripts/measure_kernels.py times its main table:
-a small call's time then holds its host's. Where the host part is modelled it takes the longer of
-the two per phase, so the host is not counted twice; where it is not (a GPU without host times in
-host_measured.json) the kernel times carry some of it.
+a small call's time then holds its host's, which the host part, where it is modelled, counts
+again (the GPU waiting for the host's launches): a small call on such a GPU is predicted somewhat
+long; where it is not (a GPU without host times in host_measured.json) the kernel times carry
+some of it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The overlap rules the code has: ring hops behind the steps, the last dKV hop exposed, head-group
-pipelining of the all-to-all, the GPU behind the host."""
+pipelining of the all-to-all, the GPU waiting for the host's launches."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .host import bounded_by_host
-from .records import ComputeTimes, ExchangeTimes, HopTimes, PhaseTimes
+from .host import step_with_host
+from .records import ComputeTimes, ExchangeTimes, HopTimes, Passes, PhaseTimes
 
 
 def ring_forward(steps: Sequence[float], hop: float) -> float:
@@ -49,17 +49,40 @@ def pipeline(local: float, exchange_in: float, rings: Sequence[float], exchange_
 
 
 def predict_rank(compute: ComputeTimes, exchange: ExchangeTimes, hops: HopTimes,
-                 groups: int, host: PhaseTimes = PhaseTimes()) -> tuple[float, float, float]:
-    """``(step, exposed all-to-all, exposed ring)`` seconds of one rank: both directions'
-    pipelines, each phase waiting for the host where ``host`` takes longer
-    (:func:`host.bounded_by_host`); the ring's exposed time is what its hops add to its
-    steps' compute, the all-to-all's what is left of the pipelines."""
-    forward_steps = [t / groups for t in compute.step_forward]
-    backward_steps = [t / groups for t in compute.step_backward]
+                 groups: int, host: PhaseTimes = PhaseTimes(), passes: Passes = Passes(),
+                 lead: PhaseTimes = PhaseTimes()) -> tuple[float, float, float, float]:
+    """``(step, exposed all-to-all, exposed ring, host wait)`` seconds of one rank: both
+    directions' pipelines, a ring step lasting its kernels and its passes (``passes.step_*``:
+    they run on the compute stream while the next hop travels), each phase's other passes after
+    its pipeline (packing precedes an exchange and joining follows one, on the compute stream);
+    then the GPU waiting for the host's launches (:func:`host.step_with_host`, ``host`` and its
+    ``lead``; the tail is a phase's last block). The ring's exposed time is what its hops add to
+    its steps' compute and passes, the all-to-all's what the exchanges add to that, the host
+    wait what the host adds to the GPU's time."""
+    def with_passes(times: tuple[float, ...], extra: tuple[float, ...]) -> list[float]:
+        # the schedule may have fewer steps than the ring (none beyond the own one without a ring section)
+        extra = (*extra, *(0.0,) * (len(times) - len(extra)))
+        return [(t + p) / groups for t, p in zip(times, extra)]
+
+    forward_steps = with_passes(compute.step_forward, passes.step_forward)
+    backward_steps = with_passes(compute.step_backward, passes.step_backward)
     ring_f = ring_forward(forward_steps, hops.forward)
     ring_b = ring_backward(backward_steps, hops)
     forward = pipeline(compute.local_forward, exchange.forward_in, [ring_f] * groups, exchange.forward_out)
     backward = pipeline(compute.local_backward, exchange.backward_in, [ring_b] * groups, exchange.backward_out)
-    exposed_ring = groups * (ring_f + ring_b) - sum(compute.step_forward) - sum(compute.step_backward)
-    return (bounded_by_host(forward, backward, host),
-            forward + backward - compute.total - exposed_ring, exposed_ring)
+    # the same pipelines without the exchanges, and without the hops too
+    ringed = (pipeline(compute.local_forward, 0.0, [ring_f] * groups, 0.0)
+              + pipeline(compute.local_backward, 0.0, [ring_b] * groups, 0.0))
+    plain = (pipeline(compute.local_forward, 0.0, [sum(forward_steps)] * groups, 0.0)
+             + pipeline(compute.local_backward, 0.0, [sum(backward_steps)] * groups, 0.0))
+    device = PhaseTimes(forward + passes.forward, backward + passes.backward)
+    tail = PhaseTimes(_last_block(forward_steps, compute.local_forward),
+                      _last_block(backward_steps, compute.local_backward))
+    step = step_with_host(device, host, lead, tail)
+    return step, forward + backward - ringed, ringed - plain, step - (device.forward + device.backward)
+
+
+def _last_block(steps: list[float], local: float) -> float:
+    """The GPU time of a phase's last block: its last computing ring step (one head group's),
+    else its local region."""
+    return next((t for t in reversed(steps) if t > 0), local)

@@ -15,14 +15,23 @@ FORWARD_SHARE = 2 / 7  # the forward's 2 products (q k^T, p v) of the 7 (docs/de
 SCHEME = "ring"  # the collective scheme whose overlap the model describes (schemes/ring.py)
 DEFAULT_DEVICE = "NVIDIA H200"
 STORED_MEASUREMENTS = "hcp_compile/kernels/measured.json"  # the runtime's kernel measurements
-# The model's error: the median of |predicted - measured| / measured (the prediction with its host
-# part; half the ranks came closer) over the ranks of its check (benchmarks/advisor_check.py, each
-# rank measured alone; docs/benchmarks.md, "Advisor check"):
+# Bytes per second that the GPU's memory-bound passes besides the attention kernels (merges, fp32
+# sums, packing and joining copies: hcp_advise/passes.py) read and write on the NVIDIA H200: a
+# 537,034,752-byte device-to-device copy took 253.2-255.9 us in
+# benchmarks/results/trace_compiled_u1r2_rank0.json.gz (2 x 537 MB moved: 4.2 TB/s, 88 % of
+# HBM3e's 4.8 TB/s peak); cuDNN's convert_dq_to_16bits pass in trace_stream_w3_u1r2_rank0_compiled.json.gz
+# (fp32 dq read, bf16 written, 65.5K tokens x 32 heads x 128) ran at 4.0 TB/s. Other GPUs: not
+# measured, this figure stands.
+PASS_BYTES_PER_S = 4.2e12
+# The model's error: the median of |predicted - measured| / measured (the whole prediction: compute,
+# passes and host; half the ranks came closer) over the ranks of its check
+# (benchmarks/advisor_check.py, each rank measured alone; docs/benchmarks.md, "Advisor check"):
 # benchmarks/results/advisor_check.json, 27 ranks of W1-W3 with cudnn on one NVIDIA H200, 2026-12-02;
 # under a window advisor_check_w4.json, 4 ranks of W4 with flex. Predictions closer than this are a
-# tie. tests/test_advise_explains.py recomputes both from those files.
-MODEL_ERROR = 0.086
-MODEL_ERROR_WINDOW = 0.221
+# tie. tests/test_advise_explains.py predicts those files' measured ranks again with the current
+# model and checks both figures against the medians it gets.
+MODEL_ERROR = 0.051
+MODEL_ERROR_WINDOW = 0.111
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,28 @@ class ComputeTimes:
 
 
 @dataclass(frozen=True)
+class Passes:
+    """The memory-bound GPU passes of one rank's call besides its attention kernels
+    (:mod:`hcp_advise.passes`), all head groups together, in seconds (in bytes where
+    :func:`passes.pass_bytes` returns them): per phase the passes once per call or head group
+    (packing the exchange's send buffers, joining what comes back, assembling the regions) and
+    those of each ring step (the merge or fp32 sum of its block's result, its copies)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    step_forward: tuple[float, ...] = ()
+    step_backward: tuple[float, ...] = ()
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + sum(self.step_forward) + sum(self.step_backward)
+
+    def scaled(self, factor: float) -> Passes:
+        return Passes(self.forward * factor, self.backward * factor,
+                      tuple(s * factor for s in self.step_forward), tuple(s * factor for s in self.step_backward))
+
+
+@dataclass(frozen=True)
 class ExchangeTimes:
     """Seconds of one head group's all-to-alls: before its ring (q and KV; in the backward
     dout) and after it (the output; dq and dKV)."""
@@ -118,8 +149,8 @@ class HostCounts:
 
 @dataclass(frozen=True)
 class PhaseTimes:
-    """Seconds a rank's host takes to issue the forward and the backward of its call
-    (:func:`host.host_times`); 0: not modelled."""
+    """Seconds of the forward and the backward of a rank's call: what its host takes to issue
+    them (:func:`host.host_times`; 0: not modelled), or a part of that, or its GPU's."""
 
     forward: float = 0.0
     backward: float = 0.0
@@ -137,6 +168,7 @@ class RankPrediction:
     ring_bytes: int
     host: float = 0.0  # its host time, forward + backward
     host_wait: float = 0.0  # what the host adds to the step beyond the GPU's
+    passes: float = 0.0  # its GPU's memory-bound passes besides the attention kernels
 
 
 @dataclass(frozen=True)
@@ -156,6 +188,7 @@ class Prediction:
     ring_bytes: float
     host_s: float = 0.0  # the slowest rank's host time (0: not modelled, see Advice.host_modelled)
     host_wait_s: float = 0.0  # what waiting for the host adds to step_s
+    passes_s: float = 0.0  # the slowest rank's memory-bound passes besides attention (merges, copies)
 
     @property
     def ulysses(self) -> int:

@@ -31,7 +31,7 @@ def format_table(advice: Advice) -> str:
 
     rows = [[
         f"{p.ulysses} x {p.ring}", p.placement, p.kernel, p.head_groups, p.ring_link,
-        f"{p.step_s * 1e3:.2f}", versus_best(p), f"{p.compute_s * 1e3:.2f}",
+        f"{p.step_s * 1e3:.2f}", versus_best(p), f"{p.compute_s * 1e3:.2f}", f"{p.passes_s * 1e3:.2f}",
         f"{p.host_s * 1e3:.2f}" if advice.host_modelled else "-",
         f"{(p.compute_s / p.mean_compute_s - 1) * 100:.1f}" if p.mean_compute_s else "0.0",
         f"{p.exposed_all_to_all_s * 1e3:.2f}", f"{p.exposed_ring_s * 1e3:.2f}",
@@ -39,7 +39,7 @@ def format_table(advice: Advice) -> str:
         f"{p.all_to_all_bytes / 2**20:.1f}", f"{p.ring_bytes / 2**20:.1f}",
     ] for p in advice.predictions]
     headers = ["ulysses x ring", "placement", "kernel", "head groups", "ring link", "step ms", "vs best",
-               "compute ms", "host ms", "over mean %", "exposed a2a ms", "exposed ring ms", "exposed %",
+               "compute ms", "passes ms", "host ms", "over mean %", "exposed a2a ms", "exposed ring ms", "exposed %",
                "a2a MiB", "ring MiB"]
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
@@ -47,8 +47,8 @@ def format_table(advice: Advice) -> str:
 def reasons(advice: Advice) -> list[str]:
     """Which options tie with the best (:func:`tied`), and why the best wins over the others:
     against the first option beyond the tie, and against the best option of every other mesh,
-    the part (compute of the slowest rank, exposed all-to-all, exposed ring, waiting for the
-    host) that makes most of the difference."""
+    the part (compute of the slowest rank, its passes besides attention, exposed all-to-all,
+    exposed ring, waiting for the host) that makes most of the difference."""
     best = advice.best
     lines = [f"best: ulysses {best.ulysses} x ring {best.ring}, placement {best.placement!r}: "
              f"{best.step_s * 1e3:.2f} ms per call per rank, {best.exposed_s * 1e3:.2f} ms of it "
@@ -66,6 +66,7 @@ def reasons(advice: Advice) -> list[str]:
     for p in rivals:
         parts = {
             "compute of its slowest rank": p.compute_s - best.compute_s,
+            "its GPU's passes besides attention (merges, copies)": p.passes_s - best.passes_s,
             "exposed all-to-all": p.exposed_all_to_all_s - best.exposed_all_to_all_s,
             "exposed ring": p.exposed_ring_s - best.exposed_ring_s,
             "waiting for its host": p.host_wait_s - best.host_wait_s,
@@ -82,7 +83,8 @@ def host_note(advice: Advice) -> str:
     """Whether the steps include the host part, and where its constants come from."""
     if advice.host_modelled:
         return (f"host part: {advice.mode} host times measured on {advice.device_kind} "
-                "(hcp_advise/host_measured.json); a phase lasts the longer of its host and GPU time")
+                "(hcp_advise/host_measured.json); the GPU waits for the host to issue each phase's "
+                "first kernel, and a phase ends no sooner than its host has issued its last")
     kernels = "/".join(sorted({p.kernel for p in advice.predictions}))
     return (f"host part not modelled: no {advice.mode} host times for kernel {kernels!r} on "
             f"{advice.device_kind} in hcp_advise/host_measured.json ({HOW_TO_ADD}); ranks whose compute "

@@ -49,6 +49,11 @@ def nvlink_a2a(count: float) -> float:
     return count / 440e9 + 10e-6
 
 
+def passes(count: float) -> float:
+    """Seconds of memory-bound passes reading and writing ``count`` bytes (records.PASS_BYTES_PER_S)."""
+    return count / 4.2e12
+
+
 def options_of(advice: advise.Advice) -> list[tuple[int, int, str]]:
     return [(p.ulysses, p.ring, p.placement) for p in advice.predictions]
 
@@ -75,25 +80,43 @@ def test_one_long_document_on_two_nodes():
     def network(count: float) -> float:
         return count / 50e9 + 25e-6
 
-    ring_f = max(own * 2 / 7, network(section)) + ring * 2 / 7
+    # the GPU's passes besides the kernels (hcp_advise/passes.py; the dense kernel adds none): the
+    # exchange region X = 2048 tokens, the stream S = ring section W = 16384 (two chunks), 4 q and
+    # 1 KV heads after the exchange, elements of D in bf16, each pass read and written
+    x, s = 2048, 2 * c
+    forward_passes = passes(2 * x * (32 + 16) * D * BF16  # q, k, v packed
+                            + 2 * x * 32 * D * BF16  # out joined from the group's ranks
+                            + (x + x) * 32 * D * BF16)  # the exchange region into the rank's rows
+    backward_passes = passes(2 * x * 32 * D * BF16 + 2 * x * (32 + 16) * D * BF16  # dout packed; dq, dk, dv joined
+                             + 2 * (2 * s * 2 * D * BF16)  # the own section's message; its sum and the rest joined
+                             + (x + x) * (32 + 16) * D * BF16)  # the regions
+    merge = passes(s * 4 * D * 3 * BF16)  # step 1's merge (and dq sum): both in bf16, written in bf16
+    dkv_join = passes(2 * s * 2 * D * BF16)  # a step's dk and dv into one dKV
+    dkv_add = passes(s * 2 * D * 3 * BF16)  # the received dKV plus step 1's, written in bf16
+    ring_f = max(own * 2 / 7, network(section)) + ring * 2 / 7 + merge
     # backward: step 0 with the KV hop (+ one carried element), step 1 with the first dKV hop
     # (a block's own gradient, bf16), then the last dKV hop home (bf16)
-    ring_b = (max(own * 5 / 7, network(section + BF16)) + max(ring * 5 / 7, network(section))
-              + network(section))
+    ring_b = (max(own * 5 / 7 + dkv_join, network(section + BF16))
+              + max(ring * 5 / 7 + dkv_join + merge + dkv_add, network(section)) + network(section))
     exchange = [2048 * (4 + 2) * D * 7 * BF16, 14336 * 4 * D * BF16,  # q, kv in; out back
                 2048 * 4 * D * 7 * BF16, 14336 * (4 + 2) * D * BF16]  # dout in; dq, dkv back
-    # one head group and no local region: every all-to-all waits in line with the ring
-    step = sum(nvlink_a2a(b) for b in exchange) + ring_f + ring_b
+    # one head group and no local region: every all-to-all waits in line with the ring; the
+    # packing and joining passes on top (no host part: none is measured for the dense kernel)
+    step = sum(nvlink_a2a(b) for b in exchange) + ring_f + ring_b + forward_passes + backward_passes
     advice = advise.advise(advise.cu_seqlens_of([32768]), world=16, gpus_per_node=8, heads_q=32,
                            heads_kv=8, head_dim=D, kernel="dense")
     got = prediction(advice, 8, 2, "zigzag")
     assert got.compute_s == pytest.approx(own + ring, rel=1e-9)
-    assert got.exposed_ring_s == pytest.approx(ring_f + ring_b - own - ring, rel=1e-9)
+    assert got.passes_s == pytest.approx(forward_passes + backward_passes + 2 * merge + 2 * dkv_join + dkv_add,
+                                         rel=1e-9)
+    assert got.exposed_ring_s == pytest.approx(ring_f + ring_b - own - ring - 2 * merge - 2 * dkv_join - dkv_add,
+                                               rel=1e-9)
     assert got.step_s == pytest.approx(step, rel=1e-9)
     assert got.ring_link == "network" and got.head_groups == 1
     assert got.all_to_all_bytes == sum(exchange)
-    # 1 x 16 cuts the document into chunks of 1024: its 15 other steps are blocks of short
-    # segments, which run at the short documents' speed; their compute alone exceeds 8 x 2's step
+    # 1 x 16 cuts the document into chunks of 1024: its 15 other steps are blocks of segments
+    # with 1024 keys (or queries), which the dense kernel runs in flash at the short documents'
+    # speed (compute.cuts_short_segments); their compute alone exceeds 8 x 2's step
     c = 1024
     alone = seconds_at(2 * c * c + c, "one document") + seconds_at(15 * 2 * c * c, "short documents")
     last = prediction(advice, 1, 16, "balanced")
@@ -120,12 +143,14 @@ def test_many_short_documents_stay_whole_and_move_nothing():
     assert all(p.step_s > alone and p.ring_bytes > 0 for p in advice.predictions if p.placement == "zigzag")
 
 
-def test_gqa_with_fewer_kv_heads_than_a_node_repeats_them_and_prefers_the_ring():
+def test_gqa_with_fewer_kv_heads_than_a_node_repeats_them_and_pays_the_rings_merges():
     """32/4 heads on one node of 8, one 64K document. ulysses 8 repeats each KV head twice
     (one per rank, one head group, docs/design.md §3.2); with R = 1 the document is one
     GROUP spread over the node, no local region: all four all-to-all phases wait. ring 8 over
     NVLink: chunks of 4096, every step's compute hides its hops, only the last dKV hop (a
-    section of 8192 tokens x 4 KV heads, bf16) is exposed."""
+    section of 8192 tokens x 4 KV heads, bf16) is exposed; but each of its 7 later steps merges
+    its partial output (and sums dq) over all 32 heads of its 8192 queries, in fp32 between
+    the first and the last: those passes cost it more than ulysses 8's exchange."""
     length = 65536
     advice = advise.advise(advise.cu_seqlens_of([length]), world=8, gpus_per_node=8, heads_q=32,
                            heads_kv=4, head_dim=D, kernel="dense")
@@ -133,17 +158,39 @@ def test_gqa_with_fewer_kv_heads_than_a_node_repeats_them_and_prefers_the_ring()
     whole = seconds_at(length * (length + 1) / 2 / 8, "one document")
     exchange = [8192 * (4 + 2 * 1) * D * 7 * BF16, 57344 * 4 * D * BF16,
                 8192 * 4 * D * 7 * BF16, 57344 * (4 + 2 * 1) * D * BF16]
+    # ulysses 8's passes: X = 8192 tokens per rank, the stream S = 65536; 4 KV heads repeated
+    # twice (one head of 4 * 2 / 8 per rank after the exchange, 4 q heads)
+    x, s = 8192, length
+    forward = (x * 2 * 4 * (1 + 2) * D * BF16  # k and v repeated: read once, written twice
+               + 2 * x * (32 + 2 * 4 * 2) * D * BF16  # q, k, v packed
+               + 2 * x * 32 * D * BF16 + (x + x) * 32 * D * BF16)  # out joined; the regions
+    backward = (2 * x * 32 * D * BF16  # dout packed
+                + (2 * x * 32 + 2 * x * 4 * (2 + 1)) * D * BF16  # dq joined; dk, dv read repeated, summed
+                + 2 * s * 2 * D * BF16 + 2 * s * 2 * D * BF16  # the step's dk, dv into dKV; dKV joined to the rows
+                + (x + x) * (32 + 8) * D * BF16)  # the regions
     ulysses = prediction(advice, 8, 1, "balanced")
     assert ulysses.all_to_all_bytes == sum(exchange)
-    assert ulysses.step_s == pytest.approx(whole + sum(nvlink_a2a(b) for b in exchange), rel=1e-9)
+    assert ulysses.passes_s == pytest.approx(passes(forward + backward), rel=1e-9)
+    assert ulysses.step_s == pytest.approx(whole + sum(nvlink_a2a(b) for b in exchange) + passes(forward + backward),
+                                           rel=1e-9)
     c = length // 16
     ring_compute = seconds_at(c * (c + 1) + c * c + 7 * 2 * c * c, "one document")
     last_hop = 2 * c * 2 * 4 * D * BF16 / 290e9 + 10e-6
-    assert (advice.best.ulysses, advice.best.ring) == (1, 8)
-    assert advice.best.ring_link == "nvlink"
-    assert advice.best.step_s == pytest.approx(ring_compute + last_hop, rel=1e-9)
-    assert advice.best.exposed_ring_s == pytest.approx(last_hop, rel=1e-9)
-    assert ulysses.step_s > advice.best.step_s
+    # ring 8's passes: S = W = X = 2c tokens, 32 q and 4 KV heads, nothing packed but k and v
+    s = w = x = 2 * c
+    out, kv = s * 32 * D, w * 2 * 4 * D  # elements of one step's output, of one section's k and v
+    merges = out * (8 + 5 * 10 + 8)  # 7 sums: bf16 + bf16 -> fp32, 5 x fp32 + bf16 -> fp32, fp32 + bf16 -> bf16
+    dkv_adds = kv * (8 + 5 * 10 + 8)  # the dKV accumulator over steps 1..7, alike
+    forward = 2 * x * 2 * 4 * D * BF16 + (x + x) * 32 * D * BF16 + merges  # k, v packed; the regions
+    backward = (2 * 2 * kv * BF16  # the own section's message; the section's sum joined to the rows
+                + 8 * 2 * kv * BF16  # each step's dk, dv into dKV
+                + (x + x) * (32 + 8) * D * BF16 + merges + dkv_adds)
+    ring = prediction(advice, 1, 8, "balanced")
+    assert ring.ring_link == "nvlink"
+    assert ring.passes_s == pytest.approx(passes(forward + backward), rel=1e-9)
+    assert ring.step_s == pytest.approx(ring_compute + last_hop + passes(forward + backward), rel=1e-9)
+    assert ring.exposed_ring_s == pytest.approx(last_hop, rel=1e-9)
+    assert ring.step_s > ulysses.step_s >= advice.best.step_s
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,7 +251,56 @@ def test_exposed_ring_counts_every_head_groups_ring():
     compute is 6 and the rest (11) the ring's."""
     compute = advise.ComputeTimes(0.0, 0.0, (1.0, 1.0), (2.0, 2.0))
     hops = HopTimes(forward=3.0, backward_kv=3.0, backward_dkv=0.0, last_dkv=1.0)
-    assert advise.predict_rank(compute, advise.ExchangeTimes(), hops, groups=2) == (17.0, 0.0, 11.0)
+    assert advise.predict_rank(compute, advise.ExchangeTimes(), hops, groups=2) == (17.0, 0.0, 11.0, 0.0)
+
+
+def test_passes_count_the_bytes_of_the_calls_copies_and_sums():
+    """A rank of ulysses 3 x ring 2 with 12/6 heads of 8 in bf16: 4 q and 2 KV heads after the
+    exchange, two head groups; local region 10 tokens, its exchange region X = 70 of the stream
+    S = 50 + 70 + 30 = 150, ring section W = 20, T = 100 rows. Every pass reads and writes its
+    elements (2 bytes, fp32 sums 4), counted by hand from hierarchical.py, collectives.py,
+    schemes/ring.py and the cuDNN kernel's wrapper."""
+    sizes = layout.RankSizes(100, 10, (50, 70, 30), 20, 1, 3, (4, 4))
+    call = CallShape(12, 6, 8, torch.bfloat16)
+    x, s, w, rows = 70, 150, 20, 10 + 70 + 100  # the regions' join reads local + X rows, writes T
+    forward = (2 * x * (12 + 2 * 6) * 8 * 2  # q, k, v packed
+               + 2 * x * 12 * 8 * 2  # out joined from the head groups and ranks
+               + rows * 12 * 8 * 2)  # out's regions
+    backward = (2 * x * 12 * 8 * 2  # dout packed
+                + 2 * x * (12 + 2 * 6) * 8 * 2  # dq, dk, dv joined
+                + 2 * w * 2 * 2 * 8 * 2  # the own section's message
+                + 2 * s * 2 * 2 * 8 * 2  # the section's dKV joined to the GROUP rows
+                + rows * (12 + 2 * 6) * 8 * 2)  # dq, dk, dv's regions
+    kv0, kv1 = s * 2 * 2 * 8 * 2, w * 2 * 2 * 8 * 2  # bytes of each step's k and v (step 0: the stream)
+    out = s * 4 * 8 * 2  # bytes of a step's output
+    merge = s * 4 * 8 * (2 + 2 + 2)  # the one merge (and dq sum): bf16 + bf16 -> bf16
+    dkv_add = w * 2 * 2 * 8 * (2 + 2 + 2)
+    got = advise.pass_bytes(sizes, (True, True), call, 3, "cudnn")
+    # cuDNN copies k and v contiguous and fills its outputs (out; dq, dk, dv) on every ring step
+    assert got == advise.Passes(forward, backward,
+                                (2 * kv0 + out, 2 * kv1 + out + merge),
+                                (2 * kv0 + out + kv0 + 2 * kv0, 2 * kv1 + out + kv1 + 2 * kv1 + merge + dkv_add))
+    assert advise.pass_bytes(sizes, (True, True), call, 3, "flash") == advise.Passes(
+        forward, backward, (0, merge), (2 * kv0, 2 * kv1 + merge + dkv_add))
+    # step 1 outside a window: no block, no merge; the received dKV still passes on (bf16 to bf16)
+    assert advise.pass_bytes(sizes, (True, False), call, 3, "flash") == advise.Passes(
+        forward, backward, (0, 0), (2 * kv0, w * 2 * 2 * 8 * (2 + 2)))
+    # seconds at the H200's bandwidth; a rank of whole documents (no exchange region) has none
+    assert advise.pass_times(sizes, (True, True), call, 3, "flash").forward == pytest.approx(forward / 4.2e12)
+    assert advise.pass_bytes(layout.RankSizes(100, 100, (0, 0, 0), 0, 1, 5, (0,)), (True,), call, 3, "cudnn") \
+        == advise.Passes(0, 0, (0,), (0,))
+
+
+def test_a_ring_steps_segments_are_timed_as_documents_of_two_chunks():
+    """One document of 12000 tokens on ring 4: chunks of 1500. The own step holds two chunks each
+    side; every other step's segment 2 x 1500 query rows against 1500 keys (or 1500 x 3000),
+    2 c^2 pairs as a causal document of 3000 has: one document's speed, not the short ones'.
+    The dense kernel sends segments with fewer than 2048 keys or queries to flash: for it they
+    are short."""
+    batch = layout.batch_layout(advise.cu_seqlens_of([12000]), 1, 4, placement_rule("balanced"))
+    assert advise.block_work(batch).step_kind[0] == ["one document"] * 4
+    assert advise.block_work(batch, by_chunk=True).step_kind[0] == ["one document"] + ["short documents"] * 3
+    assert advise.cuts_short_segments("dense") and not advise.cuts_short_segments("cudnn")
 
 
 def test_auto_is_the_best_mean_over_the_unwindowed_compositions(monkeypatch):

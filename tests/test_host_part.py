@@ -1,6 +1,6 @@
-"""The advisor's host part: the call counts against a real eager call, the fit of
-benchmarks/host_times.py, the rule that a phase lasts the longer of host and GPU, the record's
-loader, and the measuring command on CPU."""
+"""The advisor's host part: the call counts (and those before a phase's first kernel) against a
+real eager call, the fit of benchmarks/host_times.py, the rule by which the GPU waits for the
+host's launches, the record's loader, and the measuring command on CPU."""
 
 import contextlib
 import json
@@ -31,6 +31,8 @@ class CountingKernel:
     def __init__(self, inner):
         self.inner, self.name = inner, inner.name
         self.counts = {d: {"ops": 0, "blocks": 0, "cudnn": 0} for d in ("forward", "backward")}
+        # per direction, the first block with queries and keys: (the local region's?, its cuDNN calls)
+        self.first = {}
 
     def supports(self, request):
         return self.inner.supports(request)
@@ -41,6 +43,8 @@ class CountingKernel:
         if q.shape[0] and k.shape[0]:
             counts["blocks"] += 1
             counts["cudnn"] += len(cudnn.call_masks(spec))
+            # the local region's spec says which rows its segments cover; a ring step's does not
+            self.first.setdefault(direction, (spec.covered_rows >= 0, len(cudnn.call_masks(spec))))
 
     def forward(self, q, k, v, spec):
         self._count("forward", q, k, spec)
@@ -101,6 +105,13 @@ def test_counts_match_the_kernel_calls_of_a_real_eager_call(monkeypatch, lengths
         assert seen["blocks"] == as_torch.calls
         assert seen["cudnn"] == as_cudnn.calls
     assert as_cudnn.calls > 0
+    # before each phase's first kernel: the first block's calls, and a ring-step iteration
+    # where that block is the own step rather than the local region; one head group's exchange
+    # where the call has any
+    lead = advise.lead_counts(sizes, rank // ulysses, ring, "cudnn", HEADS_KV)
+    for direction in ("forward", "backward"):
+        local_first, calls = counting.first[direction]
+        assert (lead.calls, lead.steps, lead.groups) == (calls, 0 if local_first else 1, min(1, as_cudnn.groups))
 
 
 def test_cudnn_splits_a_causal_block_of_more_keys_than_queries_into_two_calls():
@@ -136,13 +147,29 @@ def test_the_fit_recovers_known_constants():
         host_times.fit(COUNTS, [1.0])
 
 
-def test_a_phase_lasts_the_longer_of_its_host_and_gpu_time():
-    assert advise.bounded_by_host(2.0, 3.0, PhaseTimes(5.0, 1.0)) == 8.0  # host-bound forward
-    assert advise.bounded_by_host(2.0, 3.0, PhaseTimes(1.0, 4.0)) == 6.0  # host-bound backward
-    assert advise.bounded_by_host(2.0, 3.0, PhaseTimes()) == 5.0  # not modelled: the GPU's
+def test_the_gpu_waits_for_the_hosts_launches():
+    """One call issued alone: the host issues the forward, then at once the backward; the GPU
+    runs each phase once the host has issued its first kernel, and ends a phase no sooner than
+    the host has issued its last block and the GPU has run it."""
+    step = advise.step_with_host
+    # no lead, no tail: a host-bound forward (5) then the backward's GPU (3)
+    assert step(PhaseTimes(2.0, 3.0), PhaseTimes(5.0, 1.0)) == 5.0 + 3.0
+    # the backward's host (1..5) runs under the forward's GPU (0..2); the GPU is done at 5 too
+    assert step(PhaseTimes(2.0, 3.0), PhaseTimes(1.0, 4.0)) == 5.0
+    assert step(PhaseTimes(2.0, 3.0), PhaseTimes()) == 5.0  # not modelled: the GPU's
+    # one kernel per phase, issued at the end of its host work (lead = host, tail = the kernel):
+    # forward host 0..0.75, kernel 0.75..1.25; backward host 0.75..1.75, kernel 1.75..3.25
+    one = (PhaseTimes(0.5, 1.5), PhaseTimes(0.75, 1.0), PhaseTimes(0.75, 1.0), PhaseTimes(0.5, 1.5))
+    assert step(*one) == 3.25
+    # a lead and a tail: forward GPU 0.5..2.5 (its host until 1, its last block 1..1.5);
+    # backward GPU from 2.5 (its first kernel issued at 1 + 1) to 5.5, but its host issues its
+    # last block at 5, which runs 5..7
+    assert step(PhaseTimes(2.0, 3.0), PhaseTimes(1.0, 4.0), PhaseTimes(0.5, 1.0), PhaseTimes(0.5, 2.0)) == 7.0
+    # predict_rank: forward local 1 + step 1 (GPU 0..2, its last block issued at 5: ends 6),
+    # backward local 2 + step 2 (GPU 6..10): 10, of which 4 the host's
     compute = advise.ComputeTimes(1.0, 2.0, (1.0,), (2.0,))
     assert advise.predict_rank(compute, advise.ExchangeTimes(), advise.HopTimes(), 1, PhaseTimes(5.0, 1.0)) \
-        == (5.0 + 4.0, 0.0, 0.0)
+        == (10.0, 0.0, 0.0, 4.0)
     record = HostRecord(HostConstants(1e-3, 1e-4, 2e-4, 3e-4), HostConstants(2e-3, 0.0, 0.0, 0.0))
     assert advise.host_times(HostCounts(2, 3, 1), record) == PhaseTimes(pytest.approx(2.1e-3), 2e-3)
     assert advise.host_times(HostCounts(2, 3, 1), None) == PhaseTimes()
@@ -160,8 +187,14 @@ def test_the_advisor_bounds_its_steps_by_the_host_where_measured(monkeypatch):
     bound = advise.advise(batch, **options)
     assert bound.host_modelled and "host part: hcp-eager" in advise.format_advice(bound)
     for p in bound.predictions:
-        assert p.step_s == pytest.approx(0.1) and p.host_s == pytest.approx(0.1)
-        assert p.host_wait_s == pytest.approx(p.step_s - p.compute_s - p.exposed_s)
+        assert p.host_s == pytest.approx(0.1) and p.step_s > 0.1
+        assert p.host_wait_s == pytest.approx(p.step_s - p.compute_s - p.passes_s - p.exposed_s)
+        if p.placement == "balanced":
+            # every document whole on its rank (no exchange, no passes): one local block per
+            # phase, issued 50 ms into it; the backward's (5/7 of the compute) after both
+            # phases' host work
+            assert p.step_s == pytest.approx(0.1 + p.compute_s * 5 / 7)
+            assert p.passes_s == 0 and p.exposed_s == 0
     with pytest.raises(InputError, match="mode"):
         advise.advise(batch, **options, mode="hcp-compiled")
 
