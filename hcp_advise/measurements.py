@@ -11,7 +11,6 @@ and why (``links_note``).
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
@@ -81,14 +80,7 @@ class KernelTable:
         points = self.sizes.get(composition, {}).get(kernel, ())
         if call_flops is None or len(points) < 2:
             return rates[kernel]
-        work = [w for w, _ in points]
-        if call_flops <= work[0]:
-            return points[0][1]
-        if call_flops >= work[-1]:
-            return points[-1][1]
-        i = bisect.bisect_right(work, call_flops)
-        (w0, f0), (w1, f1) = points[i - 1], points[i]
-        return f0 + (math.log(call_flops) - math.log(w0)) / (math.log(w1) - math.log(w0)) * (f1 - f0)
+        return measured.interpolated(points, call_flops)
 
 
 def cache_dir() -> Path:

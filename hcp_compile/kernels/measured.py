@@ -22,6 +22,7 @@ import bisect
 import functools
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from statistics import mean
 
@@ -131,8 +132,12 @@ def throughput_at(kernel: str, kind: str, kind_of_call: str, call_flops: float) 
     nearest one's outside them; None where fewer than two sizes were recorded for that kernel
     and composition (then the main table alone speaks)."""
     points = recorded_sizes().get(kind, {}).get(kind_of_call, {}).get(kernel, ())
-    if len(points) < 2:
-        return None
+    return interpolated(points, call_flops) if len(points) >= 2 else None
+
+
+def interpolated(points: Sequence[tuple[float, float]], call_flops: float) -> float:
+    """The FLOP/s of ``points`` (``(call FLOPs, FLOP/s)``, sorted, at least two) at
+    ``call_flops``: linear in ``log(call_flops)`` between them, the nearest one's outside."""
     work = [w for w, _ in points]
     if call_flops <= work[0]:
         return points[0][1]
