@@ -104,15 +104,18 @@ def kernel_timings(kernels: Sequence[str], call: CallShape, device: torch.device
                    sizes: Sequence[int] = SIZES, budget_s: float = BUDGET_S,
                    log: Callable[[str], object] = print) -> tuple[list[Timing], list[str]]:
     """Each kernel's :class:`Timing` on each composition and size, kernel by kernel; the window's
-    composition (``window`` keys back, >= 0) only for kernels that mask it by position, as ring
-    steps need. Returns also a line for each measurement that failed or did not start within
-    ``budget_s`` seconds; ``log`` gets every line as it comes."""
+    composition (``window`` keys back, >= 0) for the kernels that take a causal window (on a mesh
+    without a ring any of them runs it; a ring needs one that masks by position, which the
+    advisor picks by ``Kernel.masks_by_position``). Returns also a line for each measurement
+    that failed or did not start within ``budget_s`` seconds; ``log`` gets every line as it
+    comes."""
     started = time.perf_counter()
     timings: list[Timing] = []
     skipped: list[str] = []
     compositions = [ONE_DOCUMENT, LOG_UNIFORM, SHORT] + ([WINDOW] if window >= 0 else [])
+    windowed = BlockRequest(device, call.dtype, call.head_dim, call.heads_q, call.heads_kv, (window, 0))
     for kernel, composition, tokens in itertools.product(kernels, compositions, sizes):
-        if composition == WINDOW and not KERNELS[kernel].masks_by_position:
+        if composition == WINDOW and KERNELS[kernel].supports(windowed) is not None:
             continue
         what = f"{kernel} on {composition}, {tokens} tokens"
         if time.perf_counter() - started > budget_s:

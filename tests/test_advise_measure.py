@@ -111,7 +111,7 @@ def test_a_bad_cache_file_names_itself_and_the_fix(cache):
 def test_timings_on_cpu_fill_a_table_the_advisor_reads(cache):
     """The torch kernel on CPU, batches of 32 and 64 tokens (shorter than every composition's
     shortest document, so each batch is one document) under a window of 3 keys: each composition at
-    each size, the window's too (torch masks by position). 64 causal tokens see 64 * 65 / 2 pairs;
+    each size, the window's too (torch takes a causal window). 64 causal tokens see 64 * 65 / 2 pairs;
     32 tokens in the window see 4 * 5 / 2 + 28 * 4; 14 x head dim 8 x 2 query heads FLOPs a pair."""
     lines: list[str] = []
     call = CallShape(2, 1, 8, torch.float32)
