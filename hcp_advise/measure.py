@@ -68,7 +68,8 @@ def kernels_to_measure(kernel: str, request: BlockRequest) -> list[str]:
             raise InputError(f"kernel: expected 'auto' or one of {sorted(KERNELS)}, got {kernel!r}")
         return [kernel]
     able = [name for name, k in KERNELS.items() if name != "torch" and k.supports(request) is None]
-    return sorted(able, key=lambda name: FALLBACK.index(name) if name in FALLBACK else len(FALLBACK))
+    order = FALLBACK["cuda"]
+    return sorted(able, key=lambda name: order.index(name) if name in order else len(order))
 
 
 def seconds_of(kernel: str, stream: list[list[int]], call: CallShape, window: int, device: torch.device) -> float:

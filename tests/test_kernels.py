@@ -659,7 +659,7 @@ def test_auto_takes_the_fastest_measured_kernel_that_supports_the_call(monkeypat
     assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "flex"
 
 
-def test_auto_falls_back_to_cudnn_then_flash_on_cuda_and_torch_elsewhere_when_unmeasured(monkeypatch):
+def test_auto_falls_back_to_cudnn_flash_flex_on_cuda_and_torch_on_cpu_when_unmeasured(monkeypatch):
     monkeypatch.setattr(measured, "throughputs", lambda kind_of_call=None: {})
     monkeypatch.setattr(hc.kernels, "device_kind", lambda device: "unmeasured")
     monkeypatch.setattr(cudnn, "frontend", lambda: (object(), None))
@@ -669,9 +669,10 @@ def test_auto_falls_back_to_cudnn_then_flash_on_cuda_and_torch_elsewhere_when_un
     assert resolve_kernel("auto", request("cuda", torch.bfloat16, head_dim=8)) == "flash"  # cudnn: 16s only
     monkeypatch.setattr(cudnn, "device_check", lambda device: "failed its check on device 0")
     assert resolve_kernel("auto", request("cuda", torch.bfloat16)) == "flash"
-    assert resolve_kernel("auto", request("cuda", torch.float32)) == "torch"
-    # a window by position (a ring step) rules flash out
-    assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "torch"
+    assert resolve_kernel("auto", request("cuda", torch.float32)) == "flex"  # fp16/bf16 kernels ruled out
+    # a window by position (a ring step) rules cudnn and flash out: flex, not the torch reference
+    assert resolve_kernel("auto", request("cuda", torch.bfloat16, window=(8, 0), cp=True)) == "flex"
+    assert resolve_kernel("auto", request("cpu", window=(8, 0), cp=True)) == "torch"
 
 
 def test_cudnn_that_fails_its_device_check_is_skipped_by_auto_and_named_raises_why(monkeypatch):

@@ -38,8 +38,10 @@ KERNELS: dict[str, Kernel] = {
     k.name: k for k in (TorchKernel(), FlashKernel(), FlexKernel(), DenseKernel(), CudnnKernel())
 }
 KERNEL_CHOICES = ("auto", *KERNELS)
-# "auto" on a device kind without measurements: the first of these that supports the call
-FALLBACK = ("cudnn", "flash", "torch")
+# "auto" on a device kind without measurements: the first of these that supports the call, by
+# device type; on CUDA flex before the torch reference (it masks a ring's window by position,
+# which cudnn and flash cannot), on CPU after it (there flex is the uncompiled reference path)
+FALLBACK: dict[str, tuple[str, ...]] = {"cuda": ("cudnn", "flash", "flex", "torch"), "cpu": ("torch", "flex")}
 
 
 def resolve_kernel(name: str, request: BlockRequest, how_to_choose: str = "kernel=...") -> str:
@@ -54,7 +56,8 @@ def resolve_kernel(name: str, request: BlockRequest, how_to_choose: str = "kerne
     able = [n for n, reason in reasons.items() if reason is None]
     if name == "auto":
         kind_of_call = composition(request.window != (-1, -1), request.segments, request.longest)
-        return fastest(device_kind(request.device), able, kind_of_call) or next(n for n in FALLBACK if n in able)
+        fallback = FALLBACK.get(request.device.type, ("torch",))
+        return fastest(device_kind(request.device), able, kind_of_call) or next(n for n in fallback if n in able)
     if reasons[name] is not None:
         raise InputError(
             f"kernel={name!r} {reasons[name]}; pass 'auto' or one of {able} ({how_to_choose})"
