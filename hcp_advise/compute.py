@@ -9,7 +9,7 @@ from torch import Tensor
 from hcp_compile.batch.layout import BatchLayout, Kind
 from hcp_compile.batch.schedule import head_groups, rank_kv_heads
 from hcp_compile.batch.traffic import CallShape
-from hcp_compile.kernels import measured
+from hcp_compile.kernels import KERNELS, measured
 
 from .measurements import KernelTable
 from .records import BlockWork, ComputeTimes, FLOPS_PER_PAIR_HEAD_DIM, FORWARD_SHARE
@@ -31,11 +31,11 @@ def block_composition(segments: int, longest: int, windowed: bool = False) -> st
 
 
 def cuts_short_segments(kernel: str) -> bool:
-    """Whether ``kernel`` runs a segment with fewer than ``dense.MIN_DENSE_ROWS`` query or key rows
-    in a varlen kernel of its own (the dense kernel hands those to flash, kernels/dense.py):
-    then a ring step's segments of a document cut into chunks shorter than that run at the
-    short documents' speed whatever their queries."""
-    return kernel == "dense"
+    """Whether ``kernel`` runs short segments in a varlen kernel of its own (its optional
+    ``short_segment_rows``, :class:`hcp_compile.kernels.contract.Kernel`; the dense kernel hands
+    them to flash): then a ring step's segments of a document cut into chunks shorter than that
+    run at the short documents' speed whatever their queries."""
+    return getattr(KERNELS.get(kernel), "short_segment_rows", 0) > 0
 
 
 def visible_pairs(q0: Tensor, nq: Tensor, k0: Tensor, nk: Tensor, window: int = -1) -> Tensor:

@@ -23,8 +23,8 @@ rank attends with after the exchange, repeated KV heads included):
   accumulator plus the step's dKV (fp32 between the first and the last hop); in the backward
   the own ring section's message (with its carried element) once, and the own section's sum
   joined to the GROUP rows (``torch.cat``) once;
-- what a kernel's wrapper adds on a ring step's block (:data:`KERNEL_PASSES`, read off
-  ``kernels/cudnn.py`` and ``kernels/flex.py``): contiguous copies of the step's k and v (split
+- what a kernel's wrapper adds on a ring step's block (its optional ``wrapper_passes``, as
+  ``kernels/cudnn.py`` and ``kernels/flex.py`` declare them): contiguous copies of the step's k and v (split
   views of one KV buffer), and cuDNN's initial values of its outputs (written in full where the
   block's segments do not cover every row: every ring step). Single-device calls, which
   kernels/measured.json times, have neither, nor any of the passes above.
@@ -39,14 +39,12 @@ from collections.abc import Sequence
 from hcp_compile.batch.layout import RankSizes
 from hcp_compile.batch.schedule import exchanged_head_groups, kv_head_repeat, schedule_steps
 from hcp_compile.batch.traffic import CallShape
+from hcp_compile.kernels import KERNELS
+from hcp_compile.kernels.contract import COPIES_KV, FILLS_OUTPUTS
 from hcp_compile.kernels.precision import accumulate_dtype
 
 from .records import PASS_BYTES_PER_S, BlockWork, Passes
 
-# what a block kernel's wrapper adds on a ring step (kernels/cudnn.py: ``q.contiguous()``... and
-# ``initialized_after``; kernels/flex.py: ``_thd_to_flex``'s ``contiguous()``): "copies k, v" and
-# "fills outputs". flash and dense take the strided views as they are.
-KERNEL_PASSES = {"cudnn": frozenset({"copies k, v", "fills outputs"}), "flex": frozenset({"copies k, v"})}
 
 
 def active_steps(work: BlockWork, ring_rank: int, sizes: RankSizes, ring: int) -> list[bool]:
@@ -99,17 +97,17 @@ def pass_bytes(sizes: RankSizes, active: Sequence[bool], call: CallShape, ulysse
         if steps > 1:  # the own section's first message, with the carried element
             backward += 2 * width * 2 * rank_kv * dim * item
         backward += 2 * stream * 2 * rank_kv * dim * item  # the section's sum joined to the GROUP rows
-        extra = KERNEL_PASSES.get(kernel, frozenset())
+        extra = getattr(KERNELS.get(kernel), "wrapper_passes", frozenset())
         computed = [s for s in range(steps) if active[s] and stream]
         for position, s in enumerate(computed):
             keys = stream if s == 0 else width
             kv = keys * 2 * rank_kv * dim * item  # the step's k and v (or dk and dv)
-            if "copies k, v" in extra:
+            if COPIES_KV in extra:
                 step_forward[s] += 2 * kv
                 step_backward[s] += 2 * kv
                 if call.recompute_exchange and ulysses > 1:  # q and out: views of the received buffer
                     step_backward[s] += 2 * 2 * stream * rank_q * dim * item
-            if "fills outputs" in extra:
+            if FILLS_OUTPUTS in extra:
                 step_forward[s] += stream * rank_q * dim * item
                 step_backward[s] += stream * rank_q * dim * item + kv
             step_backward[s] += 2 * kv  # dk and dv joined

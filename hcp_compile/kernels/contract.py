@@ -229,6 +229,11 @@ class BlockRequest:
                    window, window_by_position and windowed, segments, longest)
 
 
+# the kernels' optional ``wrapper_passes`` (:class:`Kernel`)
+COPIES_KV = "copies k, v"  # contiguous copies of the block's k and v (split views of one buffer)
+FILLS_OUTPUTS = "fills outputs"  # initial values of the outputs, written in full
+
+
 class Kernel(Protocol):
     """One attention kernel (one file in this package, registered in ``KERNELS``).
 
@@ -241,8 +246,12 @@ class Kernel(Protocol):
     rows with ``lse = -inf`` get none. Hkv may divide Hq (GQA): kernels take the KV heads as
     they are, without repeating them.
 
-    Optional: ``calls(spec) -> int``, how many kernel invocations a block with queries and keys
-    costs where that is more than one (the advisor's host part counts them; ``hcp_advise``)."""
+    Optional, for the advisor's cost model (``hcp_advise``, which reads them with a default):
+    ``calls(spec) -> int``, how many kernel invocations a block with queries and keys costs
+    where that is more than one; ``wrapper_passes``, which full passes over a ring step's block
+    the kernel adds around its calls (of :data:`COPIES_KV`, :data:`FILLS_OUTPUTS`; default
+    none); ``short_segment_rows``, below how many query or key rows a segment runs in another,
+    varlen kernel (default 0: none)."""
 
     name: str
     # whether it can mask a window by positions inside the document (a ring step under a

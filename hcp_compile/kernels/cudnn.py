@@ -85,7 +85,9 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from hcp_compile.kernels.contract import HOST_READS, BlockRequest, BlockSpec, SpecCache, new_cache_key
+from hcp_compile.kernels.contract import (
+    COPIES_KV, FILLS_OUTPUTS, HOST_READS, BlockRequest, BlockSpec, SpecCache, new_cache_key,
+)
 from hcp_compile.kernels.merge import accumulate, merge_partials
 
 # the name nvidia-cudnn-frontend installs its module under
@@ -490,6 +492,7 @@ def _largest_error_against_torch(device: torch.device) -> float:
 class CudnnKernel:
     name = "cudnn"
     masks_by_position = False
+    wrapper_passes = frozenset({COPIES_KV, FILLS_OUTPUTS})  # q, k, v.contiguous(), initialized_after
 
     def calls(self, spec: BlockSpec) -> int:
         return len(call_masks(spec))

@@ -289,6 +289,7 @@ def _run_spec(spec: BlockSpec, run: Varlen, cu: tuple[Tensor, Tensor]) -> BlockS
 class DenseKernel:
     name = "dense"
     masks_by_position = False
+    short_segment_rows = MIN_DENSE_ROWS  # shorter segments go through flash
 
     def supports(self, request: BlockRequest) -> str | None:
         device = request.device.type

@@ -45,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import flex_attention as flex_module
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, flex_attention
 
-from hcp_compile.kernels.contract import BlockRequest, BlockSpec
+from hcp_compile.kernels.contract import COPIES_KV, BlockRequest, BlockSpec
 from hcp_compile.kernels.flex_mask import BLOCK_SIZE, DocumentMask, document_mask, mask_function
 from hcp_compile.kernels.precision import accumulate_dtype
 
@@ -71,6 +71,7 @@ STATIC_SHAPES = 4
 class FlexKernel:
     name = "flex"
     masks_by_position = True
+    wrapper_passes = frozenset({COPIES_KV})  # _thd_to_flex's contiguous()
 
     def supports(self, request: BlockRequest) -> str | None:
         if request.device.type not in ("cuda", "cpu"):
