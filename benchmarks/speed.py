@@ -40,8 +40,8 @@ rank and in every run):
 - W2-128K, W2-256K: document lengths log-uniform in 256..32K, 128K / 256K tokens in all;
 - W3-128K, W3-256K: lengths log-uniform in 128..2K, 128K / 256K tokens;
 - W4-128K, W4-256K: the W2 batches under a sliding window (left 4096, right 0);
-- W2-512K, W2-1M: W2's lengths, 512K / 1M tokens (1M: 131K per rank of 8, the ring-8 ceilings; only
-  when named, and in ``--scale``).
+- W2-512K, W2-1M, W4-1M: W2's lengths, 512K / 1M tokens, W4-1M under W4's window (1M: 131K per
+  rank of 8, the ring-8 ceilings; only when named, and W2's in ``--scale``).
 
 Modes (``--modes``; default all that apply):
 - ``one-gpu-flex``: torch's ``flex_attention``, compiled, on the whole batch with a document +
@@ -251,7 +251,7 @@ def workloads(shrink: int = 1) -> dict[str, Workload]:
     result += [log_uniform(k, shrink) for k in (128, 256)]
     result += [Workload(f"W3-{size_label(k)}", _drawn(k, short, shrink), spread=short) for k in (128, 256)]
     result += [replace(log_uniform(k, shrink), name=f"W4-{size_label(k)}", window_left=_size(WINDOW_LEFT, shrink))
-               for k in (128, 256)]
+               for k in (128, 256, 1024)]
     result += [log_uniform(k, shrink) for k in (512, 1024)]
     return {w.name: w for w in result}
 
@@ -290,7 +290,7 @@ def parse_size(text: str) -> int:
 
 
 # run only when named in --workloads (a one-GPU step takes seconds)
-ONLY_WHEN_NAMED = ("W2-512K", "W2-1M")
+ONLY_WHEN_NAMED = ("W2-512K", "W2-1M", "W4-1M")
 
 
 @dataclass

@@ -19,6 +19,9 @@ from checks import assert_matches, expected_for, local_rows
 from cp_cases import AttentionCase, World, cu_seqlens, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, new_cache_key, resolve_kernel, \
     run_backward, run_forward
+from hcp_compile.batch.layout import StepKind, batch_layout, step_kind, step_segments, step_sources, stream_table, \
+    stream_tokens
+from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.batch.prepared import host_values
 from hcp_compile.kernels.cudnn import block_calls
 from test_dense_kernel import check_second_halves
@@ -110,8 +113,10 @@ def test_with_the_package_auto_takes_it_where_it_was_measured_fastest(monkeypatc
     assert resolve_kernel("auto", cuda_request()) == "cudnn"
     # what it cannot run goes elsewhere
     assert resolve_kernel("auto", cuda_request(head_dim=256)) != "cudnn"
-    assert resolve_kernel("auto", cuda_request(window=(8, 0), cp=True)) != "cudnn"
+    assert resolve_kernel("auto", cuda_request(window=(8, 0), cp=True)) == "cudnn"  # a ring's, in pieces
+    assert resolve_kernel("auto", cuda_request(window=(-1, 8), cp=True)) != "cudnn"
     assert KERNELS["cudnn"].supports(cuda_request(window=(8, 3))).startswith("cannot apply a window")
+    assert KERNELS["cudnn"].supports(cuda_request(window=(-1, 8), cp=True)) == cudnn._NO_WINDOW_BY_POSITION
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,7 +165,8 @@ class RaggedStandIn:
     entry in float64 (the entry's rows at their offsets, its mask aligned top-left or
     bottom-right; the backward from the given out and stats), and refuses what cuDNN cannot
     take: a row of an entry that sees no key, a bottom-right band over more queries than keys,
-    entries whose rows overlap, an entry longer than the graph's ``s_max``. ``calls`` records
+    entries whose rows overlap, an entry longer than the graph's ``s_max``, a tensor without
+    elements. ``calls`` records
     each call's mask and direction."""
 
     def __init__(self):
@@ -185,6 +191,7 @@ class RaggedStandIn:
             shape, mask = self.shape, self.shape.mask
             hq, hk, d = shape.heads_q, shape.heads_kv, shape.head_dim
             assert t["q"].shape[0] <= shape.rows_q and t["k"].shape[0] <= shape.rows_k, "more rows than the graph's bounds"
+            assert all(x.numel() for x in t.values()), "a tensor without elements (cuDNN: a null pointer)"
             q_starts = (t["q_offsets"].flatten() // (hq * d)).tolist()
             k_starts = (t["k_offsets"].flatten() // (hk * d)).tolist()
             assert (t["stats_offsets"].flatten() // hq).tolist() == q_starts
@@ -404,6 +411,61 @@ def test_one_graph_pair_serves_new_batches_of_a_bucket():
     assert len(cudnn.GRAPHS) == 2
 
 
+def ring_step_blocks(lengths: tuple[int, ...], ring: int, window: int) -> list[tuple[int, int, BlockSpec, int]]:
+    """Every ring step of ``lengths`` laid out on 1 x ``ring``: ``(rank, source, spec, key
+    rows)``, the spec's window by position as the schedule passes it."""
+    cu = cu_seqlens(lengths).long()
+    layout = batch_layout(cu, 1, ring, PLACEMENTS["balanced"])
+    steps = []
+    for rank in range(ring):
+        own = stream_table(layout, rank)
+        rows = int(own.widths.sum())
+        for source in step_sources(rank, ring, ring):
+            kv = own if source == rank else stream_table(layout, source, with_group=False)
+            key_rows = rows if source == rank else int(layout.ring_width)
+            kind = step_kind(rank, source, True)
+            cu_q, cu_k = step_segments(own, kv, rank, source, ring, kind)
+            spec = BlockSpec(cu_q, cu_k, max(lengths), max(lengths), kind is StepKind.DIAGONAL, 64 ** -0.5, window, 0,
+                             stream_tokens(own, rank, ring, rows).position,
+                             stream_tokens(kv, source, ring, key_rows).position, new_cache_key(),
+                             equal_lengths=kind is StepKind.DIAGONAL)
+            steps.append((rank, source, spec, key_rows))
+    return steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ring, window", [(2, 40), (2, 300), (3, 150)])
+def test_a_window_by_position_runs_in_pieces(device, ring, window, request):
+    """Ring steps under a window by position (documents shorter and longer than the window,
+    one longer than a chunk by more than it): bands and full pieces in place, tails on
+    reversed copies, against the plain-PyTorch kernel in fp32 applying the window to the
+    positions; the backward given the step's own out and lse."""
+    where, dtype, tolerance = on(device, request)
+    lengths = (300, 5, 129, 700, 100, 37)
+    pieces_seen = set()
+    for rank, source, spec, key_rows in ring_step_blocks(lengths, ring, window):
+        spec = dataclasses.replace(spec, **{f.name: getattr(spec, f.name).to(where)
+                                            for f in dataclasses.fields(spec) if isinstance(getattr(spec, f.name), torch.Tensor)})
+        name = f"by-position-{ring}-{window}-{rank}-{source}"
+        rows = spec.q_positions.shape[0]
+        q, dout = (seeded(f"{name}/{n}", rows, 8, 64).to(where, dtype) for n in ("q", "dout"))
+        k, v = (seeded(f"{name}/{n}", key_rows, 2, 64).to(where, dtype) for n in ("k", "v"))
+        out, lse = run_forward("cudnn", q, k, v, spec)
+        grads = run_backward("cudnn", dout, q, k, v, out, lse, spec)
+        wide = [t.float() for t in (q, k, v, dout)]
+        out_ref, lse_ref = run_forward("torch", *wide[:3], spec)
+        grads_ref = run_backward("torch", wide[3], *wide[:3], out.float(), lse, spec)
+        assert_matches(out.float().cpu(), out_ref.cpu(), f"{name} out", **tolerance)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref)), name
+        finite = torch.isfinite(lse_ref)
+        torch.testing.assert_close(lse[finite], lse_ref[finite], **tolerance)
+        for grad, got, expected in zip(("dq", "dk", "dv"), grads, grads_ref):
+            assert_matches(got.float().cpu(), expected.cpu(), f"{name} {grad}", **tolerance)
+        calls, tails = cudnn._plan(spec, q, k)
+        pieces_seen |= {mask for mask, _ in calls} | ({"tail"} if tails else set())
+    assert "tail" in pieces_seen and cudnn.Mask(None, None, False) in pieces_seen  # every kind of piece ran
+
+
 # --------------------------------------------------------------------------------------------
 # under eager CP on CPU, through the stand-in
 # --------------------------------------------------------------------------------------------
@@ -412,9 +474,10 @@ CP_MESH = (2, 2)
 SUITE = "test_cudnn_kernel:suite"
 
 
-def supports_but_positions(kernel: cudnn.CudnnKernel, request: BlockRequest) -> str | None:
-    """The kernel's refusal of a window by position, its CUDA-only checks waived."""
-    return cudnn._NO_WINDOW_BY_POSITION if request.window_by_position else None
+def supports_windows_only(kernel: cudnn.CudnnKernel, request: BlockRequest) -> str | None:
+    """The kernel's refusals of a window, its CUDA-only checks waived."""
+    left, right = request.window
+    return cudnn._NO_WINDOW_BY_POSITION if request.window_by_position and not (left >= 0 and right == 0) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,7 +485,7 @@ class StandInCase(AttentionCase):
     """The attention under eager CP with every block on the cudnn kernel, its cuDNN calls run
     by :class:`RaggedStandIn` and its local region's outputs starting as NaN (in the world's
     processes, which the test's monkeypatch does not reach; the kernel's CUDA-only checks
-    are waived there, its refusal of a window by position kept)."""
+    are waived there, its refusals of windows kept)."""
 
     @property
     def id(self) -> str:
@@ -431,18 +494,19 @@ class StandInCase(AttentionCase):
     def run(self, world: World) -> dict:
         with mock.patch.object(cudnn, "GRAPHS", RaggedStandIn()), \
                 mock.patch.object(cudnn, "uninitialized", PoisonedBuffers()), \
-                mock.patch.object(cudnn.CudnnKernel, "supports", supports_but_positions), \
+                mock.patch.object(cudnn.CudnnKernel, "supports", supports_windows_only), \
                 hc.context_parallel(world.mesh, placement=self.placement, kernel="cudnn"):
             return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
 
 
-CP_CASES = [StandInCase("many", 4, 2, True), StandInCase("mixed", 4, 1, True), StandInCase("long", 4, 4, False),
-            StandInCase("mixed", 4, 2, True, placement="zigzag")]
-# a mesh without a ring: its window masks by the offsets in the segments, which cuDNN takes
-# (layout.window_by_position); the stand-in, like cuDNN, ignores positions, so a block that
-# needed them would give a wrong answer here
-WINDOW_MESH = (2, 1)
+# a window on a mesh without a ring masks by the offsets in the segments (layout.window_by_position);
+# with a ring (2 x 2) by positions, in pieces; the stand-in, like cuDNN, ignores positions, so a
+# block run as if its offsets were positions would give a wrong answer here
 WINDOW_CASES = [StandInCase("long", 4, 2, True, (17, 0)), StandInCase("mixed", 4, 2, True, (4, 0))]
+CP_CASES = [StandInCase("many", 4, 2, True), StandInCase("mixed", 4, 1, True), StandInCase("long", 4, 4, False),
+            StandInCase("mixed", 4, 2, True, placement="zigzag"), *WINDOW_CASES,
+            StandInCase("long", 4, 2, True, (40, 0), placement="zigzag")]
+WINDOW_MESH = (2, 1)
 
 
 def suite(mesh: tuple[int, int]) -> list:
@@ -452,7 +516,8 @@ def suite(mesh: tuple[int, int]) -> list:
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
 def test_under_context_parallelism_matches_reference(cp_world, case):
     """Every ring step's blocks (causal ones with more keys than queries, run as two top-left
-    calls; full ones) and the local region through the kernel's calls, on 2 x 2."""
+    calls; full ones; under a window, pieces of the window by position) and the local region
+    through the kernel's calls, on 2 x 2."""
     reference = expected_for(case)
     for rank, result in enumerate(cp_world(CP_MESH, suite=SUITE).values(case.id)):
         index = result["global_index"]
@@ -463,8 +528,7 @@ def test_under_context_parallelism_matches_reference(cp_world, case):
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: c.id)
 def test_a_window_on_a_mesh_without_a_ring_matches_reference(cp_world, case):
     """Ulysses alone (2 x 1) under a sliding window: every block through the kernel's calls
-    with the window by offsets, and "auto" may take cudnn there (it refuses a window by
-    position, which a ring needs)."""
+    with the window by offsets."""
     reference = expected_for(case)
     for rank, result in enumerate(cp_world(WINDOW_MESH, suite=SUITE).values(case.id)):
         index = result["global_index"]

@@ -39,8 +39,9 @@ KERNELS: dict[str, Kernel] = {
 }
 KERNEL_CHOICES = ("auto", *KERNELS)
 # "auto" on a device kind without measurements: the first of these that supports the call, by
-# device type; on CUDA flex before the torch reference (it masks a ring's window by position,
-# which cudnn and flash cannot), on CPU after it (there flex is the uncompiled reference path)
+# device type; on CUDA flex before the torch reference (it masks a ring's window by position
+# without the cudnn package, and takes fp32), on CPU after it (there flex is the uncompiled
+# reference path)
 FALLBACK: dict[str, tuple[str, ...]] = {"cuda": ("cudnn", "flash", "flex", "torch"), "cpu": ("torch", "flex")}
 
 

@@ -89,6 +89,7 @@ from hcp_compile.kernels.contract import (
     COPIES_KV, FILLS_OUTPUTS, HOST_READS, BlockRequest, BlockSpec, SpecCache, new_cache_key,
 )
 from hcp_compile.kernels.merge import accumulate, merge_partials
+from hcp_compile.kernels.window_pieces import PieceKind, reversed_rows, window_pieces
 
 # the name nvidia-cudnn-frontend installs its module under
 FRONTEND_MODULE = "cudnn"
@@ -117,8 +118,8 @@ WORKSPACE_SHARE = 0.15
 # for a few batches
 CACHED_BLOCKS = 256
 _NO_WINDOW_BY_POSITION = (
-    "cannot apply a sliding window under context parallelism with a ring of several ranks "
-    "(its masks are local to a block; a ring step's window needs positions inside the document)"
+    "cannot apply a window by position (a ring step's, under context parallelism with a ring of "
+    "several ranks) unless it is causal with a left bound, window_size=(left, 0)"
 )
 
 
@@ -228,6 +229,8 @@ def call_masks(spec: BlockSpec) -> list[Mask]:
     top-left calls]); any other block one bottom-right call (a window on the diagonal; without
     a band the alignment does not matter). Shapes only: the advisor counts a rank's calls by it."""
     left, right = mask_bounds(spec)
+    if spec.q_positions is not None:  # Note [a window by position as pieces]: typically a band, a full, a tail
+        return [Mask(left, right, False), Mask(None, None, False), Mask(None, None, False), Mask(None, 0, False)]
     if spec.one_segmentation or spec.equal_lengths or right is None:
         return [Mask(left, right, False)]
     if right == 0 and left is None:
@@ -387,14 +390,65 @@ class _Graph:
 
 
 def _calls(spec: BlockSpec, q: Tensor, k: Tensor) -> list[tuple[Mask, dict[str, Tensor]]]:
-    """Each cuDNN call of the block: its mask and its entries' lengths and offsets, derived
-    once per ``spec.cache_key`` (the layers and the backward of one batch share them: 36 small
-    ops for one call, 58 for a split block, that the host would otherwise issue again; eager
-    ranks of a few ms per call wait on the host, docs/benchmarks.md)."""
-    def build() -> list[tuple[Mask, dict[str, Tensor]]]:
-        return [(mask, _bound_tensors(q, k, entries)) for mask, entries in block_calls(spec, entries_for(spec))]
+    """Each cuDNN call of the block on its rows where they lie: its mask and its entries'
+    lengths and offsets, derived once per ``spec.cache_key`` (the layers and the backward of
+    one batch share them: 36 small ops for one call, 58 for a split block, that the host would
+    otherwise issue again; eager ranks of a few ms per call wait on the host,
+    docs/benchmarks.md)."""
+    return _plan(spec, q, k)[0]
+
+
+@dataclass(frozen=True)
+class Tail:
+    """One layer of a window by position's tail pieces (Note [a window by position as pieces]):
+    the rows and keys it copies, each piece's in reverse, and the causal block they make."""
+
+    rows: Tensor
+    keys: Tensor
+    spec: BlockSpec
+
+
+def _plan(spec: BlockSpec, q: Tensor, k: Tensor) -> tuple[list[tuple[Mask, dict[str, Tensor]]], list[Tail]]:
+    """The block's calls in place (:func:`_calls`) and, under a window by position, its tails."""
+    def build() -> tuple[list[tuple[Mask, dict[str, Tensor]]], list[Tail]]:
+        if spec.q_positions is None:
+            return [(mask, _bound_tensors(q, k, entries)) for mask, entries in block_calls(spec, entries_for(spec))], []
+        return _position_plan(spec, q, k)
 
     return _CALLS.get(spec, (q.shape[1], k.shape[1], q.shape[2], spec.equal_lengths), build)
+
+
+def _position_plan(spec: BlockSpec, q: Tensor, k: Tensor) -> tuple[list[tuple[Mask, dict[str, Tensor]]], list[Tail]]:
+    """A window by position's calls in place (bands, full pieces) and its tails, from the
+    block's segments and positions read to the host once per ``cache_key`` (Note [a window by
+    position as pieces])."""
+    host = [t.detach().to("cpu", torch.int64) for t in (spec.cu_q, spec.cu_k, spec.q_positions, spec.k_positions)]
+    pieces = window_pieces(*host, spec.window_left)
+    device, entries, left = q.device, entries_for(spec), mask_bounds(spec)[0]
+    ends = spec.cu_q[-1:].long(), spec.cu_k[-1:].long()
+    calls, tails = [], []
+    for kind, layer in pieces.groups():
+        group = pieces.select(kind, layer)
+        if kind is PieceKind.TAIL:
+            cumulative = lambda n: torch.nn.functional.pad(n.cumsum(0), (1, 0)).to(device, torch.int32)  # noqa: E731
+            tails.append(Tail(
+                reversed_rows(group.q_start, group.q_rows).to(device),
+                reversed_rows(group.k_start, group.k_rows).to(device),
+                BlockSpec(cumulative(group.q_rows), cumulative(group.k_rows), int(group.q_rows.max()),
+                          int(group.k_rows.max()), True, spec.scale,
+                          cache_key=new_cache_key() if spec.cache_key >= 0 else -1,
+                          # a chunk's first W rows against the last W keys of the chunk before
+                          equal_lengths=bool((group.q_rows == group.k_rows).all()))))
+            continue
+        square = group.q_rows == group.k_rows
+        masks = ([(Mask(left, 0, False), square), (Mask(left, 0, True), ~square)] if kind is PieceKind.BAND
+                 else [(Mask(None, None, False), torch.ones_like(square))])
+        for mask, chosen in masks:
+            if chosen.any():
+                columns = (group.q_start, group.q_rows, group.k_start, group.k_rows)
+                q_starts, q_rows, k_starts, k_rows = (c[chosen].to(device) for c in columns)
+                calls.append((mask, _bound_tensors(q, k, _entries(q_starts, q_rows, k_starts, k_rows, *ends, entries))))
+    return calls, tails
 
 
 def _bound_tensors(q: Tensor, k: Tensor, entries: Ragged) -> dict[str, Tensor]:
@@ -414,7 +468,7 @@ def rows_written(spec: BlockSpec) -> int | None:
     sees itself (no row is trimmed: Note [rows that see no key]), and ``spec.covered_rows``
     says where the segments end. Only the rows after it then need their initial values, which
     saves zeroing every output on short-document batches (docs/design.md §8.8)."""
-    if spec.covered_rows < 0 or not spec.one_segmentation:
+    if spec.covered_rows < 0 or not spec.one_segmentation or spec.q_positions is not None:
         return None
     return int(spec.covered_rows)
 
@@ -491,7 +545,7 @@ def _largest_error_against_torch(device: torch.device) -> float:
 
 class CudnnKernel:
     name = "cudnn"
-    masks_by_position = False
+    masks_by_position = True  # a causal window, in pieces (Note [a window by position as pieces])
     wrapper_passes = frozenset({COPIES_KV, FILLS_OUTPUTS})  # q, k, v.contiguous(), initialized_after
 
     def calls(self, spec: BlockSpec) -> int:
@@ -505,9 +559,9 @@ class CudnnKernel:
                 and request.head_dim % 16 == 0 and request.head_dim <= MAX_HEAD_DIM):
             return (f"needs CUDA tensors in fp16/bf16 with head_dim a multiple of 16 and at most {MAX_HEAD_DIM}; "
                     f"got {request.dtype} on {request.device} with head_dim {request.head_dim}")
-        if request.window_by_position and not self.masks_by_position:
-            return _NO_WINDOW_BY_POSITION
         left, right = request.window
+        if request.window_by_position and not (left >= 0 and right == 0):
+            return _NO_WINDOW_BY_POSITION
         if left >= 0 and right != 0:
             return ("cannot apply a window with keys on both sides of the diagonal (cuDNN's left bound "
                     "needs a causal mask)")
@@ -519,12 +573,19 @@ class CudnnKernel:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = lse = None
         written = rows_written(spec)
-        for mask, bounds in _calls(spec, q, k):
+        calls, tails = _plan(spec, q, k)
+        for mask, bounds in calls:
             part_out = initialized_after(q.shape, q, written)
             stats = initialized_after((q.shape[0], q.shape[1]), q, written, float("-inf"), torch.float32)
             GRAPHS.get(Shape.of(q, k, spec, mask), backward=False).run(q.device, {
                 **bounds, "q": q, "k": k, "v": v, "out": part_out, "stats": stats})
             out, lse = merge_partials(out, lse, part_out, stats.t(), q.dtype)
+        if out is None:  # a window by position with no piece in place
+            out, lse = torch.zeros_like(q), q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+        for tail in tails:
+            tail_out, tail_lse = self.forward(q[tail.rows], k[tail.keys], v[tail.keys], tail.spec)
+            out[tail.rows], lse[:, tail.rows] = merge_partials(out[tail.rows], lse[:, tail.rows], tail_out, tail_lse,
+                                                               q.dtype)
         return out.contiguous(), lse.contiguous()
 
     def backward(
@@ -536,7 +597,16 @@ class CudnnKernel:
         q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
         chunks = backward_chunks(spec, q, k)
         if chunks is None:
-            return _backward_block(dout, q, k, v, out, lse, spec)
+            calls, tails = _plan(spec, q, k)
+            grads = _backward_block(dout, q, k, v, out, lse, spec, calls=calls)
+            if grads[0] is None:  # a window by position with no piece in place
+                grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+            for tail in tails:
+                shares = self.backward(dout[tail.rows], q[tail.rows], k[tail.keys], v[tail.keys], out[tail.rows],
+                                       lse[:, tail.rows], tail.spec)
+                for grad, share, where in zip(grads, shares, (tail.rows, tail.keys, tail.keys)):
+                    grad[where] = grad[where] + share  # a layer's rows and keys are distinct: no index_add
+            return grads
         # zeros: rows outside every chunk lie outside every segment, and a chunk's call writes
         # its gradients into these rows in place
         grads = tuple(torch.zeros_like(t) for t in (q, k, v))
@@ -561,15 +631,17 @@ def _within(outer: slice, inner: slice) -> slice:
 
 
 def _backward_block(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: BlockSpec,
-                    rows: int = 0, into: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward of one block, one call per mask, through graphs sized for at least ``rows``
-    rows; with ``into`` (zeroed buffers), the gradients are written there."""
+                    rows: int = 0, into: tuple[Tensor, Tensor, Tensor] | None = None,
+                    calls: list[tuple[Mask, dict[str, Tensor]]] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of one block's ``calls`` in place (default: :func:`_calls`), one per mask,
+    through graphs sized for at least ``rows`` rows; with ``into`` (zeroed buffers), the
+    gradients are written there."""
     # rows outside every call's entries are not read; a row whose merged lse is -inf (no
     # key in any block) is outside them (Note [rows that see no key])
     stats = lse.t().float().contiguous()
     dq = dk = dv = None
     written = rows_written(spec)
-    calls = _calls(spec, q, k)
+    calls = _calls(spec, q, k) if calls is None else calls
     for mask, bounds in calls:
         in_place = into is not None and len(calls) == 1
         grads = into if in_place else tuple(initialized_after(t.shape, t, written) for t in (q, k, v))
@@ -621,10 +693,10 @@ def document_chunks(cu_q: Sequence[int], cu_k: Sequence[int], limit: int) -> lis
 
 def backward_chunks(spec: BlockSpec, q: Tensor, k: Tensor) -> list[Chunk] | None:
     """The chunks a backward of ``spec`` runs in, None where it runs whole: its workspace fits
-    ``WORKSPACE_SHARE`` of its inputs' bytes, or the host does not know its segmentation
-    (Note [a backward in chunks of documents])."""
+    ``WORKSPACE_SHARE`` of its inputs' bytes, the host does not know its segmentation, or its
+    window is by position (Note [a backward in chunks of documents])."""
     host_q, host_k = HOST_READS.get(spec.cu_q), HOST_READS.get(spec.cu_k)
-    if host_q is None or host_k is None:
+    if host_q is None or host_k is None or spec.q_positions is not None:
         return None
     rows = max(q.shape[0], k.shape[0])
     per_row = workspace_per_row(Shape.of(q, k, spec, call_masks(spec)[0]))
@@ -655,12 +727,9 @@ def _chunks(spec: BlockSpec, cu_q: Tensor, cu_k: Tensor, limit: int) -> list[Chu
         rows, keys = slice(cu_q[first], cu_q[stop]), slice(cu_k[first], cu_k[stop])
         segments_q = spec.cu_q[first:stop + 1] - rows.start
         segments_k = segments_q if spec.one_segmentation else spec.cu_k[first:stop + 1] - keys.start
-        positions = {}
-        if spec.q_positions is not None:
-            positions = dict(q_positions=spec.q_positions[rows], k_positions=spec.k_positions[keys])
         chunk_spec = dataclasses.replace(
             spec, cu_q=segments_q, cu_k=segments_k, covered_rows=rows.stop - rows.start,
-            cache_key=new_cache_key() if spec.cache_key >= 0 else -1, **positions)
+            cache_key=new_cache_key() if spec.cache_key >= 0 else -1)
         long = stop - first == 1 and rows.stop - rows.start > limit
         tiles = document_tiles(chunk_spec, rows.stop - rows.start, limit) if long and tileable(spec) else ()
         chunks.append(Chunk(rows, keys, chunk_spec, limit, tiles))
