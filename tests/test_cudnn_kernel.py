@@ -19,12 +19,10 @@ from checks import assert_matches, expected_for, local_rows
 from cp_cases import AttentionCase, World, cu_seqlens, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, new_cache_key, resolve_kernel, \
     run_backward, run_forward
-from hcp_compile.batch.layout import StepKind, batch_layout, step_kind, step_segments, step_sources, stream_table, \
-    stream_tokens
-from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.batch.prepared import host_values
 from hcp_compile.kernels.cudnn import block_calls
 from test_dense_kernel import check_second_halves
+from test_window_pieces import ring_step_blocks
 
 HAS_FRONTEND = cudnn.frontend()[0] is not None
 needs_cudnn = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_FRONTEND),
@@ -409,28 +407,6 @@ def test_one_graph_pair_serves_new_batches_of_a_bucket():
         out, _ = torch.ops.hcp.varlen_attention(*leaves, cu, cu, longest, longest, True, 0.125, -1, -1, "cudnn")
         out.backward(x["dout"].cuda())
     assert len(cudnn.GRAPHS) == 2
-
-
-def ring_step_blocks(lengths: tuple[int, ...], ring: int, window: int) -> list[tuple[int, int, BlockSpec, int]]:
-    """Every ring step of ``lengths`` laid out on 1 x ``ring``: ``(rank, source, spec, key
-    rows)``, the spec's window by position as the schedule passes it."""
-    cu = cu_seqlens(lengths).long()
-    layout = batch_layout(cu, 1, ring, PLACEMENTS["balanced"])
-    steps = []
-    for rank in range(ring):
-        own = stream_table(layout, rank)
-        rows = int(own.widths.sum())
-        for source in step_sources(rank, ring, ring):
-            kv = own if source == rank else stream_table(layout, source, with_group=False)
-            key_rows = rows if source == rank else int(layout.ring_width)
-            kind = step_kind(rank, source, True)
-            cu_q, cu_k = step_segments(own, kv, rank, source, ring, kind)
-            spec = BlockSpec(cu_q, cu_k, max(lengths), max(lengths), kind is StepKind.DIAGONAL, 64 ** -0.5, window, 0,
-                             stream_tokens(own, rank, ring, rows).position,
-                             stream_tokens(kv, source, ring, key_rows).position, new_cache_key(),
-                             equal_lengths=kind is StepKind.DIAGONAL)
-            steps.append((rank, source, spec, key_rows))
-    return steps
 
 
 @pytest.mark.parametrize("device", DEVICES)

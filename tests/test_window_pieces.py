@@ -8,11 +8,33 @@ import random
 import pytest
 import torch
 
-from hcp_compile.batch.layout import (
-    batch_layout, step_kind, step_segments, step_sources, stream_table, stream_tokens,
-)
+from hcp_compile.batch.layout import StepKind, batch_layout, step_kind, step_segments, step_sources, stream_table, \
+    stream_tokens
 from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.kernels import BlockSpec, new_cache_key
 from hcp_compile.kernels.window_pieces import PieceKind, position_runs, reversed_rows, window_pieces
+
+
+def ring_step_blocks(lengths: tuple[int, ...], ring: int, window: int) -> list[tuple[int, int, BlockSpec, int]]:
+    """Every ring step of ``lengths`` laid out on 1 x ``ring``: ``(rank, source, spec, key
+    rows)``, the spec's window by position as the schedule passes it."""
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0))
+    layout = batch_layout(cu, 1, ring, PLACEMENTS["balanced"])
+    steps = []
+    for rank in range(ring):
+        own = stream_table(layout, rank)
+        rows = int(own.widths.sum())
+        for source in step_sources(rank, ring, ring):
+            kv = own if source == rank else stream_table(layout, source, with_group=False)
+            key_rows = rows if source == rank else int(layout.ring_width)
+            kind = step_kind(rank, source, True)
+            cu_q, cu_k = step_segments(own, kv, rank, source, ring, kind)
+            spec = BlockSpec(cu_q, cu_k, max(lengths), max(lengths), kind is StepKind.DIAGONAL, 64 ** -0.5, window, 0,
+                             stream_tokens(own, rank, ring, rows).position,
+                             stream_tokens(kv, source, ring, key_rows).position, new_cache_key(),
+                             equal_lengths=kind is StepKind.DIAGONAL)
+            steps.append((rank, source, spec, key_rows))
+    return steps
 
 
 def true_mask(cu_q, cu_k, q_positions, k_positions, window):
@@ -61,22 +83,11 @@ def check_pieces(cu_q, cu_k, q_positions, k_positions, window):
 def test_the_ring_steps_of_a_zigzag_layout_are_cut_exactly(ring, window):
     """Every ring step of a batch laid out on 1 x ring (documents shorter and longer than a
     chunk, padding): the pieces cover exactly the pairs the window allows, each once."""
-    lengths = torch.tensor([1, 7, 40, 3, 97, 16, 64, 25])
-    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    layout = batch_layout(cu, 1, ring, PLACEMENTS["balanced"])
-    width = int(layout.ring_width)
+    lengths = (1, 7, 40, 3, 97, 16, 64, 25)
     kinds = set()
-    for rank in range(ring):
-        own = stream_table(layout, rank)
-        stream = int(own.widths.sum())
-        q_positions = stream_tokens(own, rank, ring, stream).position
-        for source in step_sources(rank, ring, ring):
-            kv = own if source == rank else stream_table(layout, source, with_group=False)
-            kv_rows = stream if source == rank else width
-            k_positions = stream_tokens(kv, source, ring, kv_rows).position
-            kind = step_kind(rank, source, True)
-            cu_q, cu_k = step_segments(own, kv, rank, source, ring, kind)
-            kinds |= set(check_pieces(cu_q, cu_k, q_positions, k_positions, window).kind.tolist())
+    for _, _, spec, _ in ring_step_blocks(lengths, ring, window):
+        pieces = check_pieces(spec.cu_q, spec.cu_k, spec.q_positions, spec.k_positions, window)
+        kinds |= set(pieces.kind.tolist())
     # each kind of piece was met: no full piece without a window, no tail where it holds every document
     expected = {PieceKind.BAND} if window == 0 else {PieceKind.BAND, PieceKind.FULL}
     assert kinds == (expected if window == 0 or window >= max(lengths) else set(PieceKind))

@@ -21,8 +21,9 @@ consecutive ranges by where their band lies against the run's ``nk`` keys:
 A band and a full range run in place, on the rows and keys where they lie, as ragged entries
 of one call per kind and *layer*: layer ``l`` holds the pairs of a segment's ``a``-th query run
 and ``(a + l)``-th key run, so its pieces' rows and keys never overlap and are in order (a
-rank's own chunks, ``l = 0``, make one call). The tails run as causal blocks over reversed copies of their rows, one per layer, and
-are merged into the rows they came from."""
+rank's own chunks, ``l = 0``, make one call). The tails of a layer run as one causal block over
+reversed copies of their rows and keys, merged by lse into the rows they came from (their
+gradients added back). ``W`` is the window's left size (``window_size[0]``)."""
 
 from __future__ import annotations
 
