@@ -15,11 +15,13 @@ from hcp_compile.kernels import BlockSpec, new_cache_key
 from hcp_compile.kernels.window_pieces import PieceKind, position_runs, reversed_rows, window_pieces
 
 
-def ring_step_blocks(lengths: tuple[int, ...], ring: int, window: int) -> list[tuple[int, int, BlockSpec, int]]:
-    """Every ring step of ``lengths`` laid out on 1 x ``ring``: ``(rank, source, spec, key
-    rows)``, the spec's window by position as the schedule passes it."""
+def ring_step_blocks(lengths: tuple[int, ...], ring: int, window: int, ulysses: int = 1,
+                     placement: str = "balanced") -> list[tuple[int, int, BlockSpec, int]]:
+    """Every ring step of ``lengths`` laid out on ``ulysses`` x ``ring``: ``(rank, source, spec,
+    key rows)``, the spec's window by position as the schedule passes it (a ring rank's
+    exchange stream: its ring chunks, and its GROUP documents in the own step)."""
     cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0))
-    layout = batch_layout(cu, 1, ring, PLACEMENTS["balanced"])
+    layout = batch_layout(cu, ulysses, ring, PLACEMENTS[placement])
     steps = []
     for rank in range(ring):
         own = stream_table(layout, rank)
@@ -91,6 +93,18 @@ def test_the_ring_steps_of_a_zigzag_layout_are_cut_exactly(ring, window):
     # each kind of piece was met: no full piece without a window, no tail where it holds every document
     expected = {PieceKind.BAND} if window == 0 else {PieceKind.BAND, PieceKind.FULL}
     assert kinds == (expected if window == 0 or window >= max(lengths) else set(PieceKind))
+
+
+def test_random_batches_on_random_meshes_are_cut_exactly():
+    """Random batches on meshes with Ulysses groups (GROUP documents in the own step) and
+    both placements."""
+    rng = random.Random(1)
+    for _ in range(25):
+        lengths = tuple(rng.randint(1, 120) for _ in range(rng.randint(1, 9)))
+        mesh = dict(ulysses=rng.choice([1, 2, 3]), ring=rng.choice([2, 3, 4]), placement=rng.choice(list(PLACEMENTS)))
+        window = rng.choice([0, 1, 9, 33, 150])
+        for _, _, spec, _ in ring_step_blocks(lengths, window=window, **mesh):
+            check_pieces(spec.cu_q, spec.cu_k, spec.q_positions, spec.k_positions, window)
 
 
 def test_random_runs_are_cut_exactly():
