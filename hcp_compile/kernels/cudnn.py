@@ -422,15 +422,23 @@ def _position_plan(spec: BlockSpec, q: Tensor, k: Tensor) -> tuple[list[tuple[Ma
     """A window by position's calls in place (bands, full pieces) and its tails, from the
     block's segments and positions read to the host once per ``cache_key`` (Note [a window by
     position as pieces])."""
-    host = [t.detach().to("cpu", torch.int64) for t in (spec.cu_q, spec.cu_k, spec.q_positions, spec.k_positions)]
+    left, right = mask_bounds(spec)
+    if left is None or right != 0:  # supports() refuses these; a direct call must not run them wrong
+        raise ValueError(f"cudnn: a window by position must be causal with a left bound, got left {spec.window_left}, "
+                         f"right {spec.window_right}, causal {spec.causal}")
+    tables = (spec.cu_q, spec.cu_k, spec.q_positions, spec.k_positions)
+    host = torch.cat([t.detach().long() for t in tables]).cpu().split([t.numel() for t in tables])  # one read
     pieces = window_pieces(*host, spec.window_left)
-    device, entries, left = q.device, entries_for(spec), mask_bounds(spec)[0]
+    device, entries = q.device, entries_for(spec)
     ends = spec.cu_q[-1:].long(), spec.cu_k[-1:].long()
+
+    def cumulative(counts: Tensor) -> Tensor:
+        return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(device, torch.int32)
+
     calls, tails = [], []
     for kind, layer in pieces.groups():
         group = pieces.select(kind, layer)
         if kind is PieceKind.TAIL:
-            cumulative = lambda n: torch.nn.functional.pad(n.cumsum(0), (1, 0)).to(device, torch.int32)  # noqa: E731
             tails.append(Tail(
                 reversed_rows(group.q_start, group.q_rows).to(device),
                 reversed_rows(group.k_start, group.k_rows).to(device),
