@@ -8,6 +8,8 @@ would drop the lse gradients."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -216,7 +218,7 @@ class HierarchicalAttention(torch.autograd.Function):
         out_x = heads.join([out_back.wait() for out_back, _ in outgoing]) if parts else None
         out = _join_regions(out_l, out_x, sched)
         # the joined output rather than out_l: the caller's next layer usually keeps it anyway
-        ctx.save_for_backward(q, k, v, out, lse_l, *(t for group in streams for t in group))
+        _save(ctx, (q, k, v, out, lse_l), streams)
         ctx.sched, ctx.groups, ctx.parts, ctx.recompute = sched, groups, parts, recompute_exchange
         if not return_lse:
             return out
@@ -228,7 +230,7 @@ class HierarchicalAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, *_grad_lse):
-        q, k, v, out, lse_l, *saved = ctx.saved_tensors
+        (q, k, v, out, lse_l), streams = _saved(ctx)
         sched, groups, parts, recompute = ctx.sched, ctx.groups, ctx.parts, ctx.recompute
         repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
         scheme = scheme_named(sched.scheme)
@@ -244,13 +246,10 @@ class HierarchicalAttention(torch.autograd.Function):
         carried = dout.reshape(-1)[:1]
         if recompute:
             sent = [dout_x, q_x, out_x, *_repeated_kv(k_x, v_x, groups)]
-            streams = [(None, None, None, lse_s) for lse_s in saved]
 
             def scatter(part: int) -> Issued:
                 return _scatter_stream(heads, sent, ulysses, part, parts, carried)
         else:
-            streams = [saved[i : i + 4] for i in range(0, len(saved), 4)]
-
             def scatter(part: int) -> Issued:
                 return heads.scatter([dout_x], *ulysses, part, parts)
 
@@ -259,22 +258,76 @@ class HierarchicalAttention(torch.autograd.Function):
             sched.kernel, dout_l, q_l, k_l, v_l, out_l, lse_l, _local_spec(sched)
         )
         outgoing = []
-        for part, (q_s, kv_s, out_s, lse_s) in enumerate(streams):
-            arriving = incoming
+        for part in range(parts):
+            arriving, incoming = incoming, None  # held no longer than this group's ring
             if part + 1 < parts:  # the next group's exchange overlaps this group's ring
                 incoming = scatter(part + 1)
+            *kept, lse_s = streams[part]
+            streams[part] = None  # the group's exchanged tensors go as soon as its ring is done
             if recompute:
                 dout_s, q_s, out_s, kv_s = arriving.wait()
             else:
-                dout_s = arriving.wait()
+                (q_s, kv_s, out_s), dout_s = kept, arriving.wait()
             dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried,
                                         scheme.ring)
             outgoing.append((heads.gather(dq_s, *back), heads.gather(dkv_s, *back)))
+            del arriving, kept, q_s, kv_s, out_s, lse_s, dout_s, dq_s, dkv_s
         dq_x = dk_x = dv_x = None
         if parts:
             dq_x = heads.join([dq_back.wait() for dq_back, _ in outgoing])
             dk_v = [dkv_back.wait().chunk(2, dim=2) for _, dkv_back in outgoing]
+            del outgoing
             dk_x = heads.join([dk_s for dk_s, _ in dk_v], repeat)
             dv_x = heads.join([dv_s for _, dv_s in dk_v], repeat)
-        grads = (_join_regions(l, x, sched) for l, x in ((dq_l, dq_x), (dk_l, dk_x), (dv_l, dv_x)))
-        return (*grads, None, None, None, None)
+            del dk_v
+        regions = [(dq_l, dq_x), (dk_l, dk_x), (dv_l, dv_x)]
+        del dq_l, dq_x, dk_l, dk_x, dv_l, dv_x
+        return (*_joined_gradients(regions, sched), None, None, None, None)
+
+
+def _joined_gradients(regions: list[tuple[Tensor, Tensor | None]], sched: RingSchedule) -> Iterator[Tensor]:
+    """Each gradient's regions joined (:func:`_join_regions`) one at a time, a gradient's
+    regions released before the next is joined, and no name in the backward's frame bound to a
+    result (a frame kept past the call, as a memory profiler's stack keeps it, would hold it)."""
+    while regions:
+        local, exchange = regions.pop(0)
+        joined = _join_regions(local, exchange, sched)
+        del local, exchange
+        yield joined
+
+
+def _save(ctx, shards: tuple[Tensor, ...], streams: list[tuple[Tensor, ...]]) -> None:
+    """Keep the rank's ``shards`` and each head group's exchanged ``streams`` for the backward.
+
+    Eager autograd holds a Function's saved tensors until its backward returns, so eagerly the
+    streams are kept on ``ctx`` instead, where the backward drops each group's once its ring is
+    done (docs/design.md §4). Where something else decides what is kept, they go through
+    ``save_for_backward``: a traced graph (which frees every tensor after its last use), and
+    saved-tensor hooks (activation checkpointing, offloading), which must see them."""
+    ctx.shards = len(shards)
+    if torch.compiler.is_compiling() or _saved_tensor_hooks_active():
+        ctx.save_for_backward(*shards, *(t for group in streams for t in group))
+        ctx.groups_saved, ctx.streams = len(streams), None
+    else:
+        ctx.save_for_backward(*shards)
+        ctx.streams = streams
+
+
+def _saved(ctx) -> tuple[tuple[Tensor, ...], list[tuple[Tensor, ...] | None]]:
+    """``(shards, streams)`` as :func:`_save` kept them, the streams in a list the backward may
+    empty: taken from ``ctx`` unless autograd keeps the graph for another backward
+    (``retain_graph``)."""
+    saved = ctx.saved_tensors
+    shards, flat = saved[: ctx.shards], saved[ctx.shards :]
+    if ctx.streams is not None:
+        streams = list(ctx.streams)
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            ctx.streams = None
+        return shards, streams
+    size = len(flat) // ctx.groups_saved if flat else 1
+    return shards, [tuple(flat[i : i + size]) for i in range(0, len(flat), size)]
+
+
+def _saved_tensor_hooks_active() -> bool:
+    # the query torch.utils.checkpoint makes (a private binding, present from torch 2.0 on)
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None

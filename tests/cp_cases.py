@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import Tensor
 
 import hcp_compile as hc
@@ -122,28 +123,71 @@ class AttentionCase:
 
     def attend(self, world: World, cu: Tensor, max_seqlen: int, measure: bool = False) -> dict:
         """Forward and backward of this case's inputs, sharded with garbage in the pads, in the
-        active context; returns the local results, where the local rows come from, and the
-        shapes of the tensors saved for the backward that are not q, k, v or the output; with
-        ``measure``, what the collectives of the forward and of the backward sent
-        (:func:`traffic_record`)."""
+        active context; returns the local results, where the local rows come from, and, for the
+        cases :func:`recompute_exchange_cases` compares, the shapes of the tensors saved for the
+        backward that are not q, k, v or the output (the probe's saved-tensor hooks change what
+        eager CP keeps, so the other cases run without them); with ``measure``, what the
+        collectives of the forward and of the backward sent (:func:`traffic_record`)."""
         plan = hc.shard_plan(cu, world.mesh, placement=self.placement)
         x = self.inputs()
         q, k, v = (shard_with_garbage_pads(plan, x[n], f"{self.id}/{n}", world.rank).requires_grad_()
                    for n in ("q", "k", "v"))
         forward, backward = CollectiveTraffic(), CollectiveTraffic()
-        with saved_for_backward() as saved, forward if measure else contextlib.nullcontext():
-            out = hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen + self.max_seqlen_k_slack,
-                                      causal=self.causal, softmax_scale=self.scale, window_size=self.window)
+        probed = self.id in probed_case_ids()
+        with saved_for_backward() if probed else contextlib.nullcontext([]) as saved, \
+                forward if measure else contextlib.nullcontext():
+            out = self.forward(q, k, v, cu, max_seqlen)
         dout = shard_with_garbage_pads(plan, x["dout"], f"{self.id}/dout", world.rank)
         with backward if measure else contextlib.nullcontext():
-            out.backward(dout)
+            self.backward(out, dout)
         measured = {"forward": traffic_record(forward, world),
                     "backward": traffic_record(backward, world)} if measure else {}
         return {
-            "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "out": out.detach(), **self.gradients(q, k, v),
             "global_index": plan.global_index, "unsharded_out": plan.unshard(out.detach()),
             "saved_besides_inputs": saved_besides(saved, (q, k, v, out)), **measured,
         }
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
+        return hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen + self.max_seqlen_k_slack,
+                                   causal=self.causal, softmax_scale=self.scale, window_size=self.window)
+
+    def backward(self, out: Tensor, dout: Tensor) -> None:
+        out.backward(dout)
+
+    def gradients(self, q: Tensor, k: Tensor, v: Tensor) -> dict[str, Tensor]:
+        return {"dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@dataclass(frozen=True)
+class RetainedGraphCase(AttentionCase):
+    """The backward run twice through a retained graph: eager CP keeps its exchanged tensors
+    for the second (it frees them during the last), and the gradients add up to twice the
+    reference's (halved here)."""
+
+    @property
+    def id(self) -> str:
+        return f"retained-graph-{super().id}"
+
+    def backward(self, out: Tensor, dout: Tensor) -> None:
+        out.backward(dout, retain_graph=True)
+        out.backward(dout)
+
+    def gradients(self, q: Tensor, k: Tensor, v: Tensor) -> dict[str, Tensor]:
+        return {"dq": q.grad / 2, "dk": k.grad / 2, "dv": v.grad / 2}
+
+
+@dataclass(frozen=True)
+class CheckpointedCase(AttentionCase):
+    """The attention under activation checkpointing (non-reentrant), whose saved-tensor hooks
+    must see what eager CP keeps: the backward runs the forward again, collectives included."""
+
+    @property
+    def id(self) -> str:
+        return f"checkpointed-{super().id}"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(super().forward, q, k, v, cu, max_seqlen, use_reentrant=False)
 
 
 @dataclass(frozen=True)
@@ -303,6 +347,12 @@ class SmallQueryBlockCase(AttentionCase):
             torch_kernel.QUERY_BLOCK = saved
 
 
+def probed_case_ids() -> set[str]:
+    """The cases whose saved tensors the recompute test compares."""
+    cases = recompute_exchange_cases()
+    return {case.id for case in cases} | {case.default_case.id for case in cases}
+
+
 def recompute_exchange_cases() -> list[RecomputeExchangeCase]:
     """Each the counterpart of a case of :func:`attention_cases` (its ``default_case``)."""
     return [
@@ -339,6 +389,8 @@ def attention_cases() -> list[AttentionCase]:
         GroupPairCase("mixed", 4, 2, True),
         SmallQueryBlockCase("mixed", 4, 2, True, (4, 0)),
         *recompute_exchange_cases(),
+        RetainedGraphCase("many", 4, 2, True),
+        CheckpointedCase("many", 4, 2, True),
         SmallQueryBlockCase("long", 4, 1, False),
         *(AttentionCase("many", 4, 2, causal, window) for causal, window in MASKS.values()),
         *(AttentionCase("short", 4, hkv, True) for hkv in (2, 1)),
