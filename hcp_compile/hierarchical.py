@@ -321,7 +321,7 @@ def _saved(ctx) -> tuple[tuple[Tensor, ...], list[tuple[Tensor, ...] | None]]:
     shards, flat = saved[: ctx.shards], saved[ctx.shards :]
     if ctx.streams is not None:
         streams = list(ctx.streams)
-        if not torch._C._autograd._get_current_graph_task_keep_graph():
+        if not torch._C._autograd._get_current_graph_task_keep_graph():  # private, as AOTAutograd asks it
             ctx.streams = None
         return shards, streams
     size = len(flat) // ctx.groups_saved if flat else 1
@@ -329,5 +329,5 @@ def _saved(ctx) -> tuple[tuple[Tensor, ...], list[tuple[Tensor, ...] | None]]:
 
 
 def _saved_tensor_hooks_active() -> bool:
-    # the query torch.utils.checkpoint makes (a private binding, present from torch 2.0 on)
+    # private, the query torch.utils.checkpoint makes (torch 2.11 and 2.14 alike)
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import weakref
 import zlib
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterator
@@ -20,6 +21,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 import hcp_compile as hc
+from hcp_compile import hierarchical
 from hcp_compile.batch import layout
 from hcp_compile.kernels import torch_kernel
 from traffic import CollectiveTraffic
@@ -175,6 +177,33 @@ class RetainedGraphCase(AttentionCase):
 
     def gradients(self, q: Tensor, k: Tensor, v: Tensor) -> dict[str, Tensor]:
         return {"dq": q.grad / 2, "dk": k.grad / 2, "dv": v.grad / 2}
+
+
+@dataclass(frozen=True)
+class GroupReleaseCase(AttentionCase):
+    """Eager CP's backward, watched: when a head group's ring backward starts, no earlier
+    group's exchanged q, KV and output (the ring's inputs) may be alive any more; autograd's
+    saved tensors would keep them to the end of the backward (docs/design.md §4)."""
+
+    @property
+    def id(self) -> str:
+        return f"group-release-{super().id}"
+
+    def run(self, world: World) -> dict:
+        watched: list[weakref.ref] = []
+        alive: list[int] = []  # per ring backward: the earlier groups' inputs still alive
+        original = hierarchical.ring_backward
+
+        def watching(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, *rest):
+            alive.append(sum(ref() is not None for ref in watched))
+            watched.extend(weakref.ref(t) for t in (q, kv, out))
+            return original(dout, q, kv, out, *rest)
+
+        hierarchical.ring_backward = watching
+        try:
+            return {**super().run(world), "earlier_groups_alive": alive}
+        finally:
+            hierarchical.ring_backward = original
 
 
 @dataclass(frozen=True)
@@ -391,6 +420,7 @@ def attention_cases() -> list[AttentionCase]:
         *recompute_exchange_cases(),
         RetainedGraphCase("many", 4, 2, True),
         CheckpointedCase("many", 4, 2, True),
+        GroupReleaseCase("many", 4, 4, True),  # two head groups where A = 2 (two KV heads per rank)
         SmallQueryBlockCase("long", 4, 1, False),
         *(AttentionCase("many", 4, 2, causal, window) for causal, window in MASKS.values()),
         *(AttentionCase("short", 4, hkv, True) for hkv in (2, 1)),

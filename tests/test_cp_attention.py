@@ -4,7 +4,7 @@ output and q/k/v gradients of every rank's shard, pads exactly zero (docs/design
 import pytest
 
 from checks import assert_matches, expected_for, local_rows
-from cp_cases import MESHES, SHORT_DOCS, attention_cases, mesh_id, recompute_exchange_cases, traffic_cases
+from cp_cases import MESHES, SHORT_DOCS, GroupReleaseCase, attention_cases, mesh_id, recompute_exchange_cases, traffic_cases
 
 CASES = [pytest.param(mesh, case, id=f"{mesh_id(mesh)}-{case.id}")
          for mesh in MESHES for case in attention_cases()]
@@ -34,6 +34,18 @@ def test_recompute_exchange_saves_only_the_inputs_and_output(cp_world, mesh):
             assert lean["saved_besides_inputs"] == [], f"rank {rank} {case.id}: {lean['saved_besides_inputs']}"
             if case.docs == "long":
                 assert full["saved_besides_inputs"], f"rank {rank} {default.id}: saved no exchanged copy"
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=mesh_id)
+def test_eager_backward_frees_each_head_group_before_the_next(cp_world, mesh):
+    """Eagerly, a head group's exchanged tensors are gone when the next group's ring backward
+    starts; with two head groups (a Ulysses group of 2 ranks, two KV heads each) there are two."""
+    case = GroupReleaseCase("many", 4, 4, True)
+    for rank, result in enumerate(cp_world(mesh).values(case.id)):
+        alive = result["earlier_groups_alive"]
+        assert alive == [0] * len(alive), f"rank {rank}: earlier groups' tensors alive at each group: {alive}"
+        if mesh[0] == 2:
+            assert len(alive) == 2, f"rank {rank}: expected two head groups, ran {len(alive)}"
 
 
 TRAFFIC = [pytest.param(mesh, id=mesh_id(mesh)) for mesh in MESHES]
