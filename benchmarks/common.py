@@ -88,6 +88,40 @@ def kernel_summary(trace: dict, rows: int = 12) -> str:
     return "\n".join(lines)
 
 
+def live_at_peak(device_trace: list[dict], rows: int = 12) -> str:
+    """Where the memory lies at the peak of a CUDA allocator history (one device's list of
+    ``torch.cuda.memory._snapshot()["device_traces"]``, recorded with Python stacks): the peak
+    of the bytes allocated and not yet freed, the event that reached it, and the ``rows`` places
+    holding most of it then, each named by its first frames inside ``hcp_compile`` or
+    ``benchmarks`` (the allocator's own count: a block counts until its free completes)."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    at_peak: list[dict] = []
+    for event in device_trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    by_place: dict[str, int] = {}
+    for event in at_peak:
+        place = _allocated_at(event.get("frames", []))
+        by_place[place] = by_place.get(place, 0) + event["size"]
+    lines = [f"peak {peak / 2**30:.3f} GiB allocated, {len(at_peak)} blocks, reached at "
+             f"{_allocated_at(at_peak[-1].get('frames', [])) if at_peak else '-'}"]
+    lines += [f"    {size / 2**30:8.3f} GiB  {place}"
+              for place, size in sorted(by_place.items(), key=lambda item: -item[1])[:rows]]
+    return "\n".join(lines)
+
+
+def _allocated_at(frames: list[dict], depth: int = 3) -> str:
+    ours = [f for f in frames if "hcp_compile" in f["filename"] or "benchmarks" in f["filename"]]
+    return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+                       for f in (ours or frames)[:depth]) or "?"
+
+
 def cuda_median_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA stream (CUDA events), after
     ``warmup`` untimed calls."""

@@ -81,7 +81,9 @@ other kernel does, in ms and in % of the traced step (first kernel start to last
 failing mode (compile error, OOM, unsupported) is a row with its error; the run goes on. The JSON
 file is rewritten after every row, so a run cut short keeps what it measured. ``--trace DIR`` also
 traces the host in the profiled step (of every mode, the one-GPU ones included), keeps each
-rank's trace in DIR and prints the step's span, busy time and top kernels. ``--share-gpu``
+rank's trace in DIR and prints the step's span, busy time and top kernels. ``--memory-peak``
+records the CUDA allocator's history over each mode's warm-ups and timed steps and prints, on
+rank 0, the places holding most of its peak (``common.live_at_peak``). ``--share-gpu``
 puts every rank on cuda:0 and runs the collectives over gloo (staged through the host): the
 CP rows then keep their peak memory, which is the same allocations as on one GPU per rank,
 and leave out their times (mesh ``AxR shared``); the one-GPU rows run alone and keep theirs.
@@ -199,7 +201,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 import hcp_compile
 from benchmarks.common import (
-    exposed_length, kernel_intervals, kernel_summary, log_uniform_lengths, stream_seed, union_intervals,
+    exposed_length, kernel_intervals, kernel_summary, live_at_peak, log_uniform_lengths, stream_seed, union_intervals,
 )
 from benchmarks.cp_throughput import causal_flops, time_fwd_bwd
 from hcp_compile.batch.layout import window_by_position
@@ -463,12 +465,27 @@ def measure(
         torch.cuda.reset_peak_memory_stats()
         held = torch.cuda.memory_allocated()
     warmup = max(0, setup.args.warmup - first_call)
-    ms = time_fwd_bwd(fn, inputs, warmup, setup.args.iters, barrier=not alone)
+    with memory_history(setup, profile) if cuda and setup.args.memory_peak else contextlib.nullcontext():
+        ms = time_fwd_bwd(fn, inputs, warmup, setup.args.iters, barrier=not alone)
     peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else None
     profiled = profile is not None and cuda and not setup.args.no_profile
     exposed = exposed_communication(fn, inputs, setup, profile, alone) if profiled else (None, None)
     saved = held_after_forward(fn, inputs) if cuda else None
     return Measurement(ms, peak, saved, *exposed, first_call_s)
+
+
+@contextlib.contextmanager
+def memory_history(setup: Setup, name: str | None) -> Iterator[None]:
+    """``--memory-peak``: the allocator's history of the block, with Python stacks, and on the
+    leading rank where its peak's memory lies (:func:`live_at_peak`)."""
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        yield
+        history = torch.cuda.memory._snapshot()["device_traces"][setup.device.index or 0]
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    if setup.leads:
+        setup.say(f"  {name or 'mode'} memory: {live_at_peak(history)}")
 
 
 def held_after_forward(fn: Callable[..., Tensor], inputs: list[Tensor]) -> float:
@@ -1671,6 +1688,9 @@ def parse_args() -> argparse.Namespace:
                         help="run alone as rank R of the --ulysses x --ring world over torch's fake process "
                              "group (collectives move no data): the CP modes' work on that rank without "
                              "communication, an upper bound on their efficiency (one process, no torchrun)")
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="record the CUDA allocator's history over each mode's timed steps and print where "
+                             "its peak's memory lies (its times then include the recording)")
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="also trace the host in the profiled step, keep every rank's trace in DIR and "
                              "print where rank 0's step went")

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks p
 from dataclasses import replace  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    exposed_length, kernel_intervals, kernel_summary, stream_seed, union_intervals,
+    exposed_length, kernel_intervals, kernel_summary, live_at_peak, stream_seed, union_intervals,
 )
 from benchmarks.speed import (  # noqa: E402
     Row, first_extra_s, mixed_steps, outputs_gib, relate, reset_steps, scale_figures, summarize_compositions,
@@ -60,6 +60,29 @@ def test_kernel_summary_counts_busy_time_and_ranks_kernels_by_time():
     assert lines[0] == "span 5.00 ms, some kernel running 3.50 ms, 3 kernels"
     assert lines[1].split() == ["2.000", "ms", "2x", "copy"]
     assert lines[2].split() == ["2.000", "ms", "1x", "attention"]
+    assert len(lines) == 3
+
+
+def test_live_at_peak_names_what_the_allocator_held_at_its_peak():
+    gib = 2**30
+
+    def frames(*names):
+        return [{"filename": f"/x/{file}", "line": line, "name": name} for file, line, name in names]
+
+    ours = frames(("torch/functional.py", 1, "cat"), ("hcp_compile/hierarchical.py", 7, "backward"),
+                  ("benchmarks/speed.py", 9, "measure"))
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 2 * gib, "frames": frames(("lib.py", 3, "f"))},
+        {"action": "alloc", "addr": 2, "size": 1 * gib, "frames": ours},
+        {"action": "free_requested", "addr": 1, "size": 2 * gib},  # counted until its free completes
+        {"action": "alloc", "addr": 3, "size": gib // 2, "frames": ours},  # the peak: 3.5 GiB
+        {"action": "free_completed", "addr": 1, "size": 2 * gib},
+        {"action": "alloc", "addr": 4, "size": 1 * gib, "frames": ours},  # 2.5 GiB
+    ]
+    lines = live_at_peak(trace).splitlines()
+    assert lines[0] == "peak 3.500 GiB allocated, 3 blocks, reached at hierarchical.py:7 backward <- speed.py:9 measure"
+    assert lines[1].split() == ["2.000", "GiB", "lib.py:3", "f"]
+    assert lines[2].split() == ["1.500", "GiB", "hierarchical.py:7", "backward", "<-", "speed.py:9", "measure"]
     assert len(lines) == 3
 
 
