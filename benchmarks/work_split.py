@@ -1,0 +1,83 @@
+"""How evenly a placement shares a batch's attention work among the ranks, counted from the
+layout (no GPU, no process group): the rank's visible query-key pairs, causal or under a
+sliding window, as a share of the mean.
+
+    python -m benchmarks.work_split --workloads W4-128K --meshes 1x2 2x1
+    python -m benchmarks.work_split --workloads W4-1M,W2-1M --meshes 1x8 2x4
+
+A rank computes its LOCAL documents' rows with every head and, after the Ulysses exchange, its
+group's exchange streams with ``1/A`` of the heads: its work is the pairs of its local region's
+queries plus those of its Ulysses group's exchange regions over ``A`` (a query's pairs: the keys
+it sees in its document, wherever they lie). The balanced placement evens causal pairs per
+document; a window changes a query's pairs to ``min(position, left) + 1``, which it does not
+weigh, and a ring document's zigzag chunk 0 (on ring rank 0) then holds fewer of them
+(docs/benchmarks.md, per-rank ceiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tabulate import tabulate
+
+from benchmarks.speed import Workload, workloads
+from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
+
+
+def visible_pairs(positions: torch.Tensor, window_left: int) -> int:
+    """The query-key pairs of queries at these ``positions`` in their documents (-1: a pad):
+    causal, or under a window of ``window_left`` keys back (< 0: none)."""
+    seen = positions + 1 if window_left < 0 else positions.clamp(max=window_left) + 1
+    return int(seen.sum())
+
+
+def rank_work(prepared: PreparedBatch, window_left: int) -> list[float]:
+    """Each rank's work (in rank order ``r * A + a``), as pairs with all heads."""
+    mesh = prepared.mesh
+    work = []
+    for ring_rank in range(mesh.ring):
+        exchanged = 0
+        local = []
+        for ulysses_rank in range(mesh.ulysses):
+            sizes = prepared.rank_sizes(ring_rank, ulysses_rank)
+            tokens = prepared.tokens(ring_rank, ulysses_rank)
+            positions = torch.where(tokens.valid, tokens.position, -1)  # a pad sees no key
+            local.append(visible_pairs(positions[: sizes.local], window_left))
+            exchanged += visible_pairs(positions[sizes.local : sizes.local + sizes.own_exchange], window_left)
+        work += [pairs + exchanged / mesh.ulysses for pairs in local]
+    return work
+
+
+def shares(workload: Workload, ulysses: int, ring: int, placement: str) -> list[float]:
+    """Each rank's work over the mean."""
+    lengths = torch.tensor(workload.lengths)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    work = rank_work(prepare(host_values(cu), MeshShape(ulysses, ring, placement)), workload.window_left)
+    mean = sum(work) / len(work)
+    return [w / mean for w in work]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="W4-128K", help="comma-separated names of benchmarks.speed")
+    parser.add_argument("--meshes", nargs="+", default=["1x2", "2x1"], metavar="AxR")
+    parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    args = parser.parse_args()
+    known = workloads()
+    rows = []
+    for name in args.workloads.split(","):
+        if name not in known:
+            parser.error(f"--workloads: expected names of {sorted(known)}, got {name!r}")
+        for mesh in args.meshes:
+            ulysses, ring = (int(x) for x in mesh.split("x"))
+            for placement in args.placements.split(","):
+                split = shares(known[name], ulysses, ring, placement)
+                rows.append([name, mesh, placement, round(min(split), 3), round(max(split), 3),
+                             " ".join(f"{s:.3f}" for s in split)])
+    print(tabulate(rows, headers=["workload", "mesh", "placement", "least", "most", "every rank / mean"]))
+
+
+if __name__ == "__main__":
+    main()
