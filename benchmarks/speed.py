@@ -1739,6 +1739,12 @@ def parse_args() -> argparse.Namespace:
         args.no_profile = True
     args.inner = args.inner or ("inductor" if args.device == "cuda" else "aot_eager")
     args.recompute_exchange = {"off": [False], "on": [True], "both": [False, True]}[args.recompute_exchange]
+    if args.memory_peak:
+        if args.device != "cuda":
+            parser.error("--memory-peak records the CUDA allocator: it needs --device cuda")
+        if args.stream is not None or args.scale is not None:
+            parser.error("--memory-peak records a mode's timed steps of one batch: it takes no --stream, --mixed "
+                         "or --scale")
     if args.share_gpu:
         if args.device != "cuda":
             parser.error("--share-gpu shares a GPU: it needs --device cuda")

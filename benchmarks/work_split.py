@@ -66,13 +66,23 @@ def main() -> None:
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
     args = parser.parse_args()
     known = workloads()
-    rows = []
-    for name in args.workloads.split(","):
+    names, placements = args.workloads.split(","), args.placements.split(",")
+    for name in names:
         if name not in known:
             parser.error(f"--workloads: expected names of {sorted(known)}, got {name!r}")
-        for mesh in args.meshes:
-            ulysses, ring = (int(x) for x in mesh.split("x"))
-            for placement in args.placements.split(","):
+    for placement in placements:
+        if placement not in PLACEMENTS:
+            parser.error(f"--placements: expected some of {tuple(PLACEMENTS)}, got {placement!r}")
+    meshes = []
+    for mesh in args.meshes:
+        sides = mesh.split("x")
+        if len(sides) != 2 or not all(side.isdigit() and int(side) > 0 for side in sides):
+            parser.error(f"--meshes: expected ULYSSESxRING such as 2x4, got {mesh!r}")
+        meshes.append((int(sides[0]), int(sides[1])))
+    rows = []
+    for name in names:
+        for mesh, (ulysses, ring) in zip(args.meshes, meshes):
+            for placement in placements:
                 split = shares(known[name], ulysses, ring, placement)
                 rows.append([name, mesh, placement, round(min(split), 3), round(max(split), 3),
                              " ".join(f"{s:.3f}" for s in split)])
