@@ -66,14 +66,12 @@ measured in the same run as the CP modes. The fastest of them is "best one GPU".
 Columns: ms = median fwd+bwd of ``--iters`` after ``--warmup`` (for compiled modes the first
 call, the compile, is the first warm-up; its seconds are first_call_s in the JSON); TF/s per GPU counts only visible pairs (causal,
 inside the window), 7 products of 2·D FLOPs per pair and query head; eff = best one-GPU ms /
-(GPUs x ms); peak GiB = the largest ``max_memory_allocated`` of a rank over the warm-ups and
-timed steps (after a compiled mode's first call) beyond what it held before them. Not counted: the
-inputs q, k and v (and flex's block mask, and what a kernel keeps from earlier calls). Counted: the
-output gradient (the first of those steps makes it), the output, dq, dk, dv, what the forward
-saves, the kernel's workspace, and during a forward the previous step's output (dropped when the
-new one is returned). So around one plain call with q, k, v and dout made before it (``--scale``'s
-peak) the allocator's peak is lower by dout's bytes (as many as q's) where the backward sets it,
-and by the previous output's too where a forward does. peak/1GPU = its ratio to the best one-GPU
+(GPUs x ms); peak GiB = what one more fwd+bwd call allocates at its peak beyond what was
+allocated before it (``one_call_peak``: after the timed steps, with none of their outputs,
+gradients or graphs alive, so the figure repeats from run to run). Not counted: the inputs q,
+k, v and the output gradient (and flex's block mask, and what a kernel keeps from earlier
+calls). Counted: the output, dq, dk, dv, what the forward saves and the kernel's workspace.
+peak/1GPU = its ratio to the best one-GPU
 mode's; saved GiB = the largest memory a rank's forward allocates and still holds when it returns
 (the output and what the backward needs: what a model holds per layer until its backward), and
 its ratio; exposed comm = in one profiled step of rank 0, the time some NCCL kernel runs while no
@@ -82,7 +80,7 @@ failing mode (compile error, OOM, unsupported) is a row with its error; the run 
 file is rewritten after every row, so a run cut short keeps what it measured. ``--trace DIR`` also
 traces the host in the profiled step (of every mode, the one-GPU ones included), keeps each
 rank's trace in DIR and prints the step's span, busy time and top kernels. ``--memory-peak``
-records the CUDA allocator's history over each mode's warm-ups and timed steps and prints, on
+records the CUDA allocator's history over that one call and prints, on
 rank 0, the places holding most of its peak (``common.live_at_peak``). ``--share-gpu``
 puts every rank on cuda:0 and runs the collectives over gloo (staged through the host): the
 CP rows then keep their peak memory, which is the same allocations as on one GPU per rank,
@@ -461,13 +459,13 @@ def measure(
     for t in inputs:
         t.grad = None
     cuda = setup.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        held = torch.cuda.memory_allocated()
     warmup = max(0, setup.args.warmup - first_call)
-    with memory_history(setup, profile) if cuda and setup.args.memory_peak else contextlib.nullcontext():
-        ms = time_fwd_bwd(fn, inputs, warmup, setup.args.iters, barrier=not alone)
-    peak = (torch.cuda.max_memory_allocated() - held) / 2**30 if cuda else None
+    ms = time_fwd_bwd(fn, inputs, warmup, setup.args.iters, barrier=not alone)
+    if cuda:
+        with memory_history(setup, profile) if setup.args.memory_peak else contextlib.nullcontext():
+            peak = one_call_peak(fn, inputs, barrier=not alone)
+    else:
+        peak = None
     profiled = profile is not None and cuda and not setup.args.no_profile
     exposed = exposed_communication(fn, inputs, setup, profile, alone) if profiled else (None, None)
     saved = held_after_forward(fn, inputs) if cuda else None
@@ -486,6 +484,32 @@ def memory_history(setup: Setup, name: str | None) -> Iterator[None]:
         torch.cuda.memory._record_memory_history(None)
     if setup.leads:
         setup.say(f"  {name or 'mode'} memory: {live_at_peak(history)}")
+
+
+def one_call_peak(fn: Callable[..., Tensor], inputs: list[Tensor], *, barrier: bool = True) -> float:
+    """GiB that one fwd+bwd of ``fn(*inputs)`` allocates at its peak beyond its inputs (q, k, v
+    and the output's gradient, made before the count starts), with nothing of an earlier call
+    alive: no gradients, outputs or graphs of the timed steps, so the figure is the same in
+    every run (a timed loop's peak also counts the previous step's output and gradients,
+    whichever of them the allocator has not yet reused)."""
+    out = fn(*inputs)  # a call with gradients (no_grad would compile another graph) for dout's shape
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    del out
+    for t in inputs:
+        t.grad = None
+    gc.collect()
+    if barrier:
+        dist.barrier()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    fn(*inputs).backward(grad)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - held) / 2**30
+    for t in inputs:
+        t.grad = None
+    return peak
 
 
 def held_after_forward(fn: Callable[..., Tensor], inputs: list[Tensor]) -> float:
@@ -1689,8 +1713,8 @@ def parse_args() -> argparse.Namespace:
                              "group (collectives move no data): the CP modes' work on that rank without "
                              "communication, an upper bound on their efficiency (one process, no torchrun)")
     parser.add_argument("--memory-peak", action="store_true",
-                        help="record the CUDA allocator's history over each mode's timed steps and print where "
-                             "its peak's memory lies (its times then include the recording)")
+                        help="record the CUDA allocator's history over each mode's peak-memory call and print "
+                             "where its peak's memory lies")
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="also trace the host in the profiled step, keep every rank's trace in DIR and "
                              "print where rank 0's step went")
@@ -1743,7 +1767,7 @@ def parse_args() -> argparse.Namespace:
         if args.device != "cuda":
             parser.error("--memory-peak records the CUDA allocator: it needs --device cuda")
         if args.stream is not None or args.scale is not None:
-            parser.error("--memory-peak records a mode's timed steps of one batch: it takes no --stream, --mixed "
+            parser.error("--memory-peak records a mode's call on one batch: it takes no --stream, --mixed "
                          "or --scale")
     if args.share_gpu:
         if args.device != "cuda":
