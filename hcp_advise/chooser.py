@@ -33,9 +33,8 @@ from .records import (
 
 def mesh_options(world: int, gpus_per_node: int, heads_q: int, heads_kv: int,
                  placements: Sequence[str] = tuple(PLACEMENTS)) -> list[Option]:
-    """Every ``ulysses x ring = world`` whose Ulysses group lies inside one node (``ulysses``
-    divides ``gpus_per_node``: a group is ``ulysses`` consecutive ranks) and can split the
-    heads (:func:`validation.check_head_split`), with every placement."""
+    """Every ``ulysses x ring = world`` that :func:`split_refusal` lets run (its Ulysses group lies
+    inside one node and can split the heads), with every placement."""
     _check_positive(world=world, gpus_per_node=gpus_per_node, heads_q=heads_q, heads_kv=heads_kv)
     if isinstance(placements, str) or not placements:
         raise InputError(f"placements: expected a non-empty list of names of {sorted(PLACEMENTS)}, "
@@ -46,16 +45,29 @@ def mesh_options(world: int, gpus_per_node: int, heads_q: int, heads_kv: int,
     for name in placements:
         if name not in PLACEMENTS:
             raise InputError(f"placements: expected names of {sorted(PLACEMENTS)}, got {name!r}")
-    meshes = []
-    for ulysses in range(1, min(world, gpus_per_node) + 1):
-        if world % ulysses or gpus_per_node % ulysses:
-            continue
-        try:
-            check_head_split(heads_q, heads_kv, ulysses)
-        except InputError:
-            continue
-        meshes.append((ulysses, world // ulysses))
+    meshes = [(a, world // a) for a in splits(world) if split_refusal(a, gpus_per_node, heads_q, heads_kv) is None]
     return [Option(a, r, p) for a, r in meshes for p in placements]
+
+
+def splits(world: int) -> list[int]:
+    """The Ulysses sizes of every ``ulysses x ring = world``, smallest first."""
+    return [a for a in range(1, world + 1) if world % a == 0]
+
+
+def split_refusal(ulysses: int, gpus_per_node: int, heads_q: int, heads_kv: int) -> str | None:
+    """Why a mesh of Ulysses size ``ulysses`` cannot run (None: it can): a Ulysses group is
+    ``ulysses`` consecutive ranks, inside one node, and splits the heads
+    (:func:`validation.check_head_split`)."""
+    if gpus_per_node % ulysses:
+        return (f"a Ulysses group of {ulysses} GPUs does not fit evenly in a node of {gpus_per_node} "
+                "(--gpus-per-node)")
+    try:
+        check_head_split(heads_q, heads_kv, ulysses)
+    except InputError:
+        if heads_q % ulysses:
+            return f"ulysses {ulysses} does not divide the {heads_q} query heads"
+        return f"the {heads_kv} key/value heads neither divide ulysses {ulysses} nor are a multiple of it"
+    return None
 
 
 def _check_positive(**values: int) -> None:
@@ -173,15 +185,20 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
     if not options:
         raise InputError(f"world: no ulysses x ring = {world} has a Ulysses group inside a node "
                          f"of {gpus_per_node} GPUs that splits {heads_q}/{heads_kv} heads")
+    left_out = [(a, world // a, reason) for a in splits(world)
+                if (reason := split_refusal(a, gpus_per_node, heads_q, heads_kv)) is not None]
 
     def by_position(option: Option) -> bool:
         return window_by_position((window, 0) if window >= 0 else (-1, -1), option.ring)
 
     if kernel != "auto" and kernel in KERNELS and not KERNELS[kernel].masks_by_position:
+        unable = sorted({(o.ulysses, o.ring) for o in options if by_position(o)})
         options = [o for o in options if not by_position(o)]  # the meshes that can run it
         if not options:
             raise InputError(f"kernel: {kernel!r} cannot mask a window by positions in the document, as ring "
                              "steps under a window need; pass kernel='auto' or one that can (flex)")
+        left_out += [(a, r, f"kernel {kernel!r} cannot mask the window by positions in the document, "
+                            f"as a ring of {r} ranks needs") for a, r in unable]
     kernels = {o: cuda_kernel(table, window >= 0, by_position(o)) if kernel == "auto" else kernel for o in options}
     hosts = {k: host_measured.find(device_kind, mode, k) for k in set(kernels.values())}
     predictions = sorted(
@@ -190,4 +207,4 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
     )
     return Advice(tuple(predictions), device_kind, len(batches), time.perf_counter() - started, mode,
                   all(h is not None for h in hosts.values()), table.source,
-                  MODEL_ERROR_WINDOW if window >= 0 else MODEL_ERROR)
+                  MODEL_ERROR_WINDOW if window >= 0 else MODEL_ERROR, tuple(sorted(left_out)))

@@ -20,7 +20,7 @@ from . import measure
 from .chooser import advise
 from .measurements import CACHE_ENV, KernelTable, cache_dir, cache_file, kernel_table
 from .records import DEFAULT_DEVICE, Links
-from .report import format_advice
+from .report import format_advice, wrapped
 
 DESCRIPTION = ("Which ulysses x ring mesh and placement for your batches: per option the predicted step "
                "time per rank and its exposed communication, and why the best wins; options closer to the "
@@ -134,6 +134,9 @@ def parser() -> argparse.ArgumentParser:
         field, scale = LINK_OPTIONS[name]
         add(f"--{name.replace('_', '-')}", type=float, default=round(getattr(defaults, field) / scale, 9),
             action=_Given, help=help_text)
+    add("--verbose", action="store_true",
+        help="a table of every part of each prediction (kernel, head groups, ring link, compute, other GPU "
+             "work, host, imbalance, exposed all-to-all and ring, bytes), not the 5 columns (default: off)")
     add("--measure", action="store_true",
         help="first measure this machine's GPU (CUDA; about 2 minutes): the kernels' times at --heads, --head-dim, "
              "--dtype (only --kernel unless 'auto'; the window's with --window) and, with 2+ GPUs visible, NVLink; "
@@ -194,4 +197,4 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], object] = _prog
                     heads_kv=heads_kv, head_dim=args.head_dim, dtype=dtype,
                     placements=[p for p in args.placements.split(",") if p], kernel=args.kernel,
                     device_kind=args.device_kind, links=links, window=args.window, cache_dir=args.cache_dir)
-    return "\n".join([*measured_lines, format_advice(advice), *links_note])
+    return "\n".join([*measured_lines, format_advice(advice, args.verbose), *map(wrapped, links_note)])

@@ -219,6 +219,8 @@ class Advice:
     host_modelled: bool = False  # hcp_advise/host_measured.json has the device, mode and kernels
     measurements: str = STORED_MEASUREMENTS  # the file of the kernel times (measurements.KernelTable.source)
     model_error: float = MODEL_ERROR  # closer predictions are a tie
+    # the splits of the world that were not predicted: (ulysses, ring, why), smallest ulysses first
+    left_out: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def best(self) -> Prediction:

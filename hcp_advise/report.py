@@ -3,6 +3,8 @@ error) and the reasons the best wins over the others."""
 
 from __future__ import annotations
 
+import textwrap
+
 from tabulate import tabulate
 
 from .host_measured import HOW_TO_ADD
@@ -21,7 +23,14 @@ def _slower(p: Prediction, best: Prediction) -> str:
     return f"+{(p.step_s / best.step_s - 1) * 100 if best.step_s else 0:.1f} %"
 
 
-def format_table(advice: Advice) -> str:
+# the width the default report keeps to: its table and every line of prose
+WIDTH = 100
+
+
+def format_table(advice: Advice, verbose: bool = False) -> str:
+    """One row per option, fastest first: the split, the placement, the step and how it compares
+    with the best's, and its exposed communication; ``verbose``: every part of the prediction
+    (:data:`VERBOSE_LEGEND`)."""
     ties = tied(advice)
 
     def versus_best(p: Prediction) -> str:
@@ -29,19 +38,48 @@ def format_table(advice: Advice) -> str:
             return "best"
         return _slower(p, advice.best) + (" tie" if any(p is q for q in ties) else "")
 
+    def exposed_share(p: Prediction) -> str:
+        return f"{p.exposed_s / p.step_s * 100:.0f} %" if p.step_s else "0 %"
+
+    if not verbose:
+        rows = [[f"{p.ulysses} x {p.ring}", p.placement, f"{p.step_s * 1e3:.2f}", versus_best(p),
+                 f"{p.exposed_s * 1e3:.2f} ms ({exposed_share(p)})"] for p in advice.predictions]
+        headers = ["split (ulysses x ring)", "placement", "ms per call", "vs best", "exposed communication"]
+        return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     rows = [[
         f"{p.ulysses} x {p.ring}", p.placement, p.kernel, p.head_groups, p.ring_link,
         f"{p.step_s * 1e3:.2f}", versus_best(p), f"{p.compute_s * 1e3:.2f}", f"{p.passes_s * 1e3:.2f}",
         f"{p.host_s * 1e3:.2f}" if advice.host_modelled else "-",
         f"{(p.compute_s / p.mean_compute_s - 1) * 100:.1f}" if p.mean_compute_s else "0.0",
-        f"{p.exposed_all_to_all_s * 1e3:.2f}", f"{p.exposed_ring_s * 1e3:.2f}",
-        f"{p.exposed_s / p.step_s * 100:.1f}" if p.step_s else "0.0",
+        f"{p.exposed_all_to_all_s * 1e3:.2f}", f"{p.exposed_ring_s * 1e3:.2f}", exposed_share(p),
         f"{p.all_to_all_bytes / 2**20:.1f}", f"{p.ring_bytes / 2**20:.1f}",
     ] for p in advice.predictions]
-    headers = ["ulysses x ring", "placement", "kernel", "head groups", "ring link", "step ms", "vs best",
-               "compute ms", "passes ms", "host ms", "over mean %", "exposed a2a ms", "exposed ring ms", "exposed %",
-               "a2a MiB", "ring MiB"]
+    headers = ["split", "placement", "kernel", "head groups", "ring link", "ms per call", "vs best",
+               "compute ms", "other GPU ms", "host ms", "compute vs mean %", "exposed all-to-all ms",
+               "exposed ring ms", "exposed", "all-to-all MiB", "ring MiB"]
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+DEFAULT_LEGEND = (
+    "split: make_mesh(ulysses=, ring=); ms per call: the predicted forward and backward of one "
+    "attention call on its slowest rank; exposed communication: the part of it spent waiting for "
+    "the all-to-all or the ring, not hidden behind compute (--verbose: every part)"
+)
+VERBOSE_LEGEND = (
+    "Per option, the slowest rank's: kernel (what kernel='auto' takes on the mesh); head groups "
+    "(2 where two halves of its KV heads pipeline their exchanges); ring link (nvlink, network, - for no "
+    "ring); compute ms (its attention kernels); other GPU ms (merges, fp32 sums and copies besides "
+    "attention); host ms (the time its host takes to issue the call, - where not modelled); compute "
+    "vs mean % (its compute against the mean rank's: above 0 it has more work than the mean, below 0 "
+    "it is the slowest for its communication, not its work); exposed all-to-all and ring ms (what "
+    "waits for each); exposed (both as a share of the step); all-to-all and ring MiB (the bytes it "
+    "sends per call, forward and backward together)"
+)
+
+
+def left_out_lines(advice: Advice) -> list[str]:
+    """A line per split of the world that was not predicted, with why."""
+    return [f"left out {a} x {r}: {why}" for a, r, why in advice.left_out]
 
 
 def reasons(advice: Advice) -> list[str]:
@@ -91,16 +129,24 @@ def host_note(advice: Advice) -> str:
             "is a few ms per call are host-bound, so read their steps as floors")
 
 
-def format_advice(advice: Advice) -> str:
+def format_advice(advice: Advice, verbose: bool = False) -> str:
+    """The report: the table (``verbose``: with every part of the prediction), what it leaves out,
+    why the best wins, and the mesh to make; its prose wrapped to :data:`WIDTH` characters."""
     best = advice.best
     use = (f"use make_mesh(ulysses={best.ulysses}, ring={best.ring}) and placement={best.placement!r}"
            + (" (or an option tied with it)" if tied(advice) else ""))
     if advice.measurements != STORED_MEASUREMENTS:  # the runtime's "auto" does not read them
         use += (f", with kernel={advice.kernel!r}: the runtime's kernel='auto' chooses by "
                 f"{STORED_MEASUREMENTS}, not by these measurements")
-    return "\n".join([
-        format_table(advice), "",
+    prose = [
+        VERBOSE_LEGEND if verbose else DEFAULT_LEGEND, *left_out_lines(advice), "",
         *reasons(advice), host_note(advice), "",
         f"kernels at their {advice.device_kind} measurements ({advice.measurements}), "
         f"{advice.batches} batch(es), advised in {advice.seconds:.2f} s; {use}",
-    ])
+    ]
+    return "\n".join([format_table(advice, verbose), *map(wrapped, prose)])
+
+
+def wrapped(line: str) -> str:
+    """``line`` in lines of at most :data:`WIDTH` characters, the later ones indented."""
+    return textwrap.fill(line, WIDTH, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False)

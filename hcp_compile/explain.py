@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from hcp_compile.passes.hierarchical_cp import GraphRecord
 
 
+# how the rewrite's bytes and the batch's compare (their tables count the same call)
+BYTES_NOTE = (
+    "bytes per rank and attention call: above, at most (every local token exchanged and sent round the "
+    "ring), of the forward (fwd) and of forward and backward (fwd+bwd); below, as this batch lays out "
+    "its tokens, of forward and backward"
+)
+
+
 @dataclass(frozen=True)
 class Explanation:
     """The rewrite of every graph Dynamo captured: per graph, its code before and after the
@@ -34,6 +42,7 @@ class Explanation:
         if not parts:
             parts.append("Dynamo captured no graph")
         if self.batch is not None:
+            parts.append(BYTES_NOTE)
             parts.append(f"the batch on every rank:\n{self.batch}")
         return "\n\n".join(parts)
 

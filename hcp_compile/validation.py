@@ -9,9 +9,11 @@ compile time by the ``hcp`` rewrite (``passes/rewrite.py``). The rules of a batc
 ``cu_seqlens`` against the call and the mesh) are :class:`Rule` records checked by one
 function, :func:`check`, on the host copy of ``cu_seqlens`` that every path reads
 anyway; it returns :class:`Failure` records that eager CP raises after the ranks agree and
-the compiled path turns into agreed flags (:data:`BATCH_RULES`, one per rule and argument),
-which carry no values, so there the message names the arguments and rules that failed but
-leaves out what was found: it is the same on every rank. All checks run before any collective.
+the compiled path turns into an agreed verdict (:func:`verdict`: per rule and argument of
+:data:`BATCH_RULES`, the numbers its message gives, of the lowest rank that broke it). Both
+build a failure's text from its numbers with :func:`batch_failure`, so the compiled error
+gives the facts eager gives, and the same text on every rank. All checks run before any
+collective.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ class Rule:
     expected: str
     fix: str
 
-    def message(self, found: str = "", argument: str = "") -> str:
+    def message(self, found: str = "", argument: str = "", fix: str = "") -> str:
         got = f", got {found}" if found else ""
-        return f"{argument or self.argument}: {self.expected}{got}; {self.fix}"
+        return f"{argument or self.argument}: {self.expected}{got}; {fix or self.fix}"
 
     def error(self, found: str = "", argument: str = "") -> InputError:
         return InputError(self.message(found, argument))
@@ -55,6 +57,8 @@ class Failure:
     rule: Rule
     argument: str
     message: str
+    # a batch rule's numbers (batch_failure), which the compiled path agrees on over the mesh
+    facts: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, rule: Rule, found: str = "", argument: str = "") -> "Failure":
@@ -125,7 +129,7 @@ SAME_GRAPH = Rule(
 GRAPHS_DIFFER = "graphs built for batches that exchange different things on some ranks"
 
 # the rules of a batch under context parallelism for each argument they check, in the order of
-# the compiled path's flags and of its error's lines
+# the compiled path's verdict and of its error's lines
 BATCH_RULES: tuple[tuple[Rule, str], ...] = (
     (CU_STARTS_AT_0, "cu_seqlens_q"), (CU_STARTS_AT_0, "cu_seqlens_k"),
     (CU_NON_DECREASING, "cu_seqlens_q"), (CU_NON_DECREASING, "cu_seqlens_k"),
@@ -136,27 +140,148 @@ BATCH_RULES: tuple[tuple[Rule, str], ...] = (
 )
 
 
+# the most numbers a batch rule's message gives (PLANNED_FOR_THIS_MESH: two mesh shapes)
+FACTS = 6
+
+
+def batch_failure(rule: Rule, argument: str, facts: Sequence[int]) -> Failure:
+    """The failure of the batch rule ``rule`` (one of :data:`BATCH_RULES`) for ``argument``,
+    its text built from the numbers ``facts`` (what each rule's are: :data:`_FOUND`). Eager CP
+    and the compiled path's agreed verdict both build their message here, so they give the
+    same facts."""
+    found, fix = _FOUND[rule](facts)
+    return Failure(rule, argument, rule.message(found, argument, fix), tuple(facts))
+
+
+def _starts_at(facts: Sequence[int]) -> tuple[str, str]:
+    return str(facts[0]), ""
+
+
+def _decrease(facts: Sequence[int]) -> tuple[str, str]:
+    i, value, before = facts[:3]
+    return f"entry {i} ({value}) < entry {i - 1} ({before})", ""
+
+
+def _shard_tokens(facts: Sequence[int]) -> tuple[str, str]:
+    tokens, rank_tokens, num_tokens, ulysses, ring, placement = facts[:6]
+    found = (
+        f"{tokens} tokens where this cu_seqlens sharded over ulysses={ulysses} x ring={ring} "
+        f"(placement {_placement_name(placement)!r}) gives {rank_tokens} per rank"
+    )
+    if ulysses * ring > 1 and num_tokens <= tokens:
+        # one rank of several holds the whole batch cu_seqlens describes: it is the shard's own
+        # cu_seqlens (or q, k, v are the global tensors): name both fixes
+        return found, (
+            f"cu_seqlens ends at {num_tokens}, no more tokens than this rank holds: pass the GLOBAL "
+            "cu_seqlens and max_seqlen (of the whole packed batch, the same on every rank) with this "
+            "rank's shards of q, k, v, hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)"
+        )
+    return found, ""
+
+
+def _no_facts(facts: Sequence[int]) -> tuple[str, str]:
+    return "", ""
+
+
+def _max_seqlen_found(facts: Sequence[int]) -> tuple[str, str]:
+    bound, longest = facts[:2]
+    return f"{bound} while the longest document in cu_seqlens has {longest} tokens", ""
+
+
+def _planned_found(facts: Sequence[int]) -> tuple[str, str]:
+    from hcp_compile.batch.prepared import MeshShape  # batch imports this module
+
+    planned, running = (MeshShape(u, r, _placement_name(p)) for u, r, p in (facts[:3], facts[3:6]))
+    return f"a batch sharded for {planned.describe()}, but the attention runs on {running.describe()}", ""
+
+
+# each batch rule's text from its numbers (the facts of batch_failure): (what was found, the fix
+# where it depends on them, else "")
+_FOUND = {
+    CU_STARTS_AT_0: _starts_at,  # (first entry,)
+    CU_NON_DECREASING: _decrease,  # (i, entry i, entry i - 1) of the first decrease
+    # (tokens, the rank's tokens, cu_seqlens' last entry, ulysses, ring, placement index)
+    SHARD_TOKENS: _shard_tokens,
+    SAME_DOCUMENTS: _no_facts,
+    MAX_SEQLEN_COVERS: _max_seqlen_found,  # (max_seqlen, the longest document)
+    # (ulysses, ring, placement index) planned, then those the attention runs on
+    PLANNED_FOR_THIS_MESH: _planned_found,
+}
+
+
+def placement_index(name: str) -> int:
+    """A placement as a number of a failure's facts."""
+    from hcp_compile.batch.placements import PLACEMENTS  # placements import this module
+
+    return list(PLACEMENTS).index(name)
+
+
+def _placement_name(index: int) -> str:
+    from hcp_compile.batch.placements import PLACEMENTS
+
+    return list(PLACEMENTS)[index]
+
+
+# The compiled path's verdict: per rule and argument of BATCH_RULES, FACTS slots, each a number
+# of the failure with the rank that found it in the bits above, so that a max all-reduced over
+# the mesh keeps in all slots of a rule the numbers of the lowest rank that broke it (0: none).
+_NUMBER_BITS = 40  # numbers in [-2**39, 2**39): token counts and lengths are int32
+_ULYSSES_BITS = 11  # a rank's position: ring rank << 11 | Ulysses rank, each below 2048
+_POSITIONS = 1 << (2 * _ULYSSES_BITS)  # above every position: the lowest rank gets the highest slot
+VERDICT_LENGTH = len(BATCH_RULES) * FACTS
+
+
+def verdict(failures: Sequence[Failure], rank: tuple[int, int]) -> list[int]:
+    """The compiled path's verdict of one rank (``rank``: ring rank, Ulysses rank) on its call,
+    :data:`VERDICT_LENGTH` ints: all 0 where ``failures`` is empty."""
+    broken = {(failure.rule, failure.argument): failure.facts for failure in failures}
+    unflagged = set(broken) - set(BATCH_RULES)
+    if unflagged:  # a failure the compiled path could not report would let the batch run
+        names = sorted(f"{argument}: {rule.expected}" for rule, argument in unflagged)
+        raise RuntimeError(f"hcp_compile (internal): the compiled batch check has no slot for {names}")
+    ring_rank, ulysses_rank = rank
+    high = (_POSITIONS - (ring_rank << _ULYSSES_BITS | ulysses_rank)) << _NUMBER_BITS
+    slots = []
+    for key in BATCH_RULES:
+        facts = broken.get(key)
+        if facts is None:
+            slots += [0] * FACTS
+        else:
+            slots += [high + number + (1 << (_NUMBER_BITS - 1)) for number in (*facts, *(0,) * (FACTS - len(facts)))]
+    return slots
+
+
 def rejected_batch_error(
-    failed: Sequence[bool], *, batches_differ: bool, graphs_differ: bool,
+    agreed: Sequence[int], *, batches_differ: bool, graphs_differ: bool,
 ) -> InputError | None:
-    """The error of the compiled path's batch check, from its flags agreed over the mesh (None
-    when they accept the batch): one line per failed rule, naming the arguments that broke it.
+    """The error of the compiled path's batch check, from the :func:`verdict` agreed over the
+    mesh (None when it accepts the batch): for the lowest rank that broke each rule, the line
+    eager CP raises there (arguments that broke a rule with the same numbers in one line).
     Ranks given different batches may run different graphs too (each batch picks its own): the
     graphs are named only where the batches agree."""
-    arguments: dict[Rule, list[str]] = {}
-    for (rule, argument), bad in zip(BATCH_RULES, failed):
-        if bad:
-            arguments.setdefault(rule, []).append(argument)
-    messages = [rule.message(argument=", ".join(names)) for rule, names in arguments.items()]
+    messages = []
     if batches_differ:
-        messages.append(SAME_BATCH.message(BATCHES_DIFFER))
+        messages.append(f"  - {SAME_BATCH.message(BATCHES_DIFFER)}")
     elif graphs_differ:
-        messages.append(SAME_GRAPH.message(GRAPHS_DIFFER))
+        messages.append(f"  - {SAME_GRAPH.message(GRAPHS_DIFFER)}")
+    by_rank: dict[tuple[int, int], dict[tuple[Rule, tuple[int, ...]], list[str]]] = {}
+    numbers = (1 << _NUMBER_BITS) - 1
+    for index, (rule, argument) in enumerate(BATCH_RULES):
+        slots = agreed[index * FACTS:(index + 1) * FACTS]
+        if not slots[0]:
+            continue
+        position = _POSITIONS - (slots[0] >> _NUMBER_BITS)
+        rank = (position >> _ULYSSES_BITS, position & ((1 << _ULYSSES_BITS) - 1))
+        facts = tuple((slot & numbers) - (1 << (_NUMBER_BITS - 1)) for slot in slots)
+        by_rank.setdefault(rank, {}).setdefault((rule, facts), []).append(argument)
+    for (ring_rank, ulysses_rank), failed in sorted(by_rank.items()):
+        messages.append(f"  on ring rank {ring_rank}, ulysses rank {ulysses_rank} (the lowest rank that broke these):")
+        messages += [f"  - {batch_failure(rule, ', '.join(arguments), facts).message}"
+                     for (rule, facts), arguments in failed.items()]
     if not messages:
         return None
     return InputError(
-        "the compiled graph's batch check failed on a rank of the context-parallel mesh:\n"
-        + "\n".join(f"  - {message}" for message in messages)
+        "the compiled graph's batch check failed on a rank of the context-parallel mesh:\n" + "\n".join(messages)
     )
 
 
@@ -301,7 +426,7 @@ def check_timeout(seconds: float | None, name: str) -> None:
 # --------------------------------------------------------------------------------------------
 # the rules of a batch against one attention call: pure, on the host, no collective; eager CP
 # raises the first failure after the ranks agree, the compiled graph's host op turns the
-# failures into its agreed flags, the single-device op raises the first one
+# failures into its verdict, agreed over the mesh; the single-device op raises the first one
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -318,9 +443,9 @@ class BatchCall:
 def check(prepared: PreparedBatch, call: BatchCall) -> tuple[Failure, ...]:
     """The rules ``call`` breaks on the batch ``prepared`` (its ``cu_seqlens_q``), in the order
     an error should report them; empty when the call may run."""
-    own = prepared.batch.failures("cu_seqlens_q")
+    own = cu_seqlens_failures(prepared.batch, "cu_seqlens_q")
     if call.keys is not None:
-        own += call.keys.failures("cu_seqlens_k")
+        own += cu_seqlens_failures(call.keys, "cu_seqlens_k")
     if own:  # the other rules read document lengths and counts these values do not give
         return own
     if prepared.mesh is None:
@@ -328,14 +453,15 @@ def check(prepared: PreparedBatch, call: BatchCall) -> tuple[Failure, ...]:
     return _context_parallel(prepared, call)
 
 
-def flags(failures: tuple[Failure, ...]) -> list[bool]:
-    """One flag per rule and argument of :data:`BATCH_RULES`: True where ``failures`` break it."""
-    broken = {(failure.rule, failure.argument) for failure in failures}
-    unflagged = broken - set(BATCH_RULES)
-    if unflagged:  # a failure the compiled path could not report would let the batch run
-        names = sorted(f"{argument}: {rule.expected}" for rule, argument in unflagged)
-        raise RuntimeError(f"hcp_compile (internal): the compiled batch check has no flag for {names}")
-    return [key in broken for key in BATCH_RULES]
+def cu_seqlens_failures(values: BatchValues, argument: str) -> tuple[Failure, ...]:
+    """The rules ``cu_seqlens``' values break by themselves (start at 0, never decrease), named
+    ``argument``."""
+    failed = []
+    if values.starts_at != 0:
+        failed.append(batch_failure(CU_STARTS_AT_0, argument, (values.starts_at,)))
+    if values.decrease is not None:
+        failed.append(batch_failure(CU_NON_DECREASING, argument, values.decrease))
+    return tuple(failed)
 
 
 def _single_device(queries: BatchValues, keys: BatchValues, call: BatchCall) -> tuple[Failure, ...]:
@@ -343,10 +469,15 @@ def _single_device(queries: BatchValues, keys: BatchValues, call: BatchCall) -> 
     failed = []
     for cu_name, values, tensors in (("cu_seqlens_q", queries, "q"), ("cu_seqlens_k", keys, "kv")):
         for name in tensors:
-            if call.tokens[name] != values.num_tokens:
+            tokens = call.tokens[name]
+            if tokens != values.num_tokens:
+                # fewer tokens than the batch: most likely a shard of it, run without its mesh
+                fix = (CU_ENDS_AT_TOKENS.fix if tokens > values.num_tokens else
+                       f"if {name} is this rank's shard of a packed batch, make the call inside "
+                       "hcp_compile.context_parallel(mesh) (or compile it with backend='hcp'); "
+                       f"otherwise {CU_ENDS_AT_TOKENS.fix}")
                 failed.append(Failure(CU_ENDS_AT_TOKENS, cu_name, (
-                    f"{cu_name}: last entry is {values.num_tokens} but {name} has "
-                    f"{call.tokens[name]} tokens; {CU_ENDS_AT_TOKENS.fix}"
+                    f"{cu_name}: last entry is {values.num_tokens} but {name} has {tokens} tokens; {fix}"
                 )))
         failed += _max_seqlen(f"max_seqlen_{cu_name[-1]}", call.max_seqlens, values.longest)
     if queries.values.numel() != keys.values.numel():
@@ -361,27 +492,26 @@ def _context_parallel(prepared: PreparedBatch, call: BatchCall) -> tuple[Failure
     batch, mesh = prepared.batch, prepared.mesh
     failed = []
     if call.keys is not None and call.keys.digest != batch.digest:
-        failed.append(Failure.of(SAME_DOCUMENTS))
+        failed.append(batch_failure(SAME_DOCUMENTS, SAME_DOCUMENTS.argument, ()))
     for name in ("max_seqlen_q", "max_seqlen_k"):
         failed += _max_seqlen(name, call.max_seqlens, batch.longest)
     if call.planned is not None and call.planned != mesh:
-        found = f"a batch sharded for {call.planned.describe()}, but the attention runs on {mesh.describe()}"
-        failed.append(Failure.of(PLANNED_FOR_THIS_MESH, found))
+        facts = (*_shape_facts(call.planned), *_shape_facts(mesh))
+        failed.append(batch_failure(PLANNED_FOR_THIS_MESH, PLANNED_FOR_THIS_MESH.argument, facts))
     rank_tokens = prepared.rank_tokens(*call.rank)
     for name in ("q", "k", "v"):
         if call.tokens[name] != rank_tokens:
-            found = (
-                f"{call.tokens[name]} tokens where this cu_seqlens sharded over "
-                f"ulysses={mesh.ulysses} x ring={mesh.ring} (placement {mesh.placement!r}) gives "
-                f"{rank_tokens} per rank"
-            )
-            failed.append(Failure.of(SHARD_TOKENS, found, name))
+            facts = (call.tokens[name], rank_tokens, batch.num_tokens, *_shape_facts(mesh))
+            failed.append(batch_failure(SHARD_TOKENS, name, facts))
     return tuple(failed)
+
+
+def _shape_facts(mesh: MeshShape) -> tuple[int, int, int]:
+    return mesh.ulysses, mesh.ring, placement_index(mesh.placement)
 
 
 def _max_seqlen(name: str, max_seqlens: Mapping[str, int], longest: int) -> list[Failure]:
     bound = max_seqlens[name]
     if bound >= longest:
         return []
-    found = f"{bound} while the longest document in cu_seqlens has {longest} tokens"
-    return [Failure.of(MAX_SEQLEN_COVERS, found, name)]
+    return [batch_failure(MAX_SEQLEN_COVERS, name, (bound, longest))]

@@ -1,7 +1,8 @@
 """The table of rewritten attention nodes: what was matched, how it is split over the mesh,
-which collectives the rewrite inserts and how many bytes they send per rank at most (when
-every local token goes through the exchange and round the ring; the batch's placement decides
-how many do, see ``ShardPlan.summary``). Counts and bytes are the collective scheme's own
+which collectives the rewrite inserts and how many bytes they send per rank and call, in the
+forward and in the forward and backward together, at most (when every local token goes through
+the exchange and round the ring; the batch's placement decides how many do: ``ShardPlan.summary``
+counts a batch's, forward and backward together). Counts and bytes are the collective scheme's own
 (``hcp_compile.exchange.schemes``), for a compiled graph, which has every ring step, unless it is built
 for batches without a ring section (one step) or without an exchange (no collective at all:
 ``hcp_compile.compiled.graph_variants``)."""
@@ -21,8 +22,9 @@ from hcp_compile.passes.rewrite import Rewritten
 
 HEADERS = (
     "module", "op", "heads q/kv", "head dim", "dtype", "ulysses x ring", "placement", "kernel",
-    "scheme", "collectives fwd", "collectives bwd", "all-to-all bytes/rank fwd (max)",
-    "ring bytes/rank fwd (max)", "ring steps",
+    "scheme", "collectives fwd", "collectives bwd", "all-to-all bytes/rank/call fwd (max)",
+    "ring bytes/rank/call fwd (max)", "ring steps", "all-to-all bytes/rank/call fwd+bwd (max)",
+    "ring bytes/rank/call fwd+bwd (max)",
 )
 
 
@@ -83,6 +85,9 @@ def row(node: Rewritten, groups: CPGroups, agree: bool) -> list[str]:
         format_bytes(moved.ulysses.forward_bytes),
         format_bytes(moved.ring.forward_bytes) if groups.ring_size > 1 else "-",
         str(ring_steps(node, groups)),
+        # what plan.summary() counts per call of a batch, so that the two tables compare
+        format_bytes(moved.ulysses.forward_bytes + moved.ulysses.backward_bytes),
+        format_bytes(moved.ring.forward_bytes + moved.ring.backward_bytes) if groups.ring_size > 1 else "-",
     ]
 
 

@@ -501,7 +501,30 @@ def test_command_prints_the_table_and_the_mesh_to_make(tmp_path):
     assert f"make_mesh(ulysses={best.ulysses}, ring={best.ring})" in out
     assert f"{best.step_s * 1e3:.2f}" in out.splitlines()[2]  # the first row is the best
     assert "2 batch(es)" in out
-    assert len([line for line in out.splitlines() if line.startswith("| ")]) == 1 + 8
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 8 and [name.strip() for name in rows[0].split("|")[1:-1]] == [
+        "split (ulysses x ring)", "placement", "ms per call", "vs best", "exposed communication"]
+    assert max(len(line) for line in out.splitlines()) <= 100  # the table and its prose
+    # every part, with --verbose: 16 columns
+    verbose = advise.main(["--world", "16", "--lengths", str(batch_file), "--kernel", "dense", "--verbose"])
+    assert [len(line.split("|")) - 2 for line in verbose.splitlines() if line.startswith("| ")] == [16] * (1 + 8)
+
+
+def test_command_names_every_split_it_leaves_out():
+    """--heads 12/4 on 16 GPUs, 8 a node: 8 x 2 cannot split the query heads, 16 x 1 does not fit
+    in a node; each is named, with why, beside the splits predicted."""
+    out = advise.main(["--world", "16", "--heads", "12/4", "--tokens", "65536"])
+    assert [line for line in out.splitlines() if line.startswith("left out")] == [
+        "left out 8 x 2: ulysses 8 does not divide the 12 query heads",
+        "left out 16 x 1: a Ulysses group of 16 GPUs does not fit evenly in a node of 8 (--gpus-per-node)"]
+    splits = {line.split("|")[1].strip() for line in out.splitlines()[2:] if line.startswith("| ")}
+    assert splits == {"1 x 16", "2 x 8", "4 x 4"}
+    # a kernel that cannot mask a window on a ring leaves out every split with one
+    windowed = advise.advise(advise.cu_seqlens_of([8192]), world=4, gpus_per_node=4, heads_q=32, heads_kv=8,
+                             head_dim=D, kernel="flash", window=1024)
+    assert windowed.left_out == tuple(
+        (a, 4 // a, f"kernel 'flash' cannot mask the window by positions in the document, as a ring of "
+                    f"{4 // a} ranks needs") for a in (1, 2))
 
 
 def test_loguniform_batches_are_seeded_draws_of_the_tokens():

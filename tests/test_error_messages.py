@@ -85,6 +85,12 @@ SINGLE_DEVICE = {
         {"cu_seqlens_q": cu_seqlens((5, 0, 8)), "max_seqlen_q": 8},
         "cu_seqlens_q: last entry is 13 but q has 14 tokens; pass the cu_seqlens of the tensors' "
         "own packed batch"),
+    # a rank's shard with the global batch's cu_seqlens, outside context_parallel
+    "cu-last-entry-shard-outside-cp": (
+        {"q": Q[:6], "k": KV[:6], "v": KV[:6]},
+        "cu_seqlens_q: last entry is 14 but q has 6 tokens; if q is this rank's shard of a packed "
+        "batch, make the call inside hcp_compile.context_parallel(mesh) (or compile it with "
+        "backend='hcp'); otherwise pass the cu_seqlens of the tensors' own packed batch"),
     "document-counts": (
         {"cu_seqlens_k": cu_seqlens((5, 9)), "causal": False},
         "cu_seqlens_q, cu_seqlens_k: expected the same number of documents, got 3 and 2; pass one "
@@ -117,32 +123,62 @@ def test_unknown_kernel_error_text():
 # eager context parallelism on a one-rank mesh
 # --------------------------------------------------------------------------------------------
 
-def attend_cp(mesh, **overrides) -> torch.Tensor:
-    # as a user does; it also replaces what another test's plan of these values recorded
-    hc.shard_plan(overrides.get("cu_seqlens_q", CU), mesh)
+def attend_cp(mesh, planned: torch.Tensor | None = None, **overrides) -> torch.Tensor:
+    """``call(**overrides)`` inside ``context_parallel(mesh)`` after ``shard_plan`` of ``planned``
+    (default: the call's ``cu_seqlens_q``), as a user does; it also replaces what another test's
+    plan of these values recorded."""
+    hc.shard_plan(overrides.get("cu_seqlens_q", CU) if planned is None else planned, mesh)
     with hc.context_parallel(mesh):
         return hc.varlen_attention(**call(**overrides))
 
 
-def test_cp_shard_tokens_error_text(one_rank_mesh):
-    assert message_of(lambda: attend_cp(one_rank_mesh, q=Q[:10])) == (
-        "q: under context parallelism must hold this rank's token count of shard_plan(cu_seqlens, "
-        "mesh, placement), got 10 tokens where this cu_seqlens sharded over ulysses=1 x ring=1 "
-        "(placement 'balanced') gives 14 per rank; pass the local shards, "
+def shard_tokens(tokens: int, arguments: str = "q") -> str:
+    """The eager (and compiled) text of q, k, v holding ``tokens`` where the one-rank mesh's
+    shard of ``CU`` holds 14."""
+    return (
+        f"{arguments}: under context parallelism must hold this rank's token count of "
+        f"shard_plan(cu_seqlens, mesh, placement), got {tokens} tokens where this cu_seqlens sharded "
+        "over ulysses=1 x ring=1 (placement 'balanced') gives 14 per rank; pass the local shards, "
         "hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)")
 
 
-def test_cp_same_documents_error_text(one_rank_mesh):
-    other = cu_seqlens((9, 0, 5))
-    assert message_of(lambda: attend_cp(one_rank_mesh, cu_seqlens_k=other)) == (
-        "cu_seqlens_k: must equal cu_seqlens_q under context parallelism (queries and keys come "
-        "from the same packed documents); pass the same cu_seqlens for both")
-
-
-def test_cp_max_seqlen_error_text(one_rank_mesh):
-    assert message_of(lambda: attend_cp(one_rank_mesh, max_seqlen_q=8)) == (
-        "max_seqlen_q: must be at least the longest document's length, got 8 while the longest "
+def max_seqlen_short(arguments: str) -> str:
+    return (
+        f"{arguments}: must be at least the longest document's length, got 8 while the longest "
         "document in cu_seqlens has 9 tokens; pass the longest document length (or larger)")
+
+
+DECREASING = torch.tensor([0, 9, 5, 14], dtype=torch.int32)
+SAME_DOCUMENTS = (
+    "cu_seqlens_k: must equal cu_seqlens_q under context parallelism (queries and keys come "
+    "from the same packed documents); pass the same cu_seqlens for both")
+PLANNED_ZIGZAG = (
+    "cu_seqlens: must be the batch shard_plan laid out for the attention's mesh shape and "
+    "placement, got a batch sharded for ulysses=1 x ring=1 with placement='zigzag', but the "
+    "attention runs on ulysses=1 x ring=1 with placement='balanced'; give shard_plan the mesh "
+    "and placement the attention runs with")
+
+# the batch rules under context parallelism, eager and compiled: (overrides, eager CP's text,
+# the compiled error's line), where the compiled line is eager's text with every argument that
+# broke the rule with the same numbers (eager raises the first failure)
+CP_BATCH = {
+    "tokens": ({"q": Q[:12], "k": KV[:12], "v": KV[:12]}, shard_tokens(12), shard_tokens(12, "q, k, v")),
+    "max-seqlen-both": ({"max_seqlen_q": 8, "max_seqlen_k": 8}, max_seqlen_short("max_seqlen_q"),
+                        max_seqlen_short("max_seqlen_q, max_seqlen_k")),
+    "max-seqlen-k": ({"max_seqlen_k": 8}, max_seqlen_short("max_seqlen_k"), max_seqlen_short("max_seqlen_k")),
+    "same-documents": ({"cu_seqlens_k": cu_seqlens((9, 0, 5))}, SAME_DOCUMENTS, SAME_DOCUMENTS),
+    "cu-start": ({"cu_seqlens_q": CU + 1, "cu_seqlens_k": CU}, "cu_seqlens_q: must start at 0, got 1; prepend a 0",
+                 "cu_seqlens_q: must start at 0, got 1; prepend a 0"),
+    "cu-decreasing": (
+        {"cu_seqlens_k": DECREASING},
+        "cu_seqlens_k: must be non-decreasing (cumulative document lengths), got entry 2 (5) < entry 1 "
+        "(9); pass the running sum of the document lengths, starting at 0", None),
+}
+
+
+@pytest.mark.parametrize("overrides, message, line", CP_BATCH.values(), ids=CP_BATCH.keys())
+def test_cp_batch_error_text(one_rank_mesh, overrides, message, line):
+    assert message_of(lambda: attend_cp(one_rank_mesh, planned=CU, **overrides)) == message
 
 
 def test_cp_planned_for_another_placement_error_text(one_rank_mesh):
@@ -150,11 +186,7 @@ def test_cp_planned_for_another_placement_error_text(one_rank_mesh):
     hc.shard_plan(cu, one_rank_mesh, placement="zigzag")
     with hc.context_parallel(one_rank_mesh):
         message = message_of(lambda: hc.varlen_attention(**call(cu_seqlens_q=cu, cu_seqlens_k=cu)))
-    assert message == (
-        "cu_seqlens: must be the batch shard_plan laid out for the attention's mesh shape and "
-        "placement, got a batch sharded for ulysses=1 x ring=1 with placement='zigzag', but the "
-        "attention runs on ulysses=1 x ring=1 with placement='balanced'; give shard_plan the mesh "
-        "and placement the attention runs with")
+    assert message == PLANNED_ZIGZAG
 
 
 def test_graph_of_another_backend_inside_context_parallel_error_text(one_rank_mesh):
@@ -168,69 +200,56 @@ def test_graph_of_another_backend_inside_context_parallel_error_text(one_rank_me
 
 
 # --------------------------------------------------------------------------------------------
-# the compiled door on a one-rank mesh: the agreed batch check names only the failed rules
+# the compiled door on a one-rank mesh: the agreed batch check gives eager's facts
 # --------------------------------------------------------------------------------------------
 
 CHECK_FAILED = "the compiled graph's batch check failed on a rank of the context-parallel mesh:\n"
+
+
+def on_rank(ring_rank: int, ulysses_rank: int, *lines: str) -> str:
+    """The compiled error's lines for what rank ``(ring_rank, ulysses_rank)`` broke first."""
+    return (f"  on ring rank {ring_rank}, ulysses rank {ulysses_rank} (the lowest rank that broke "
+            "these):\n" + "\n".join(f"  - {line}" for line in lines))
+
+
 # eager and compiled: ranks given different batches or options
 SAME_BATCH = (
     "cu_seqlens: must be the same on every rank of the context-parallel mesh, as must the mesh "
     "shape and options, got another cu_seqlens, mesh shape, placement, recompute_exchange or scheme "
     "on some rank (the ranks were given different batches or options); give every rank the same "
     "batch (check the data loader) and the same options")
-MAX_SEQLEN_LINE = ": must be at least the longest document's length; pass the longest document length (or larger)"
 
 
-@pytest.fixture
-def compiled(one_rank_mesh) -> Iterator[Callable]:
-    """``varlen_attention`` compiled by the hcp backend (eager inner compiler: the fastest),
-    every argument an input; the batch ``CU`` planned for the mesh."""
-    torch._dynamo.reset()
-    hc.shard_plan(CU, one_rank_mesh)
-
+def compiled_attention(mesh) -> Callable:
+    """``varlen_attention`` compiled by the hcp backend for ``mesh`` (eager inner compiler: the
+    fastest), every argument an input."""
     def attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
         return hc.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    causal=causal)
 
-    yield torch.compile(attend, backend="hcp", fullgraph=True,
-                        options={"mesh": one_rank_mesh, "inner": "eager"})
+    return torch.compile(attend, backend="hcp", fullgraph=True, options={"mesh": mesh, "inner": "eager"})
+
+
+@pytest.fixture
+def compiled(one_rank_mesh) -> Iterator[Callable]:
+    """:func:`compiled_attention` on the one-rank mesh, the batch ``CU`` planned for it."""
+    torch._dynamo.reset()
+    hc.shard_plan(CU, one_rank_mesh)
+    yield compiled_attention(one_rank_mesh)
     torch._dynamo.reset()
 
 
-COMPILED_BATCH = {
-    # max_seqlen alone: no rule of the shards or of cu_seqlens
-    "max-seqlen-both": ({"max_seqlen_q": 8, "max_seqlen_k": 8},
-                        f"  - max_seqlen_q, max_seqlen_k{MAX_SEQLEN_LINE}"),
-    "max-seqlen-k": ({"max_seqlen_k": 8}, f"  - max_seqlen_k{MAX_SEQLEN_LINE}"),
-    "tokens": (
-        {"q": Q[:12], "k": KV[:12], "v": KV[:12]},
-        "  - q, k, v: under context parallelism must hold this rank's token count of "
-        "shard_plan(cu_seqlens, mesh, placement); pass the local shards, "
-        "hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)"),
-    "same-documents": (
-        {"cu_seqlens_k": cu_seqlens((9, 0, 5))},
-        "  - cu_seqlens_k: must equal cu_seqlens_q under context parallelism (queries and keys "
-        "come from the same packed documents); pass the same cu_seqlens for both"),
-    "cu-start": ({"cu_seqlens_q": CU + 1, "cu_seqlens_k": CU}, "  - cu_seqlens_q: must start at 0; prepend a 0"),
-    "cu-decreasing": (
-        {"cu_seqlens_k": torch.tensor([0, 9, 5, 14], dtype=torch.int32)},
-        "  - cu_seqlens_k: must be non-decreasing (cumulative document lengths); pass the running "
-        "sum of the document lengths, starting at 0"),
-}
-
-
-@pytest.mark.parametrize("overrides, line", COMPILED_BATCH.values(), ids=COMPILED_BATCH.keys())
-def test_compiled_batch_check_error_text(compiled, overrides, line):
+@pytest.mark.parametrize("overrides, message, line", CP_BATCH.values(), ids=CP_BATCH.keys())
+def test_compiled_batch_check_error_text(compiled, overrides, message, line):
     assert compiled(**call()).shape == Q.shape  # the valid batch runs
-    assert message_of(lambda: compiled(**call(**overrides))) == CHECK_FAILED + line
+    assert message_of(lambda: compiled(**call(**overrides))) == CHECK_FAILED + on_rank(0, 0, line or message)
 
 
 def test_compiled_planned_for_another_placement_error_text(compiled, one_rank_mesh):
     cu = cu_seqlens((6, 8))
     hc.shard_plan(cu, one_rank_mesh, placement="zigzag")
-    assert message_of(lambda: compiled(**call(cu_seqlens_q=cu, cu_seqlens_k=cu))) == CHECK_FAILED + (
-        "  - cu_seqlens: must be the batch shard_plan laid out for the attention's mesh shape and "
-        "placement; give shard_plan the mesh and placement the attention runs with")
+    message = message_of(lambda: compiled(**call(cu_seqlens_q=cu, cu_seqlens_k=cu)))
+    assert message == CHECK_FAILED + on_rank(0, 0, PLANNED_ZIGZAG)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -259,7 +278,7 @@ def test_compiled_ranks_that_differ_error_text():
     """What ranks given different batches, or running different graphs of one batch, raise (the
     flags as agreed over the mesh; ranks that differ: tests/test_compile.py). Different batches
     may pick different graphs: then only the batches are named."""
-    fine = [False] * len(validation.BATCH_RULES)
+    fine = validation.verdict((), (0, 0))
     batches = f"  - {SAME_BATCH}"
     graphs = ("  - compiled graphs: every rank must run the graph for what the batch exchanges, got "
               "graphs built for batches that exchange different things on some ranks; see the warning "
@@ -354,9 +373,46 @@ SHORT_Q = (
     "q: under context parallelism must hold this rank's token count of shard_plan(cu_seqlens, mesh, "
     "placement), got 6 tokens where this cu_seqlens sharded over ulysses=2 x ring=1 (placement "
     "'balanced') gives 7 per rank; pass the local shards, hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)")
+
+
+def _local_cu_seqlens(s: ErrorSetup) -> torch.Tensor:
+    # each rank's shard with cu_seqlens of its own 7 tokens, the same on both ranks
+    local = cu_seqlens((s.q.shape[0],))
+    return s.attend(cu_seqlens_q=local, cu_seqlens_k=local)
+
+
+def _compiled(s: ErrorSetup, **overrides) -> torch.Tensor:
+    args = {"q": s.q, "k": s.k, "v": s.v, "cu_seqlens_q": s.cu, "cu_seqlens_k": s.cu,
+            "max_seqlen_q": s.longest, "max_seqlen_k": s.longest, "causal": True, **overrides}
+    return compiled_attention(s.world.mesh)(**args)
+
+
+def _compiled_local_cu_seqlens(s: ErrorSetup) -> torch.Tensor:
+    local = cu_seqlens((s.q.shape[0],))
+    return _compiled(s, cu_seqlens_q=local, cu_seqlens_k=local)
+
+
+def _compiled_short_q_on_rank_1(s: ErrorSetup) -> torch.Tensor:
+    short = s.q[:-1] if s.rank == 1 else s.q
+    return _compiled(s, q=short, k=s.k[:short.shape[0]], v=s.v[:short.shape[0]])
+
+
+# ErrorSetup's shard of 7 tokens given cu_seqlens [0, 7], its own
+LOCAL_CU = (
+    "{arguments}: under context parallelism must hold this rank's token count of shard_plan(cu_seqlens, "
+    "mesh, placement), got 7 tokens where this cu_seqlens sharded over ulysses=2 x ring=1 (placement "
+    "'balanced') gives 4 per rank; cu_seqlens ends at 7, no more tokens than this rank holds: pass "
+    "the GLOBAL cu_seqlens and max_seqlen (of the whole packed batch, the same on every rank) with "
+    "this rank's shards of q, k, v, hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)")
+COMPILED_LOCAL_CU = CHECK_FAILED + on_rank(0, 0, LOCAL_CU.format(arguments="q, k, v"))
+# every rank: what the lowest rank that broke the rule found (eager: rank 1's own error)
+COMPILED_SHORT_Q = CHECK_FAILED + on_rank(0, 1, SHORT_Q.replace("q: ", "q, k, v: ", 1))
 RANK_CASES = [
     RankCase("messages-other-batch", _other_batch_on_rank_1, (SAME_BATCH, SAME_BATCH)),
     RankCase("messages-one-rank-short-q", _short_q_on_rank_1, (ANOTHER_RANK, SHORT_Q)),
+    RankCase("messages-local-cu-seqlens", _local_cu_seqlens, (LOCAL_CU.format(arguments="q"),) * 2),
+    RankCase("messages-compiled-local-cu-seqlens", _compiled_local_cu_seqlens, (COMPILED_LOCAL_CU,) * 2),
+    RankCase("messages-compiled-one-rank-short-q", _compiled_short_q_on_rank_1, (COMPILED_SHORT_Q,) * 2),
 ]
 
 

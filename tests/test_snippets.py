@@ -17,6 +17,9 @@ from snippets import (ROOT, Block, Source, blocks, code_of, dump_excerpt, proces
                       python_blocks, run_on_ranks)
 
 SNIPPETS = [b for b in python_blocks() if b.marker != "dump"]
+# how a script block says, on each rank, what it checked (README's eager and compiled snippets)
+SAYS_WHAT_IT_CHECKED = 'print(f"rank {dist.get_rank()}: '
+
 DUMP_DOC = ROOT / "docs" / "compiled-path.md"
 DUMP_EXCERPTS = [b for b in blocks(DUMP_DOC) if b.marker == "dump"]
 # as docs/compiled-path.md gives it; it writes hcp_dump/ in the folder it runs in
@@ -36,7 +39,11 @@ def test_snippet_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         run_module_block(block, monkeypatch)
         return
     sources = program(block)
-    run_on_ranks(sources, processes(sources), tmp_path)
+    ranks = processes(sources)
+    run_on_ranks(sources, ranks, tmp_path)
+    if SAYS_WHAT_IT_CHECKED in block.text:  # each rank printed it, so a reader running it sees it
+        for rank in range(ranks):
+            assert f"rank {rank}: " in (tmp_path / f"rank{rank}.log").read_text(), f"{block.id} rank {rank}"
 
 
 def run_module_block(block: Block, monkeypatch: pytest.MonkeyPatch) -> None:

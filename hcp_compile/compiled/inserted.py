@@ -80,11 +80,12 @@ class CheckedBatch(NamedTuple):
     sizes: tuple[int | torch.SymInt, ...]  # layout.rank_size_values of this rank, then the first cache key
 
 
-# the verdict: one flag per rule and argument of validation.BATCH_RULES, then the batch's
-# fingerprint and the graph's kind (Exchanges), each followed by its negation (an all-reduced max
-# of both gives the highest and the lowest of the mesh): apart, so the error can tell ranks given
-# different batches from ranks running different graphs of one batch
-_FLAGS = len(validation.BATCH_RULES) + 4
+# the verdict: validation.verdict (per rule and argument of validation.BATCH_RULES, the numbers
+# of the lowest rank that broke it, once all-reduced), then the batch's fingerprint and the
+# graph's kind (Exchanges), each followed by its negation (an all-reduced max of both gives the
+# highest and the lowest of the mesh): apart, so the error can tell ranks given different
+# batches from ranks running different graphs of one batch
+_FLAGS = validation.VERDICT_LENGTH + 4
 
 
 @torch.library.custom_op("hcp::batch_layout", mutates_args=())
@@ -98,7 +99,7 @@ def batch_layout_op(
     ``on_host``: the verdict, then rank ``(ring_rank, ulysses_rank)``'s sizes
     (:func:`layout.rank_size_values`; zeros when the batch could not be laid out) and the
     first of the cache keys that name its segmentations of this batch. The verdict:
-    ``validation.flags`` of the call (``tokens``: q, k and v's token counts,
+    ``validation.verdict`` of the call (``tokens``: q, k and v's token counts,
     ``max_seqlens``: both ``max_seqlen``) on the batch's :class:`prepared.PreparedBatch`,
     then its fingerprint, the kind of graph (``graph_for``) and their negations.
     ``cu_on_host``: a CPU copy of ``cu_seqlens_q``, by which ``hcp::schedule_tables`` finds
@@ -134,7 +135,7 @@ def _check_call(
     (ring rank, Ulysses rank) of ``mesh``."""
     prepared, failures = checked_batch(queries, keys, mesh, tokens, max_seqlens, rank)
     ring_rank, ulysses_rank = rank
-    failed = validation.flags(failures)
+    failed = validation.verdict(failures, rank)
     fingerprint = prepared.fingerprint(recompute_exchange, scheme)
     graph = list(Exchanges).index(Exchanges(graph_for))
     if prepared.laid_out:
