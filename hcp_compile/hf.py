@@ -6,13 +6,20 @@ keywords describe (``cu_seq_lens_q/k``, ``max_length_q/k``, as
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` returns them): single-device,
 inside ``context_parallel(mesh)`` on this rank's shard, or rewritten by the ``hcp`` backend.
 
-Importing transformers takes seconds, so hcp_compile never imports it: the attention function
-and the mask function are registered when transformers' registries are imported (right away if
-they already are).
+Under context parallelism a causal LM's own loss would shift the labels inside this rank's
+shard, where a token's next label may sit on another rank: transformers' causal-LM losses are
+wrapped so that, under CP (inside ``context_parallel``, or traced for the ``hcp`` backend over
+more than one rank), labels without ``shift_labels`` raise :class:`InputError`; with
+``shift_labels`` (shifted on the whole packed row, then sharded) the loss is the right one.
+
+Importing transformers takes seconds, so hcp_compile never imports it: the attention function,
+the mask function and the loss guard are registered when transformers' registries are imported
+(right away if they already are).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
@@ -23,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from hcp_compile.context import active_context
 from hcp_compile.ops import varlen_attention
 from hcp_compile.validation import InputError
 
@@ -46,7 +54,9 @@ def attention_forward(
     ``[1, Hkv, T, D]`` -> ``(attn_output [1, T, Hq, D], None)``, the documents given by
     ``kwargs``' packed keywords. Anything it cannot compute exactly raises ``InputError``."""
     _refuse_unsupported(module, attention_mask, dropout, softcap, s_aux, kwargs)
-    q, k, v = (_to_thd(t, name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
+    q, k, v = _autocast_dtype(
+        *(_to_thd(t, name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
+    )
     if k.shape[0] != q.shape[0]:
         raise InputError(
             f"key: has {k.shape[0]} tokens but query has {q.shape[0]}; attn_implementation="
@@ -110,6 +120,16 @@ def _to_thd(x: Tensor, name: str) -> Tensor:
     return x[0].transpose(0, 1)
 
 
+def _autocast_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Under autocast, q, k and v in its dtype, as autocast gives them to SDPA: rotary
+    embeddings computed in float32 leave q and k in float32 and v in the autocast dtype."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def _packed_boundaries(kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, int, int]:
     missing = [name for name in _PACKED_KEYWORDS if kwargs.get(name) is None]
     if missing:
@@ -138,6 +158,80 @@ def _window_size(sliding_window: int | None, causal: bool, max_length_k: int) ->
 
 
 # --------------------------------------------------------------------------------------------
+# the causal-LM loss under context parallelism
+# --------------------------------------------------------------------------------------------
+
+_LABELS_FIX = (
+    "labels: under context parallelism the model's loss would shift the labels inside this "
+    "rank's shard, where a token's next label may sit on another rank; shift them on the whole "
+    "packed row first and pass shift_labels=plan.shard(shifted, pad_value=-100)[None] with "
+    "labels (hcp_compile.trainer does), or compute the loss outside the model from its logits"
+)
+
+
+def guard_causal_lm_loss(loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``loss`` (transformers' ``ForCausalLMLoss``, which shifts ``labels`` unless given
+    ``shift_labels``), refusing under CP the labels it would shift itself."""
+    # ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels,
+    # **kwargs): shift_labels read by position or name, plainly, for Dynamo to trace
+    @functools.wraps(loss)
+    def causal_lm_loss(logits: Tensor, labels: Tensor | None = None, *args: Any, **kwargs: Any) -> Tensor:
+        shift_labels = args[3] if len(args) > 3 else kwargs.get("shift_labels")
+        if labels is not None and shift_labels is None:
+            _refuse_under_context_parallelism()
+        return loss(logits, labels, *args, **kwargs)
+
+    causal_lm_loss.hcp_guarded = loss
+    return causal_lm_loss
+
+
+def _refuse_under_context_parallelism() -> None:
+    if torch.compiler.is_compiling():
+        _refuse_if_traced_for_context_parallelism()  # runs while Dynamo traces, see below
+    elif active_context() is not None:
+        raise InputError(_LABELS_FIX)
+
+
+def _refuse_if_traced_for_context_parallelism() -> bool:
+    """Called while Dynamo traces (``assume_constant_result``, set at registration): refuses
+    when the frame is compiled by the ``hcp`` backend over more than one rank. The error
+    leaves Dynamo as the backend's own do (``_carrier_of``); what this torch does not let it
+    read counts as CP."""
+    from hcp_compile.compiled.backend import _carrier_of
+
+    cp = _compiled_for_context_parallelism()
+    if cp is not False:
+        detail = "" if cp else " (this torch does not tell which backend compiles the frame)"
+        raise _carrier_of(InputError(_LABELS_FIX + detail))
+    return True
+
+
+def _compiled_for_context_parallelism() -> bool | None:
+    """Whether the frame Dynamo traces is compiled by the ``hcp`` backend on a mesh of more
+    than one rank; None when the backend cannot be read."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    from hcp_compile.compiled.backend import HcpBackend, default_mesh, hcp
+    from hcp_compile.exchange.mesh import resolve_groups
+
+    try:
+        compiler = InstructionTranslator.current_tx().output.compiler_fn
+    except AttributeError:
+        return None
+    options: dict[str, Any] = {}
+    seen = []
+    while compiler is not None and all(compiler is not s for s in seen):
+        seen.append(compiler)  # WrapBackendDebug -> the backend (torch.compile's options on the way)
+        if isinstance(compiler, HcpBackend) or compiler is hcp:
+            mesh = compiler.options.mesh if isinstance(compiler, HcpBackend) else options.get("mesh")
+            groups = resolve_groups(mesh if mesh is not None else default_mesh())
+            return groups.ulysses_size * groups.ring_size > 1
+        options = (getattr(compiler, "kwargs", None) or {}).get("options") or options
+        compiler = getattr(compiler, "compiler_fn", None)
+    return False
+
+
+# --------------------------------------------------------------------------------------------
 # registration with transformers, once its registries are imported
 # --------------------------------------------------------------------------------------------
 
@@ -149,9 +243,23 @@ def _register_mask(masking_utils: types.ModuleType) -> None:
     masking_utils.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, mask_function)
 
 
+def _register_loss_guard(loss_utils: types.ModuleType) -> None:
+    # the registry maps each causal-LM model family to the one shifting loss; models look it
+    # up on every call (PreTrainedModel.loss_function)
+    import torch._dynamo  # loaded by transformers already
+
+    torch._dynamo.assume_constant_result(_refuse_if_traced_for_context_parallelism)
+    mapping = loss_utils.LOSS_MAPPING
+    guarded = guard_causal_lm_loss(loss_utils.ForCausalLMLoss)
+    for name, loss in list(mapping.items()):
+        if loss is loss_utils.ForCausalLMLoss:
+            mapping[name] = guarded
+
+
 _REGISTRATIONS: dict[str, Callable[[types.ModuleType], None]] = {
     "transformers.modeling_utils": _register_attention,
     "transformers.masking_utils": _register_mask,
+    "transformers.loss.loss_utils": _register_loss_guard,
 }
 
 

@@ -30,6 +30,7 @@ TRANSFORMERS_IMPORTED_FIRST = "transformers" in sys.modules
 from transformers import (  # noqa: E402
     AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, MistralConfig,
 )
+from transformers.loss.loss_utils import LOSS_MAPPING  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
@@ -152,6 +153,47 @@ class RefusalCase:
 
 
 @dataclass(frozen=True)
+class ModelLossCase:
+    """The model's own loss on this rank's shard: with ``labels`` only it would shift inside
+    the shard, so every rank must raise ``InputError`` (eager inside ``context_parallel``, or
+    while Dynamo traces for ``backend="hcp"``); with ``shift_labels`` (shifted on the whole row,
+    then sharded) and the whole batch's target count, the ranks' losses and gradients sum to
+    one process's."""
+
+    compiled: bool
+    shifted: bool
+
+    @property
+    def id(self) -> str:
+        return (f"model-loss-{'shift-labels' if self.shifted else 'labels'}-"
+                f"{'compiled' if self.compiled else 'eager'}")
+
+    def run(self, world: World) -> dict:
+        model = tiny_model("hcp")
+        batch = packed_batch()
+        plan = hc.shard_plan(batch["cu_seq_lens_q"], world.mesh)
+        targets = plan.shard(next_token_targets(batch["labels"]), pad_value=IGNORE)[None]
+        labels = {"labels": targets, "shift_labels": targets} if self.shifted else {
+            "labels": plan.shard(batch["labels"][0], pad_value=IGNORE)[None]}
+        if self.compiled:
+            options = {"mesh": world.mesh, "inner": "aot_eager"}
+            step, context = torch.compile(model, backend="hcp", options=options), nullcontext()
+        else:
+            step, context = model, hc.context_parallel(world.mesh)
+        with context:
+            loss = step(input_ids=plan.shard(batch["input_ids"][0])[None],
+                        position_ids=plan.position_ids[None], **packed_keywords(batch), **labels,
+                        num_items_in_batch=target_count(batch["labels"])).loss
+        loss.backward()
+        result = {"loss": loss.detach().clone()}
+        dist.all_reduce(result["loss"])
+        for name, parameter in model.named_parameters():
+            dist.all_reduce(parameter.grad)
+            result[f"grad/{name}"] = parameter.grad
+        return result
+
+
+@dataclass(frozen=True)
 class LazyRegistrationCase:
     """How ``"hcp"`` got registered in this worker (a fresh interpreter)."""
 
@@ -165,6 +207,8 @@ class LazyRegistrationCase:
                 AttentionInterface._global_mapping.get("hcp") is hc.hf.attention_forward,
             "mask_registered":
                 AttentionMaskInterface._global_mapping.get("hcp") is hc.hf.mask_function,
+            "loss_guarded": all(
+                hasattr(LOSS_MAPPING[name], "hcp_guarded") for name in ("ForCausalLM", "ForConditionalGeneration")),
             "hook_left": any(type(f).__module__ == "hcp_compile.hf" for f in sys.meta_path),
             "loader_restored": modeling_utils.__spec__.loader is modeling_utils.__loader__
             and type(modeling_utils.__loader__).__module__ != "hcp_compile.hf",
@@ -177,9 +221,14 @@ FINE_TUNE_CASES = (
     FineTuneStepCase("mistral", compiled=False),
 )
 REFUSAL_CASES = (RefusalCase("refuse-without-cu-seq-lens-k", "cu_seq_lens_k"),)
+MODEL_LOSS_CASES = (
+    ModelLossCase(compiled=False, shifted=True),
+    ModelLossCase(compiled=False, shifted=False),
+    ModelLossCase(compiled=True, shifted=False),  # refused while tracing: nothing compiles
+)
 
 
 def suite(mesh: tuple[int, int]) -> list:
     """Every case of the world, in order (the refusal last: a hang there must not cost the
     others their results)."""
-    return [LazyRegistrationCase(), *FINE_TUNE_CASES, *REFUSAL_CASES]
+    return [LazyRegistrationCase(), *FINE_TUNE_CASES, *MODEL_LOSS_CASES, *REFUSAL_CASES]

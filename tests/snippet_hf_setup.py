@@ -1,22 +1,25 @@
 """What the README's Hugging Face snippet takes as given (its ``setup`` marker, tests/snippets.py):
-imports, the process group and a mesh on 2 processes (torchrun --nproc-per-node 2), a model
-``name`` that ``from_pretrained`` loads without a download (a small random Llama, saved in the
-working folder) and tokenized ``examples``."""
+a model ``name`` that ``from_pretrained`` loads without a download (a small random Llama and a
+character tokenizer, saved in the working folder) and a list of ``texts``. Each rank writes its
+own copy (the same weights), so that no rank waits for another before the snippet starts."""
+
+import os
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F  # noqa: F401  (the snippet's)
-from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig  # noqa: F401
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-import hcp_compile
-
-dist.init_process_group("gloo")
-mesh = hcp_compile.make_mesh(ulysses=2, ring=1, device_type="cpu")
+chars = "abcdefghijklmnopqrstuvwxyz ."
+tokenizer = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2,
+                                        **{c: i + 3 for i, c in enumerate(chars)}}, unk_token="<unk>"))
+tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+name = f"tiny-llama-rank{os.environ['RANK']}"
+PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                        unk_token="<unk>").save_pretrained(name)
 torch.manual_seed(0)  # the same weights on every rank
-config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-name = "tiny-llama"
-if dist.get_rank() == 0:  # under torch.distributed, save_pretrained writes on the main rank only
-    AutoModelForCausalLM.from_config(config).save_pretrained(name)
-dist.barrier()  # no rank loads the model before it is written
-examples = [{"input_ids": list(range(1, length))} for length in (9, 4, 13)]
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=len(chars) + 3, pad_token_id=0, eos_token_id=1,
+                     bos_token_id=None)
+AutoModelForCausalLM.from_config(config).save_pretrained(name)
+texts = [" ".join(["the cat sat", "on a mat", "the dog ran far"][i % 3] for i in range(n)) + "."
+         for n in (1, 2, 3, 4, 5, 1, 3, 2)]

@@ -24,8 +24,8 @@ import hcp_compile as hc  # noqa: E402
 import hf_cases  # noqa: E402
 from checks import assert_matches  # noqa: E402
 from hf_cases import (  # noqa: E402
-    FINE_TUNE_CASES, REFUSAL_CASES, AttentionInterface, AttentionMaskInterface, packed_batch,
-    packed_keywords, tiny_model,
+    FINE_TUNE_CASES, MODEL_LOSS_CASES, REFUSAL_CASES, AttentionInterface, AttentionMaskInterface,
+    packed_batch, packed_keywords, tiny_model,
 )
 
 
@@ -91,6 +91,55 @@ def test_context_parallel_refusal_raises_on_every_rank(hf_world, case):
     for rank, record in enumerate(hf_world.per_rank(case.id)):
         assert record.raised_instance_of(hc.InputError), f"rank {rank} {record.describe()}"
         assert case.drop in record.message, f"rank {rank}: {record.message!r}"
+
+
+@pytest.mark.parametrize("case", MODEL_LOSS_CASES, ids=lambda case: case.id)
+def test_model_loss_under_context_parallelism_is_right_or_refused(hf_world, case):
+    if not case.shifted:
+        for rank, record in enumerate(hf_world.per_rank(case.id)):
+            assert record.raised_instance_of(hc.InputError), f"rank {rank} {record.describe()}"
+            assert record.message.startswith("labels: ") and "shift_labels=" in record.message, \
+                f"rank {rank}: {record.message!r}"
+        return
+    expected = packed_reference("llama")
+    model, batch = tiny_model("hcp"), packed_batch()
+    loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                 labels=batch["labels"], num_items_in_batch=hf_cases.target_count(batch["labels"]),
+                 **packed_keywords(batch)).loss
+    for rank, result in enumerate(hf_world.values(case.id)):
+        assert_matches(result["loss"], loss.detach(), f"rank {rank} {case.id} loss")
+        for name, grad in expected.items():
+            if name.startswith("grad/"):
+                assert_matches(result[name], grad, f"rank {rank} {case.id} {name}")
+
+
+def test_autocast_gives_attention_one_dtype_as_sdpa_gets():
+    """Under bf16 autocast (TRL's default) rotary embeddings leave q and k in float32 and v in
+    bfloat16; the attention runs in bfloat16 as SDPA does, and the logits agree."""
+    batch = packed_batch()
+    logits = {}
+    for attn in ("hcp", "sdpa"):
+        model = tiny_model(attn)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if attn == "hcp":
+                out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                            **packed_keywords(batch))
+                logits[attn] = out.logits[0].float()
+            else:
+                logits[attn] = torch.cat([model(input_ids=torch.tensor([doc])).logits[0].float()
+                                          for doc in hf_cases.documents()])
+    torch.testing.assert_close(logits["hcp"], logits["sdpa"], atol=5e-2, rtol=5e-2)
+
+
+def test_model_loss_guard_leaves_single_device_and_other_backends_alone():
+    """Outside CP the model shifts its labels itself, eagerly and compiled by another backend
+    (the one-process references above rely on the eager path)."""
+    model, batch = tiny_model("hcp"), packed_batch()
+    kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
+              "labels": batch["labels"], **packed_keywords(batch)}
+    eager = model(**kwargs).loss
+    compiled = torch.compile(model, backend="eager")(**kwargs).loss
+    assert_matches(compiled.detach(), eager.detach(), "compiled (backend eager) loss")
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,5 +226,6 @@ def test_import_registers_lazily_when_transformers_is_first_imported(hf_world):
     for rank, flags in enumerate(hf_world.values(hf_cases.LazyRegistrationCase().id)):
         assert flags == {
             "transformers_imported_by_hcp_compile": False, "attention_registered": True,
-            "mask_registered": True, "hook_left": False, "loader_restored": True,
+            "mask_registered": True, "loss_guarded": True, "hook_left": False,
+            "loader_restored": True,
         }, f"rank {rank}"
