@@ -16,19 +16,17 @@ SCHEME = "ring"  # the collective scheme whose overlap the model describes (sche
 DEFAULT_DEVICE = "NVIDIA H200"
 STORED_MEASUREMENTS = "hcp_compile/kernels/measured.json"  # the runtime's kernel measurements
 # Bytes per second that the GPU's memory-bound passes besides the attention kernels (merges, fp32
-# sums, packing and joining copies: hcp_advise/passes.py) read and write on the NVIDIA H200: a
-# 537,034,752-byte device-to-device copy took 253.2-255.9 us in
-# benchmarks/results/trace_compiled_u1r2_rank0.json.gz (2 x 537 MB moved: 4.2 TB/s, 88 % of
-# HBM3e's 4.8 TB/s peak); cuDNN's convert_dq_to_16bits pass in trace_stream_w3_u1r2_rank0_compiled.json.gz
-# (fp32 dq read, bf16 written, 65.5K tokens x 32 heads x 128) ran at 4.0 TB/s. Other GPUs: not
-# measured, this figure stands.
+# sums, packing and joining copies: hcp_advise/passes.py) read and write on the NVIDIA H200, as a
+# large device-to-device copy in a committed trace moved them, close to the memory's peak; a
+# cuDNN conversion pass in another trace came near it (the traces and figures: docs/benchmarks.md,
+# "Advisor check"). Other GPUs: not measured, this figure stands.
 PASS_BYTES_PER_S = 4.2e12
 # The model's error: the median of |predicted - measured| / measured (the whole prediction: compute,
 # passes and host; half the ranks came closer) over the ranks of its check
-# (benchmarks/advisor_check.py, each rank measured alone; docs/benchmarks.md, "Advisor check"):
-# benchmarks/results/advisor_check.json, 27 ranks of W1-W3 with cudnn on one NVIDIA H200, 2026-12-02;
-# under a window advisor_check_w4.json, 4 ranks of W4 with flex. Predictions closer than this are a
-# tie. tests/test_advise_explains.py predicts those files' measured ranks again with the current
+# (benchmarks/advisor_check.py, each rank measured alone; docs/benchmarks.md, "Advisor check", with
+# the run's date and machine): benchmarks/results/advisor_check.json, the ranks of W1-W3 with cudnn;
+# under a window advisor_check_w4.json, the ranks of W4 with flex. Predictions closer than this are
+# a tie. tests/test_advise_explains.py predicts those files' measured ranks again with the current
 # model and checks both figures against the medians it gets.
 MODEL_ERROR = 0.051
 MODEL_ERROR_WINDOW = 0.111
@@ -38,10 +36,10 @@ MODEL_ERROR_WINDOW = 0.111
 class Links:
     """Bandwidth (bytes/s, one direction, per GPU) and latency (s per collective) of each level.
 
-    The bandwidths are the issue's H200 figures: ~440 GB/s for an all-to-all of 2 ranks and
-    ~290 GB/s for a ring transfer over NVLink, measured, and 400 Gb/s per GPU across nodes,
-    nominal. The latencies are assumptions to be measured on the GPU machines: they matter
-    only where the steps are short (many ring ranks, small batches)."""
+    The NVLink defaults (an all-to-all of 2 ranks, a ring transfer) are measured on an H200
+    node (docs/benchmarks.md, "Figures behind the design" §7); the network's is nominal, a
+    400 Gb/s link per GPU. The latencies are assumptions to be measured on the GPU machines:
+    they matter only where the steps are short (many ring ranks, small batches)."""
 
     all_to_all_bytes_per_s: float = 440e9
     ring_nvlink_bytes_per_s: float = 290e9
