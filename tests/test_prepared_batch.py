@@ -332,3 +332,21 @@ def test_prepare_batch_rejects_bad_arguments_naming_them(arguments, match):
     with pytest.raises(hc.InputError, match=match):
         prepare_batch(**{"cu_seqlens": cu_seqlens(DOCS), "ulysses": 2, "ring": 2, **arguments})
 
+
+
+@pytest.mark.parametrize("ulysses, ring", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("window", [(-1, -1), (8, 0)])
+def test_warm_derives_the_tables_the_attention_asks_for(ulysses, ring, window, monkeypatch):
+    """``prepare_batch(..., window=)`` (a DataLoader worker's) derives every rank's schedule
+    tables under the key both doors look them up by (``window_by_position``): the attention
+    then builds none on the training step, also on a ring of one with a window."""
+    ready = prepare_batch(cu_seqlens(DOCS), ulysses=ulysses, ring=ring, window=window)
+
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("schedule tables built again on the training step")
+
+    monkeypatch.setattr(prepared, "schedule_tables", rebuilt)
+    for rank in range(ulysses * ring):
+        ring_rank, ulysses_rank = divmod(rank, ulysses)
+        steps = schedule.schedule_steps(ready.rank_sizes(ring_rank, ulysses_rank), ring)
+        ready.tables(ring_rank, ulysses_rank, steps, True, layout.window_by_position(window, ring))

@@ -282,7 +282,8 @@ class PreparedBatch:
             ring_rank, ulysses_rank = divmod(check_rank(rank, mesh), mesh.ulysses)
             self.tokens(ring_rank, ulysses_rank)  # and the rank's sizes
             steps = schedule_steps(self.rank_sizes(ring_rank, ulysses_rank), mesh.ring)
-            self.tables(ring_rank, ulysses_rank, steps, causal, window != (-1, -1))
+            # keyed as both doors ask for them: a window masks by position only round a ring
+            self.tables(ring_rank, ulysses_rank, steps, causal, layout.window_by_position(window, mesh.ring))
             self.steps_seeing_keys(ring_rank, ulysses_rank, causal, window)
         if ranks is None:
             self.unshard_rows()
