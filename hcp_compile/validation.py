@@ -209,7 +209,7 @@ _FOUND = {
 }
 
 
-def placement_index(name: str) -> int:
+def _placement_index(name: str) -> int:
     """A placement as a number of a failure's facts."""
     from hcp_compile.batch.placements import PLACEMENTS  # placements import this module
 
@@ -507,7 +507,7 @@ def _context_parallel(prepared: PreparedBatch, call: BatchCall) -> tuple[Failure
 
 
 def _shape_facts(mesh: MeshShape) -> tuple[int, int, int]:
-    return mesh.ulysses, mesh.ring, placement_index(mesh.placement)
+    return mesh.ulysses, mesh.ring, _placement_index(mesh.placement)
 
 
 def _max_seqlen(name: str, max_seqlens: Mapping[str, int], longest: int) -> list[Failure]:

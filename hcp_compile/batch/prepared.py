@@ -27,7 +27,7 @@ from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement, pla
 from hcp_compile.batch.schedule import ScheduleTables, schedule_steps, schedule_tables
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 from hcp_compile.kernels.contract import HOST_READS, BoundedCache
-from hcp_compile.validation import CU_NON_DECREASING, CU_STARTS_AT_0, Failure
+from hcp_compile.validation import Failure
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,14 +58,7 @@ class BatchValues:
 
     def failures(self, argument: str) -> tuple[Failure, ...]:
         """The failed rules of the values themselves, naming them ``argument``."""
-        failed = []
-        if self.starts_at != 0:
-            failed.append(Failure.of(CU_STARTS_AT_0, str(self.starts_at), argument))
-        if self.decrease is not None:
-            i, value, before = self.decrease
-            found = f"entry {i} ({value}) < entry {i - 1} ({before})"
-            failed.append(Failure.of(CU_NON_DECREASING, found, argument))
-        return tuple(failed)
+        return validation.cu_seqlens_failures(self, argument)
 
 
 def _digest(values: Tensor) -> bytes:
