@@ -20,8 +20,12 @@ from cp_cases import AttentionCase, World, cu_seqlens, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, cudnn, measured, new_cache_key, resolve_kernel, \
     run_backward, run_forward
 from hcp_compile.batch.prepared import host_values
+from hcp_compile.batch.prepared import MeshShape
+from hcp_compile.kernels.contract import HOST_READS
 from hcp_compile.kernels.cudnn import block_calls
+from hcp_compile.kernels.merge import merge_partials
 from test_dense_kernel import check_second_halves
+from test_prepared_batch import CP_DOCS, CP_SHAPES, mesh_id, schedule_blocks
 from test_window_pieces import ring_step_blocks
 
 HAS_FRONTEND = cudnn.frontend()[0] is not None
@@ -475,13 +479,30 @@ class StandInCase(AttentionCase):
             return self.attend(world, cu_seqlens(self.lengths), max(self.lengths))
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkedStandInCase(StandInCase):
+    """:class:`StandInCase` with every block's backward over its workspace budget, in chunks
+    of at most 8 rows where the host knows the block's segmentation (the local region and the
+    ring steps: the schedule's tables; not a window by position)."""
+
+    @property
+    def id(self) -> str:
+        return f"chunked-{super().id}"
+
+    def run(self, world: World) -> dict:
+        with mock.patch.object(cudnn, "MIN_CHUNK_ROWS", 8), mock.patch.object(cudnn, "WORKSPACE_SHARE", 0.0):
+            return super().run(world)
+
+
 # a window on a mesh without a ring masks by the offsets in the segments (layout.window_by_position);
 # with a ring (2 x 2) by positions, in pieces; the stand-in, like cuDNN, ignores positions, so a
 # block run as if its offsets were positions would give a wrong answer here
 WINDOW_CASES = [StandInCase("long", 4, 2, True, (17, 0)), StandInCase("mixed", 4, 2, True, (4, 0))]
 CP_CASES = [StandInCase("many", 4, 2, True), StandInCase("mixed", 4, 1, True), StandInCase("long", 4, 4, False),
             StandInCase("mixed", 4, 2, True, placement="zigzag"), *WINDOW_CASES,
-            StandInCase("long", 4, 2, True, (40, 0), placement="zigzag")]
+            StandInCase("long", 4, 2, True, (40, 0), placement="zigzag"),
+            ChunkedStandInCase("long", 4, 2, True), ChunkedStandInCase("many", 4, 2, False, placement="zigzag"),
+            ChunkedStandInCase("mixed", 4, 2, True, (4, 0))]
 WINDOW_MESH = (2, 1)
 
 
@@ -493,7 +514,7 @@ def suite(mesh: tuple[int, int]) -> list:
 def test_under_context_parallelism_matches_reference(cp_world, case):
     """Every ring step's blocks (causal ones with more keys than queries, run as two top-left
     calls; full ones; under a window, pieces of the window by position) and the local region
-    through the kernel's calls, on 2 x 2."""
+    through the kernel's calls, on 2 x 2; and with every backward in chunks of documents."""
     reference = expected_for(case)
     for rank, result in enumerate(cp_world(CP_MESH, suite=SUITE).values(case.id)):
         index = result["global_index"]
@@ -549,3 +570,172 @@ def test_a_backward_over_its_workspace_budget_runs_in_chunks_of_documents(device
                                     causal=causal)
     for name, got in zip(("out", "dq", "dk", "dv"), (out, *grads)):
         assert_matches(got.float().cpu(), expected[name], name, **tolerance)
+
+
+# the rows of a chunk in the tests of CP blocks: every block but the shortest runs in chunks
+CP_CHUNK_ROWS = 128
+# documents for the backward of CP blocks: a few longer than a chunk on a rank of 2 x 2
+CP_CHUNK_DOCS = (150, 5, 0, 129, 400, 1, 60, 2, 37, 0, 600, 3)
+
+
+def paired_segments(cu_q: list[int], cu_k: list[int], first_row: int = 0, first_key: int = 0) -> list[tuple]:
+    """The segments with both queries and keys: their rows and keys, from ``first_row`` and
+    ``first_key``."""
+    return [(first_row + a, first_row + b, first_key + c, first_key + d)
+            for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]) if b > a and d > c]
+
+
+def check_chunks(spec: BlockSpec, chunks: list, limit: int) -> list:
+    """That ``chunks`` take every segment of ``spec`` with both queries and keys exactly once
+    and in order, a chunk's segments the same consecutive ones on the query and on the key side
+    (its specs' segmentations, on the device, the host values from its first row and key), its
+    rows and keys after the previous chunk's; a chunk over ``limit`` rows being one segment,
+    tiled where it has as many queries as keys and no window. Returns the tiled chunks."""
+    cu_q, cu_k = HOST_READS.values(spec.cu_q).tolist(), HOST_READS.values(spec.cu_k).tolist()
+    taken, segment, rows, keys, tiled = [], 0, 0, 0, []
+    for chunk in chunks:
+        assert chunk.q_rows.start >= rows and chunk.k_rows.start >= keys, "chunks overlap"
+        rows, keys = chunk.q_rows.stop, chunk.k_rows.stop
+        part_q = [c + chunk.q_rows.start for c in chunk.spec.cu_q.tolist()]
+        part_k = [c + chunk.k_rows.start for c in chunk.spec.cu_k.tolist()]
+        assert len(part_q) == len(part_k) and (part_q[0], part_q[-1], part_k[0], part_k[-1]) == (
+            chunk.q_rows.start, rows, chunk.k_rows.start, keys)
+        count = len(part_q) - 1
+        while (cu_q[segment:segment + count + 1], cu_k[segment:segment + count + 1]) != (part_q, part_k):
+            segment += 1
+            assert segment + count < len(cu_q), "a chunk's segments are not consecutive segments of the block"
+        segment += count
+        taken += paired_segments(part_q, part_k)
+        length_q, length_k = chunk.q_rows.stop - chunk.q_rows.start, chunk.k_rows.stop - chunk.k_rows.start
+        if max(length_q, length_k) > limit:
+            assert count == 1, "a chunk over the limit is one segment"
+            assert bool(chunk.tiles) == (length_q == length_k and not spec.windowed)
+        if chunk.tiles:
+            tiled.append(chunk)
+            pieces = -(-length_q // limit)
+            assert len(chunk.tiles) == (pieces * (pieces + 1) // 2 if spec.causal else pieces ** 2)
+            assert {(t.q_rows.start, t.q_rows.stop) for t in chunk.tiles} == {
+                (start, min(start + limit, length_q)) for start in range(0, length_q, limit)}
+    assert taken == paired_segments(cu_q, cu_k), "every segment with queries and keys, once"
+    return tiled
+
+
+# (queries, keys) per segment of a block segmented apart, as a ring step's are: queries
+# without keys and keys without queries in a chunk of their own (which does not run), a long
+# segment of as many queries as keys (tiles), pads of either kind alone in a chunk, an empty
+# segment, a long segment of more keys than queries (whole: when causal, a rectangle and a
+# square); chunks of 100 rows
+APART_SEGMENTS = ((3, 0), (0, 4), (150, 150), (10, 0), (0, 200), (2, 2), (0, 0), (90, 120))
+APART_CHUNKS = [(slice(3, 153), slice(4, 154), True), (slice(163, 165), slice(354, 356), False),
+                (slice(165, 255), slice(356, 476), False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_a_block_segmented_apart_runs_in_chunks_of_its_segments(device, causal, request, monkeypatch):
+    """A block whose queries and keys are segmented apart (the host copy of its tables in
+    ``HOST_READS``, its segmentations views of them, as a schedule's) runs its backward in
+    chunks of the same segments on both sides, leaving out the chunks where no segment has
+    both, and gives the gradients of the float64 plain-PyTorch kernel given the same out and
+    lse."""
+    where, dtype, tolerance = on(device, request)
+    monkeypatch.setattr(cudnn, "MIN_CHUNK_ROWS", 100)
+    monkeypatch.setattr(cudnn, "WORKSPACE_SHARE", 0.0)
+    len_q, len_k = zip(*APART_SEGMENTS)
+    host = torch.cat([cu_seqlens(len_q), cu_seqlens(len_k)])
+    table = host.to(where)
+    HOST_READS.put_table(table, host)
+    cu_q, cu_k = table.split(len(APART_SEGMENTS) + 1)
+    spec = BlockSpec(cu_q, cu_k, max(len_q), max(len_k), causal, 0.125, cache_key=new_cache_key())
+    q, dout = (seeded(f"apart/{n}", sum(len_q), 8, 64).to(where, dtype) for n in ("q", "dout"))
+    k, v = (seeded(f"apart/{n}", sum(len_k), 2, 64).to(where, dtype) for n in ("k", "v"))
+    chunks = cudnn.backward_chunks(spec, q, k)
+    assert [(c.q_rows, c.k_rows, bool(c.tiles)) for c in chunks] == APART_CHUNKS
+    check_chunks(spec, chunks, 100)
+    out, lse = run_forward("cudnn", q, k, v, spec)
+    grads = run_backward("cudnn", dout, q, k, v, out, lse, spec)
+    expected = KERNELS["torch"].backward(*(t.double() for t in (dout, q, k, v, out)), lse.double(), spec)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, expected):
+        assert_matches(got.double().cpu(), ref.cpu(), name, **tolerance)
+
+
+@pytest.mark.parametrize("mesh", CP_SHAPES, ids=mesh_id)
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (True, (40, 0))], ids=str)
+def test_cp_blocks_plan_their_backward_in_chunks_of_segments(mesh, causal, window, monkeypatch):
+    """Under context parallelism the host knows every block's segmentation (the schedule's
+    tables), so the local region and each ring step plan their backward in chunks where the
+    workspace is over budget (here always: ``workspace_per_row`` reads a cuDNN graph, replaced
+    by an endless one), each segment with queries and keys in exactly one chunk, the same on
+    both sides (a ring step's queries in the chunk of their keys), long ones in tiles where
+    they have as many queries as keys (the own step's too); a window by position (a ring's,
+    under a window) runs whole."""
+    monkeypatch.setattr(cudnn, "MIN_CHUNK_ROWS", CP_CHUNK_ROWS)
+    monkeypatch.setattr(cudnn, "workspace_per_row", lambda shape: float("inf"))
+    # tiled_apart: the tiles of blocks whose queries and keys are segmented apart (ring steps)
+    two_segmentations = tiled = tiled_apart = 0
+    for rank, blocks in schedule_blocks(CP_DOCS, mesh, causal=causal, window=window):
+        for block in blocks:
+            q, k = torch.empty(block.rows_q, 4, 16), torch.empty(block.rows_k, 2, 16)
+            chunks = cudnn.backward_chunks(block.spec, q, k)
+            if block.spec.q_positions is not None or max(block.rows_q, block.rows_k) <= CP_CHUNK_ROWS:
+                assert chunks is None, f"rank {rank} {block.name}"
+                continue
+            assert chunks is not None, f"rank {rank} {block.name}: runs whole"
+            tiles = len(check_chunks(block.spec, chunks, CP_CHUNK_ROWS))
+            tiled += tiles
+            if not block.spec.one_segmentation:
+                two_segmentations, tiled_apart = two_segmentations + 1, tiled_apart + tiles
+            assert cudnn.backward_chunks(block.spec, q, k) is chunks  # planned once per spec
+    by_position = window != (-1, -1) and mesh.ring > 1  # every ring step runs whole
+    assert two_segmentations or by_position, "no ring step ran in chunks"
+    assert (tiled and tiled_apart) or window != (-1, -1), "no long document ran in tiles"
+
+
+# (mesh, causal): a ring (its own step causal, the others full; or every step full), Ulysses
+# alone, both
+CP_CHUNK_CASES = [(MeshShape(1, 2, "balanced"), True), (MeshShape(1, 2, "zigzag"), False),
+                  (MeshShape(2, 1, "balanced"), True), (MeshShape(2, 2, "zigzag"), True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mesh, causal", CP_CHUNK_CASES,
+                         ids=lambda c: mesh_id(c) if isinstance(c, MeshShape) else ("causal" if c else "full"))
+def test_cp_blocks_backward_in_chunks_matches_reference(device, mesh, causal, request, monkeypatch):
+    """Every block of every rank's schedule (the local region, the ring steps; the backward
+    given the rank's merged out and lse, as the ring's is) in chunks of at most
+    ``CP_CHUNK_ROWS`` rows and whole, against the float64 plain-PyTorch kernel given the same
+    out and lse: the chunks' gradients are the whole block's."""
+    where, dtype, tolerance = on(device, request)
+    monkeypatch.setattr(cudnn, "MIN_CHUNK_ROWS", CP_CHUNK_ROWS)
+    kernel, chunked = KERNELS["cudnn"], 0
+    for rank, blocks in schedule_blocks(CP_CHUNK_DOCS, mesh, where, causal=causal):
+        name = f"cp-chunks-{mesh_id(mesh)}-{causal}-{rank}"
+        local, steps = blocks[0], blocks[1:]
+        x = {n: seeded(f"{name}/{n}", rows, heads, 32).to(where, dtype) for n, rows, heads in (
+            ("q_local", local.rows_q, 4), ("kv_local", local.rows_k, 2), ("dout_local", local.rows_q, 4),
+            ("q", steps[0].rows_q, 4), ("dout", steps[0].rows_q, 4),
+            *((f"kv{i}", step.rows_k, 2) for i, step in enumerate(steps)))}
+        block_inputs = [(local, x["q_local"], *x["kv_local"].chunk(2, dim=1), x["dout_local"])]
+        block_inputs += [(step, x["q"], *x[f"kv{i}"].chunk(2, dim=1), x["dout"]) for i, step in enumerate(steps)]
+        merged = {}
+        for block, q, k, v, _ in block_inputs:  # the stream's out and lse merged over the ring steps
+            block_out, block_lse = kernel.forward(q, k, v, block.spec)
+            key = "local" if block is local else "stream"
+            merged[key] = merge_partials(*merged.get(key, (None, None)), block_out, block_lse)
+        for block, q, k, v, dout in block_inputs:
+            out, lse = merged["local" if block is local else "stream"]
+            out = out.to(dtype)
+            monkeypatch.setattr(cudnn, "WORKSPACE_SHARE", 0.0)
+            chunks = cudnn.backward_chunks(block.spec, q.contiguous(), k.contiguous())
+            assert (chunks is None) == (max(block.rows_q, block.rows_k) <= CP_CHUNK_ROWS), f"{name} {block.name}"
+            chunked += chunks is not None
+            in_chunks = kernel.backward(dout, q, k, v, out, lse, block.spec)
+            monkeypatch.setattr(cudnn, "WORKSPACE_SHARE", 1e9)
+            whole = kernel.backward(dout, q, k, v, out, lse, block.spec)
+            wide = [t.double() for t in (dout, q, k, v, out)]
+            expected = KERNELS["torch"].backward(*wide, lse.double(), block.spec)
+            for grad, got_chunks, got_whole, ref in zip(("dq", "dk", "dv"), in_chunks, whole, expected):
+                label = f"{name} {block.name} {grad}"
+                assert_matches(got_chunks.double().cpu(), ref.cpu(), f"{label} in chunks", **tolerance)
+                assert_matches(got_whole.double().cpu(), ref.cpu(), f"{label} whole", **tolerance)
+    assert chunked, "no block ran in chunks"

@@ -350,3 +350,98 @@ def test_warm_derives_the_tables_the_attention_asks_for(ulysses, ring, window, m
         ring_rank, ulysses_rank = divmod(rank, ulysses)
         steps = schedule.schedule_steps(ready.rank_sizes(ring_rank, ulysses_rank), ring)
         ready.tables(ring_rank, ulysses_rank, steps, True, layout.window_by_position(window, ring))
+
+
+# --------------------------------------------------------------------------------------------
+# the host copy of a schedule's tables (what cudnn's backward in chunks reads)
+# --------------------------------------------------------------------------------------------
+
+# 2 x 1 (Ulysses alone), 1 x 2 and 2 x 2 (a ring), each in both placements
+CP_SHAPES = [MeshShape(u, r, p) for u, r in ((2, 1), (1, 2), (2, 2)) for p in ("balanced", "zigzag")]
+
+
+def mesh_id(mesh: MeshShape) -> str:
+    return f"{mesh.ulysses}x{mesh.ring}-{mesh.placement}"
+
+# short documents, empty ones and two that go round the ring
+CP_DOCS = (300, 5, 0, 129, 700, 1, 100, 2, 37, 0, 1000, 3)
+
+
+@dataclass(frozen=True)
+class CPBlock:
+    """One block of a rank's schedule: its name, spec and the row counts of its q and k."""
+
+    name: str
+    spec: hc.kernels.BlockSpec
+    rows_q: int
+    rows_k: int
+
+
+def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.device | str = "cpu", *,
+                    causal: bool = True, window: tuple[int, int] = (-1, -1)) -> Iterator[tuple[tuple[int, int], list]]:
+    """Every rank's ``(ring rank, Ulysses rank)`` and the blocks of its schedule as eager CP
+    builds them (the prepared batch's device tables, ``rank_schedule``, the specs of
+    hierarchical.py): the local region (its rows) and each ring step (the exchange stream's
+    rows against the stream, or against another rank's ring section)."""
+    from hcp_compile.batch.call import rank_schedule
+    from hcp_compile.exchange.schemes import DEFAULT_SCHEME
+    from hcp_compile.hierarchical import _local_spec, _step_spec
+
+    batch = prepared.prepare(prepared.host_values(cu_seqlens(lengths)), mesh)
+    windowed = layout.window_by_position(window, mesh.ring)
+    for ring_rank in range(mesh.ring):
+        for ulysses_rank in range(mesh.ulysses):
+            sizes = batch.rank_sizes(ring_rank, ulysses_rank)
+            steps = schedule.schedule_steps(sizes, mesh.ring)
+            flat = batch.device_tables(ring_rank, ulysses_rank, steps, causal, windowed, torch.device(device))
+            sched = rank_schedule(flat, sizes, steps, ring_rank, mesh.ring, max(lengths), causal=causal, scale=0.125,
+                                  window=window, kernel="cudnn",
+                                  first_cache_key=hc.kernels.new_cache_key(schedule.cache_keys_needed(mesh.ring)),
+                                  scheme=DEFAULT_SCHEME)
+            blocks = [CPBlock("local", _local_spec(sched), sizes.local, sizes.local)]
+            blocks += [CPBlock(f"step {i} (keys of ring rank {step.source})", _step_spec(step, sched), sizes.stream,
+                               sizes.stream if i == 0 else sizes.ring_width)
+                       for i, step in enumerate(sched.steps)]
+            yield (ring_rank, ulysses_rank), blocks
+
+
+@pytest.mark.parametrize("mesh", CP_SHAPES, ids=mesh_id)
+def test_schedule_blocks_segmentations_are_known_on_the_host(mesh):
+    """Every block of every rank's schedule (views of the device tables) finds the host copy
+    of its segmentations in ``HOST_READS``, equal to the device values, without reading them
+    back; a tensor copied from them, another tensor, is not known."""
+    from hcp_compile.kernels.contract import HOST_READS
+
+    seen_steps = 0
+    for rank, blocks in schedule_blocks(CP_DOCS, mesh):
+        for block in blocks:
+            for side in ("cu_q", "cu_k"):
+                device = getattr(block.spec, side)
+                host = HOST_READS.values(device)
+                assert host is not None, f"rank {rank} {block.name} {side}: not known on the host"
+                assert host.tolist() == device.tolist(), f"rank {rank} {block.name} {side}"
+                assert HOST_READS.values(device.clone()) is None
+            seen_steps += block.name != "local"
+    assert seen_steps == mesh.ulysses * mesh.ring * (2 if mesh.ring > 1 else 1)  # the ring went round
+
+
+def test_compiled_tables_op_keeps_the_host_copy_for_the_graphs_aliases():
+    """A compiled graph's blocks get the tables op's output as aliases that Inductor makes of
+    it (``reinterpret_tensor``: no view of it, another tensor on its storage), which still
+    find the host copy, also once the op's output itself is gone."""
+    import hcp_compile.compiled.inserted  # noqa: F401 -- registers hcp::schedule_tables
+    from hcp_compile.kernels.contract import HOST_READS
+
+    mesh, (ring_rank, ulysses_rank) = MeshShape(1, 2, "balanced"), (1, 0)
+    cu = cu_seqlens(CP_DOCS)
+    batch = prepared.prepare(prepared.host_values(cu), mesh)
+    sizes = batch.rank_sizes(ring_rank, ulysses_rank)
+    steps = schedule.schedule_steps(sizes, mesh.ring)
+    tables, _ = torch.ops.hcp.schedule_tables(cu.long(), torch.device("cpu"), mesh.ulysses, mesh.ring, mesh.placement,
+                                              ring_rank, ulysses_rank, steps, True, False, layout.size_values(sizes))
+    expected = batch.tables(ring_rank, ulysses_rank, steps, True, False).flat()[0]
+    start, length = sizes.local_entries + 1, 4 * sizes.step_entries[0] + 1  # the own step's cu_q
+    alias = torch._C._dynamo.guards._reinterpret_tensor(tables, (length,), (1,), start)
+    del tables
+    assert alias._base is None
+    assert HOST_READS.values(alias).tolist() == alias.tolist() == expected[start:start + length].tolist()

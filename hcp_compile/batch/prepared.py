@@ -286,17 +286,25 @@ class PreparedBatch:
         self, ring_rank: int, ulysses_rank: int, steps: int, causal: bool, windowed: bool,
         device: torch.device,
     ) -> tuple[Tensor, Tensor]:
-        """:meth:`tables` flattened (:meth:`ScheduleTables.flat`) and copied to ``device``. On
-        CUDA the copy comes from pinned memory (kept in this process only) and waits for
-        nothing: a copy from pageable memory waits for all the work queued before it."""
+        """:meth:`tables` flattened (:meth:`ScheduleTables.flat`) and copied to ``device``, the
+        segmentations' host copy kept in ``HOST_READS`` (:meth:`HostReads.put_table`), where a
+        kernel finds the segmentation of any block of the schedule without reading it back
+        (cudnn's backward in chunks of documents). On CUDA the copy comes from pinned memory
+        (kept in this process only) and waits for nothing: a copy from pageable memory waits for
+        all the work queued before it."""
         if device.type != "cuda":
-            return tuple(t.to(device, copy=True) for t in self.tables(ring_rank, ulysses_rank, steps, causal, windowed).flat())
-        key = (ring_rank, ulysses_rank, steps, causal, windowed)
-        pinned = self.__dict__.setdefault("_pinned", {})
-        if key not in pinned:
             flat = self.tables(ring_rank, ulysses_rank, steps, causal, windowed).flat()
-            pinned[key] = tuple(t.pin_memory() for t in flat)
-        return tuple(t.to(device, copy=True, non_blocking=True) for t in pinned[key])
+            copies = tuple(t.to(device, copy=True) for t in flat)
+        else:
+            key = (ring_rank, ulysses_rank, steps, causal, windowed)
+            pinned = self.__dict__.setdefault("_pinned", {})
+            if key not in pinned:
+                flat = self.tables(ring_rank, ulysses_rank, steps, causal, windowed).flat()
+                pinned[key] = tuple(t.pin_memory() for t in flat)
+            flat = pinned[key]
+            copies = tuple(t.to(device, copy=True, non_blocking=True) for t in flat)
+        HOST_READS.put_table(copies[0], flat[0])
+        return copies
 
     def __reduce__(self) -> tuple:
         # its tensors as one buffer (hcp_compile/batch/pickling.py: a DataLoader moves each tensor

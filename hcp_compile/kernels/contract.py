@@ -94,22 +94,61 @@ def new_cache_key(count: int = 1) -> int:
 
 
 class HostReads:
-    """What was read to the host from a device tensor, kept per tensor and version while the
-    tensor lives: a batch's ``cu_seqlens`` is read once for its checks (prepared.host_values),
-    and a kernel may use the values without another read."""
+    """What the host knows of a device tensor's values without reading it: what was read to the
+    host from it, kept per tensor and version while the tensor lives (a batch's ``cu_seqlens``
+    is read once for its checks: prepared.host_values), and the host copies of tables copied
+    to the device (a schedule's segmentations: prepared.device_tables), kept while the device
+    table's storage lives, which a kernel finds for any view of them (:meth:`values`).
+
+    A table is found by its storage because the views a kernel gets are other tensors: the
+    schedule's split of the flat table eagerly, and in a compiled graph aliases that Inductor
+    makes of the tables op's output. The tables are only ever read, so their storage holds the
+    copied values for as long as any view of it reaches a kernel."""
 
     def __init__(self) -> None:
         self._reads = WeakIdKeyDictionary()
+        self._tables = WeakIdKeyDictionary()  # device storage -> (dtype, first element, host values)
         self._lock = threading.Lock()
 
     def get(self, tensor: Tensor) -> object | None:
+        """The read kept for ``tensor`` itself by :meth:`put` (None: none, or the tensor was
+        written since)."""
         with self._lock:
             kept = self._reads.get(tensor)
         return kept[1] if kept is not None and kept[0] == tensor._version else None
 
     def put(self, tensor: Tensor, read: object) -> None:
+        """Keep ``read`` for ``tensor``: anything whose ``values`` attribute is the host copy
+        of the tensor's values (:meth:`values` answers with them)."""
         with self._lock:
             self._reads[tensor] = (tensor._version, read)
+
+    def put_table(self, tensor: Tensor, values: Tensor) -> None:
+        """Keep ``values`` (on the host) as the values of the 1-D device table ``tensor``,
+        copied from them and never written, for any view of it."""
+        if tensor.dim() != 1 or tensor.shape != values.shape or not tensor.is_contiguous():
+            raise ValueError(f"a table is a contiguous 1-D tensor of its values' length; got {tuple(tensor.shape)} "
+                             f"with strides {tensor.stride()} for values of {tuple(values.shape)}")
+        with self._lock:
+            self._tables[tensor.untyped_storage()] = (tensor.dtype, tensor.storage_offset(), values)
+
+    def values(self, tensor: Tensor) -> Tensor | None:
+        """The host values of the 1-D ``tensor``: the ``values`` of a read kept for it, or the
+        slice of a table's host copy that it views; None where the host does not know them."""
+        read = self.get(tensor)
+        if read is not None:
+            return read.values
+        if tensor.dim() != 1 or (tensor.numel() > 1 and tensor.stride(0) != 1):
+            return None
+        with self._lock:
+            table = self._tables.get(tensor.untyped_storage())
+        if table is None:
+            return None
+        dtype, first, values = table
+        start = tensor.storage_offset() - first
+        if tensor.dtype != dtype or start < 0 or start + tensor.numel() > values.numel():
+            return None
+        return values[start:start + tensor.numel()]
 
 
 HOST_READS = HostReads()

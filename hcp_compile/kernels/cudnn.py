@@ -48,20 +48,34 @@ cuDNN's backward takes a workspace that grows with the rows of the call and the 
 packed rows (an fp32 dQ accumulator and, under GQA, fp32 dK and dV for every query head,
 addressed by the ragged offsets): over a whole batch, more than twice the bytes of q, k, v and
 dout (docs/design.md §8.8). Documents do not see each other, so where the host knows the
-block's segmentation (a single device's ``cu_seqlens``, read once for its checks:
-``HOST_READS``) and the workspace would exceed ``WORKSPACE_SHARE`` of those bytes, the backward
-runs over consecutive documents at a time, each chunk on row views of the packed tensors
-starting at its first row, through a graph sized for at most ``limit`` rows:
+block's segmentation and the workspace would exceed ``WORKSPACE_SHARE`` of those bytes, the
+backward runs over consecutive segments at a time, each chunk on row views of the packed
+tensors starting at its first query row and its first key row, through a graph sized for at
+most ``limit`` rows:
 
     rows    [ d0 d0 d0 | d1 d1 | d2 d2 d2 d2 d2 d2 | d3 ]
     chunks    [ d0 d1 ]          [ d2 ]              [ d3 ]     (d2 alone is longer than limit)
 
-A document longer than ``limit`` is a chunk of its own.
+The host knows the segmentation (``HOST_READS.values``) of a single device's ``cu_seqlens``,
+read once for its checks, and of every block under context parallelism: the local region's and
+the ring steps' segmentations are views of the schedule's tables, which the host derived and
+copied to the device (prepared.device_tables keeps their host copy, eager and in a compiled
+graph's tables op). A ring step's queries and keys are segmented apart (the stream's queries
+against another rank's keys, pad rows without keys, pad keys without queries): a chunk takes
+the same segments on both sides, its query rows and its key rows each consecutive, so each
+document's queries meet its keys in one chunk and its gradients are whole; a chunk in which no
+segment has both queries and keys (pad rows, pad keys) has no gradient to give and does not
+run. The backward is given the merged out and lse (a ring step's: docs/design.md §4), and a
+chunk takes its rows of them. A window by position (``q_positions``: a ring step's under a
+window) runs whole.
+
+A segment with more queries or keys than ``limit`` is a chunk of its own.
 
 Note [a long document in tiles]
-A document longer than ``limit`` rows (its queries its keys, no window) runs in tiles: its rows
-cut into pieces of ``limit``, each query piece against each key piece it sees, a causal square
-on the diagonal and full rectangles below it. The backward is given the whole document's out
+A segment longer than ``limit`` rows with as many queries as keys and no window (a whole
+document, or a ring step's segment of as many queries as keys) runs in tiles: its rows cut
+into pieces of ``limit``, each query piece against each key piece it sees, a causal square on
+the diagonal and full rectangles below it. The backward is given the whole document's out
 and lse, so each tile's gradients are its exact share (as a ring step's are), summed into the
 document's rows:
 
@@ -69,6 +83,9 @@ document's rows:
     p0        ◣
     p1        ■   ◣             ◣ causal square (top-left), ■ full rectangle
     p2        ■   ■   ◣
+
+Another long segment (queries and keys of different lengths, or a window) runs whole in its
+chunk.
 """
 
 from __future__ import annotations
@@ -676,9 +693,10 @@ class Tile:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Consecutive documents of a block: their rows, their keys, the block spec of the row
-    views (segments from 0, one segmentation kept), the rows its graphs are sized for, and
-    for a document longer than that, the tiles it runs in (Note [a long document in tiles])."""
+    """Consecutive segments of a block: their query rows, their key rows, the block spec of the
+    row views (segments from 0 on both sides, one segmentation kept), the rows its graphs are
+    sized for, and for a segment longer than that, the tiles it runs in (Note [a long document
+    in tiles])."""
 
     q_rows: slice
     k_rows: slice
@@ -701,9 +719,10 @@ def document_chunks(cu_q: Sequence[int], cu_k: Sequence[int], limit: int) -> lis
 
 def backward_chunks(spec: BlockSpec, q: Tensor, k: Tensor) -> list[Chunk] | None:
     """The chunks a backward of ``spec`` runs in, None where it runs whole: its workspace fits
-    ``WORKSPACE_SHARE`` of its inputs' bytes, the host does not know its segmentation, or its
+    ``WORKSPACE_SHARE`` of its inputs' bytes, the host does not know its segmentation
+    (``HOST_READS``: a single device's checked ``cu_seqlens``, or a schedule's tables), or its
     window is by position (Note [a backward in chunks of documents])."""
-    host_q, host_k = HOST_READS.get(spec.cu_q), HOST_READS.get(spec.cu_k)
+    host_q, host_k = HOST_READS.values(spec.cu_q), HOST_READS.values(spec.cu_k)
     if host_q is None or host_k is None or spec.q_positions is not None:
         return None
     rows = max(q.shape[0], k.shape[0])
@@ -712,7 +731,7 @@ def backward_chunks(spec: BlockSpec, q: Tensor, k: Tensor) -> list[Chunk] | None
     limit = max(int(budget // per_row), MIN_CHUNK_ROWS)
     if limit >= rows:
         return None
-    return _CHUNKS.get(spec, (q.shape[0], k.shape[0], limit), lambda: _chunks(spec, host_q.values, host_k.values, limit))
+    return _CHUNKS.get(spec, (q.shape[0], k.shape[0], limit), lambda: _chunks(spec, host_q, host_k, limit))
 
 
 _PER_ROW: dict[Shape, float] = {}
@@ -729,25 +748,32 @@ def workspace_per_row(shape: Shape) -> float:
 
 
 def _chunks(spec: BlockSpec, cu_q: Tensor, cu_k: Tensor, limit: int) -> list[Chunk]:
+    """The chunks of :func:`backward_chunks` from the host values of the segmentations, those
+    in which no segment has both queries and keys left out (they have no gradient to give)."""
     chunks = []
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
     for first, stop in document_chunks(cu_q, cu_k, limit):
+        if not any(cu_q[i + 1] > cu_q[i] and cu_k[i + 1] > cu_k[i] for i in range(first, stop)):
+            continue
         rows, keys = slice(cu_q[first], cu_q[stop]), slice(cu_k[first], cu_k[stop])
+        length_q, length_k = rows.stop - rows.start, keys.stop - keys.start
         segments_q = spec.cu_q[first:stop + 1] - rows.start
         segments_k = segments_q if spec.one_segmentation else spec.cu_k[first:stop + 1] - keys.start
         chunk_spec = dataclasses.replace(
-            spec, cu_q=segments_q, cu_k=segments_k, covered_rows=rows.stop - rows.start,
+            spec, cu_q=segments_q, cu_k=segments_k, covered_rows=length_q,
             cache_key=new_cache_key() if spec.cache_key >= 0 else -1)
-        long = stop - first == 1 and rows.stop - rows.start > limit
-        tiles = document_tiles(chunk_spec, rows.stop - rows.start, limit) if long and tileable(spec) else ()
+        long = stop - first == 1 and max(length_q, length_k) > limit
+        tiles = document_tiles(chunk_spec, length_q, limit) if long and tileable(spec, length_q, length_k) else ()
         chunks.append(Chunk(rows, keys, chunk_spec, limit, tiles))
     return chunks
 
 
-def tileable(spec: BlockSpec) -> bool:
-    """Whether a long document of ``spec`` can run in tiles: its queries are its keys and no
-    window bounds it (a tile is then a full rectangle or a causal square)."""
-    return spec.one_segmentation and spec.q_positions is None and not spec.windowed
+def tileable(spec: BlockSpec, length_q: int, length_k: int) -> bool:
+    """Whether one segment of ``spec`` with ``length_q`` queries and ``length_k`` keys can run
+    in tiles: as many queries as keys (a causal diagonal is then the same aligned top-left or
+    bottom-right, and the queries' pieces are the keys') and no window bounds it (a tile is
+    then a full rectangle or a causal square)."""
+    return length_q == length_k and spec.q_positions is None and not spec.windowed
 
 
 def document_tiles(spec: BlockSpec, rows: int, size: int) -> tuple[Tile, ...]:
