@@ -540,8 +540,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def measure(args: argparse.Namespace) -> tuple[list[dict], list[Row]]:
-    device, started = torch.device(args.device), time.perf_counter()
-    cuda = device.type == "cuda"
+    cuda, started = args.device == "cuda", time.perf_counter()
+    # an index: torch.cuda's memory controls (the cap) reject a bare "cuda" on torch 2.11
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     options = Options(args.granularity, args.steps, TINY_SHRINK if args.tiny else 1, set_cap(args, device), cuda)
     runs = [{"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
              "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "options": vars(args)}]
