@@ -141,11 +141,14 @@ class Trainer:
         self.norm = nn.RMSNorm(setup.shape.hidden, eps=1e-5, device=setup.device, dtype=setup.shape.dtype)
         self.parameters = [p for m in (*self.blocks, self.norm) for p in m.parameters()]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-5, fused=setup.device.type == "cuda")
-        self.calls = [self._compiled(b) for b in self.blocks] if compiled else self.blocks
+        # one backend for every block: the blocks share Block.forward's code, whose graphs
+        # Dynamo keeps per backend (one backend each would reach its recompile limit)
+        hcp = setup.mode == "hcp-compiled"  # else plain torch.compile with the same compiler
+        backend = hcp_compile.backend(mesh=mesh, inner=setup.inner) if hcp else setup.inner
+        self.calls = [self._compiled(b, backend) for b in self.blocks] if compiled else self.blocks
 
-    def _compiled(self, block: Block) -> Callable[..., Tensor]:
-        hcp = self.setup.mode == "hcp-compiled"  # else plain torch.compile with the same compiler
-        backend = hcp_compile.backend(mesh=self.mesh, inner=self.setup.inner) if hcp else self.setup.inner
+    @staticmethod
+    def _compiled(block: Block, backend: str | Callable) -> Callable[..., Tensor]:
         compiled = torch.compile(block, backend=backend, fullgraph=True)
 
         def call(x: Tensor, positions: Tensor, cu: Tensor, longest: int) -> Tensor:
@@ -466,7 +469,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--layers", type=int, default=4)
     add("--cap-gib", type=float, default=40.0, help="per-process memory cap (CUDA)")
     add("--cap-tokens", type=int, default=512, help="CPU: the local tokens a rank may hold, the cap's stand-in")
-    add("--granularity", type=int, help="tokens per rank of the grid (default 2048; --tiny 64)")
+    add("--granularity", type=int, help="tokens per rank of the grid (default 512; --tiny 64)")
     add("--steps", type=int, default=3, help="timed steps at the capacity (median)")
     add("--tiny", action="store_true", help="hidden 64, 4/2 heads of 16, MLP 128, float32, W2 lengths / 64")
     add("--inner", help="compiler of the compiled modes (default inductor on CUDA, aot_eager on CPU)")
@@ -483,7 +486,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if any(not 0 <= args.rank < a * r for a, r in args.meshes):
         parser.error(f"--rank {args.rank}: expected a rank of every mesh of --meshes")
     if args.granularity is None:
-        args.granularity = 64 if args.tiny else 2048
+        args.granularity = 64 if args.tiny else 512
     for option in ("granularity", "layers", "steps", "cap_tokens"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} {getattr(args, option)}: expected at least 1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from hcp_compile import validation
@@ -45,8 +46,34 @@ class CPOptions(AttentionOptions):
         validation.check_flags(self, ("skip_outside_window",))
 
 
+# Note [the context in a backward]
+#
+#   user thread:      with context_parallel(mesh):   loss.backward()  ----+
+#                     (_ACTIVE set here)                                   | runs on
+#   autograd thread:  checkpoint recomputes a layer: varlen_attention <---+ CUDA's own
+#                     (_ACTIVE unset: a ContextVar does not cross threads)   backward thread
+#
+# A checkpointed layer's forward runs again inside the backward, which CUDA's autograd engine
+# runs on a thread of its own. The recomputed attention must be CP again (it saves what the
+# first forward's CP backward reads), so the open blocks are also listed process-wide and,
+# inside a backward with no block of its own thread, the one open block is taken; with
+# several open in other threads, which one started this backward is unknown: an error.
+_OPEN: list["ContextParallel"] = []
+
+
 def active_context() -> "ContextParallel | None":
-    return _ACTIVE.get()
+    own = _ACTIVE.get()
+    if own is not None or torch._C._current_graph_task_id() == -1 or not _OPEN:
+        return own
+    candidates = {id(block): block for block in list(_OPEN)}
+    if len(candidates) > 1:
+        raise InputError(
+            "context_parallel: varlen_attention ran inside a backward on a thread of its own (a "
+            f"checkpointed layer recomputed on CUDA's autograd thread) while {len(candidates)} "
+            "context_parallel blocks are open in other threads, so which one started this backward "
+            "is unknown; keep one context_parallel block open per process while its backward runs"
+        )
+    return next(iter(candidates.values()))
 
 
 class ContextParallel:
@@ -64,9 +91,11 @@ class ContextParallel:
 
     def __enter__(self) -> "ContextParallel":
         self._tokens.append(_ACTIVE.set(self))
+        _OPEN.append(self)  # see Note [the context in a backward]
         return self
 
     def __exit__(self, *exc) -> None:
+        _OPEN.remove(self)
         _ACTIVE.reset(self._tokens.pop())
 
     def attention(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 import weakref
 import zlib
 from dataclasses import dataclass, field, fields, replace
@@ -220,6 +221,32 @@ class CheckpointedCase(AttentionCase):
 
 
 @dataclass(frozen=True)
+class BackwardOnAnotherThreadCase(CheckpointedCase):
+    """Checkpointed, with the backward on a thread of its own, as CUDA's autograd engine runs
+    it: the layer's forward recomputed there sees no ``context_parallel`` of its thread and must
+    still run as CP (the block open in the calling thread; Note [the context in a backward])."""
+
+    @property
+    def id(self) -> str:
+        return f"backward-thread-{super().id}"
+
+    def backward(self, out: Tensor, dout: Tensor) -> None:
+        raised: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                out.backward(dout)
+            except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
+                raised.append(error)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        if raised:
+            raise raised[0]
+
+
+@dataclass(frozen=True)
 class InPlaceUpdateCase(AttentionCase):
     """Two calls in one ``context_parallel`` block: first the ``previous`` batch, then this
     case's, written into the same ``cu_seqlens`` tensor in place. Shapes and max_seqlen are
@@ -420,6 +447,7 @@ def attention_cases() -> list[AttentionCase]:
         *recompute_exchange_cases(),
         RetainedGraphCase("many", 4, 2, True),
         CheckpointedCase("many", 4, 2, True),
+        BackwardOnAnotherThreadCase("many", 4, 2, True),
         GroupReleaseCase("many", 4, 4, True),  # two head groups where A = 2 (two KV heads per rank)
         SmallQueryBlockCase("long", 4, 1, False),
         *(AttentionCase("many", 4, 2, causal, window) for causal, window in MASKS.values()),
