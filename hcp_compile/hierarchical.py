@@ -217,9 +217,15 @@ class HierarchicalAttention(torch.autograd.Function):
         # waited only here, where the output is assembled
         out_x = heads.join([out_back.wait() for out_back, _ in outgoing]) if parts else None
         out = _join_regions(out_l, out_x, sched)
-        # the joined output rather than out_l: the caller's next layer usually keeps it anyway
-        _save(ctx, (q, k, v, out, lse_l), streams)
+        # the joined output rather than out_l: the caller's next layer usually keeps it anyway.
+        # q, k and v whole only where the backward exchanges them again or all rows are local:
+        # else it reads just their local rows, and a view of those would keep the exchanged
+        # rows' storage (in a model, the projection's whole output) alive until the backward
+        whole = recompute_exchange or _local_holds_every_row(sched)
+        kept = (q, k, v) if whole else (q_l.clone(), k_l.clone(), v_l.clone())
+        _save(ctx, (*kept, out, lse_l), streams)
         ctx.sched, ctx.groups, ctx.parts, ctx.recompute = sched, groups, parts, recompute_exchange
+        ctx.whole = whole
         if not return_lse:
             return out
         # the lse travels token-major ([stream, H_s, 1]), as the exchange gathers
@@ -236,9 +242,11 @@ class HierarchicalAttention(torch.autograd.Function):
         scheme = scheme_named(sched.scheme)
         heads = scheme.heads
         dout = dout.contiguous()
-        (q_l, q_x), (k_l, k_x), (v_l, v_x), (out_l, out_x), (dout_l, dout_x) = (
-            _split_regions(t, sched) for t in (q, k, v, out, dout)
-        )
+        (out_l, out_x), (dout_l, dout_x) = (_split_regions(t, sched) for t in (out, dout))
+        if ctx.whole:
+            (q_l, q_x), (k_l, k_x), (v_l, v_x) = (_split_regions(t, sched) for t in (q, k, v))
+        else:  # the forward kept the local rows only (the exchanged ones are not read again)
+            q_l, k_l, v_l = q, k, v
         ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
         back = (*ulysses, groups.ulysses_rank)
         # one value of the rank's whole incoming gradient (whose size is the batch's token
