@@ -41,7 +41,8 @@ from hcp_compile.batch import layout
 from hcp_compile.batch.placements import placement_rule
 from hcp_compile.batch.traffic import CallShape
 
-from .speed import HEADS, Workload, read_json, workloads
+from .speed_report import read_json
+from .speed_workloads import HEADS, Workload, workloads
 
 
 @dataclass(frozen=True)

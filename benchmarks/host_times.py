@@ -47,7 +47,9 @@ from hcp_compile.kernels import KERNEL_CHOICES
 from hcp_compile.kernels.measured import device_kind
 
 from .advisor_check import parse_mesh
-from .speed import HEADS, Batch, Setup, Workload, _synchronize, fake_process_group, hcp_eager, hcp_kernel
+from .speed_modes import hcp_eager, hcp_kernel
+from .speed_setup import Batch, Setup, fake_process_group, synchronize
+from .speed_workloads import HEADS, Workload
 
 MODE = "hcp-eager"
 PLACEMENT = "balanced"
@@ -90,13 +92,13 @@ def phase_ms(fn: Callable[..., Tensor], inputs: list[Tensor], device: torch.devi
     for i in range(warmup + iters):
         for t in inputs:
             t.grad = None
-        _synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         out = fn(*inputs)
-        _synchronize(device)
+        synchronize(device)
         middle = time.perf_counter()
         out.backward(torch.ones_like(out))
-        _synchronize(device)
+        synchronize(device)
         if i >= warmup:
             times.append(((middle - started) * 1e3, (time.perf_counter() - middle) * 1e3))
     return statistics.median(f for f, _ in times), statistics.median(b for _, b in times)

@@ -21,7 +21,7 @@ import argparse
 import torch
 from tabulate import tabulate
 
-from benchmarks.speed import Workload, workloads
+from benchmarks.speed_workloads import Workload, workloads
 from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 

@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
 import hcp_advise as advise
+from benchmarks.advisor_check import recompare
 from hcp_advise import Advice, Option, Prediction
 from hcp_advise.command import local_device_kind, parser
 from hcp_advise.measurements import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the benchmarks package
-from benchmarks.advisor_check import recompare  # noqa: E402
-
 RESULTS = ROOT / "benchmarks" / "results"
 
 

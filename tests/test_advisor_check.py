@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the benchmarks package
+from benchmarks.advisor_check import Comparison, predicted_ms
+from benchmarks.speed_workloads import workloads
+from hcp_advise.measurements import CACHE_ENV
 
-from benchmarks.advisor_check import Comparison, predicted_ms  # noqa: E402
-from benchmarks.speed import workloads  # noqa: E402
-from hcp_advise.measurements import CACHE_ENV  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEVICE = "NVIDIA H200"
 

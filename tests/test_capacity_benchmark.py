@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import weakref
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package
-
-import hcp_compile as hc  # noqa: E402
-from benchmarks.capacity import (  # noqa: E402
+import hcp_compile as hc
+from benchmarks.capacity import (
     TINY, Options, Probe, Row, Setup, Trainer, fitted_start, largest_fitting, main, merge, out_of_memory, parse_args,
     probe, relate,
 )

@@ -3,19 +3,18 @@
 its ``--mixed`` stream and ``--scale`` table (their schedule, their arithmetic, a CPU run)."""
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package
-
-from dataclasses import replace  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     exposed_length, kernel_intervals, kernel_summary, live_at_peak, stream_seed, union_intervals,
 )
-from benchmarks.speed import (  # noqa: E402
-    Row, first_extra_s, mixed_steps, outputs_gib, relate, reset_steps, scale_figures, summarize_compositions,
-    summarize_stream, table, workloads,
+from benchmarks.speed_report import table
+from benchmarks.speed_rows import (
+    Row, first_extra_s, relate, scale_figures, summarize_compositions, summarize_stream,
 )
+from benchmarks.speed_run import outputs_gib
+from benchmarks.speed_workloads import mixed_steps, reset_steps, workloads
 
 
 def test_union_merges_overlapping_and_touching_intervals():

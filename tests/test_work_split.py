@@ -1,16 +1,11 @@
 """benchmarks.work_split: each rank's attention work counted from the layout."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package
-
-from benchmarks.speed import Workload  # noqa: E402
-from benchmarks.work_split import rank_work, shares  # noqa: E402
-from hcp_compile.batch.prepared import MeshShape, host_values, prepare  # noqa: E402
+from benchmarks.speed_workloads import Workload
+from benchmarks.work_split import rank_work, shares
+from hcp_compile.batch.prepared import MeshShape, host_values, prepare
 
 
 def test_a_zigzag_document_under_a_window_by_hand():
