@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +82,6 @@ def _example_worker_passes(rank: int, world: int, tmp: str) -> bool:
     """The example's worker as its launcher runs it, in this already initialized world, with
     the compiled graph run eagerly after the rewrite (``--inner eager``: the AOT trace is
     what the other test covers)."""
-    sys.path.insert(0, str(EXAMPLE.parent))  # the example imports its siblings by name
     import train_packed
     from _common import Worker
 

@@ -3,8 +3,8 @@
 
 A tiny randomly initialized Llama (no download) trains for a few optimizer steps with
 transformers' ``Trainer`` on ``DataCollatorWithFlattening`` batches and with TRL's
-``SFTTrainer(packing=True)`` on a synthetic text dataset (a character tokenizer built in
-memory), then evaluates. Each case returns the logged losses and metrics of every step, the
+``SFTTrainer(packing=True)`` on a synthetic text dataset (examples/sft_packed.py's character
+tokenizer, built in memory), then evaluates. Each case returns the logged losses and metrics of every step, the
 gradients of the first optimizer step (DDP-reduced) and the final weights; ``test_trainer``
 runs :func:`train` with ``mesh=None`` (the plain trainer class, one process) for the
 references.
@@ -24,12 +24,13 @@ from cp_cases import World
 from distributed import WORLD_DIR_ENV
 
 from datasets import Dataset  # noqa: E402
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, PreTrainedTokenizerFast, Trainer,
+    AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, Trainer,
     TrainerCallback, TrainingArguments,
 )
 from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from sft_packed import CHARS, char_tokenizer  # noqa: E402  (examples/, on pytest's pythonpath)
 
 from hcp_compile.trainer import ContextParallelMixin, ContextParallelTrainer  # noqa: E402
 
@@ -37,7 +38,6 @@ MESH = (2, 2)  # the world: 4 ranks; cases build their own meshes over them
 SUITE = "trainer_cases"
 WORLD_DEADLINE_S = 300  # 4 processes importing transformers and TRL, one compile, 2 cores
 
-CHARS = "abcdefghijklmnopqrstuvwxyz .,"
 STEPS = 3
 # evaluation sets, examples: "uneven" leaves a short last batch of 4 examples (2 real ones)
 EVAL_SETS = {"even": 8, "uneven": 6}
@@ -46,14 +46,6 @@ LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 
 class CPSFTTrainer(ContextParallelMixin, SFTTrainer):
     pass
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
-                                   eos_token="<eos>", unk_token="<unk>")
 
 
 def tiny_model() -> nn.Module:

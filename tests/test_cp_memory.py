@@ -1,0 +1,26 @@
+"""Eager CP's forward keeps no view of the rank's q, k, v shards (in a model, of the projection's
+whole output) unless its backward needs their exchanged rows: with ``recompute_exchange``
+(it sends them again), or where the rank exchanges nothing (all its rows are local, kept as
+they are). Ring and Ulysses together (2 x 2), documents kept local, cut and spread."""
+
+from __future__ import annotations
+
+import pytest
+
+from memory_cases import MESH, SUITE, suite
+
+
+@pytest.fixture(scope="module")
+def memory_world(cp_world):
+    return cp_world(MESH, suite=SUITE)
+
+
+@pytest.mark.parametrize("case", suite(MESH), ids=lambda c: c.id)
+def test_forward_keeps_the_projection_only_where_the_backward_reads_its_exchanged_rows(memory_world, case):
+    for rank, result in enumerate(memory_world.values(case.id)):
+        whole = case.recompute_exchange or result["exchanged_rows"] == 0
+        # whole: q, k and v (three views); else the local rows' copies, no view
+        assert result["saved_views_of_projection"] == (3 if whole else 0), (
+            f"rank {rank}: {result['saved_views_of_projection']} saved tensors share the projection's storage "
+            f"({result['exchanged_rows']} exchanged rows, recompute_exchange={case.recompute_exchange})")
+    assert any(r["exchanged_rows"] for r in memory_world.values(case.id)), "no rank exchanges: the case tests nothing"
