@@ -39,8 +39,11 @@ command.py):
 
 A step's time is its slowest rank's, for one call issued alone (the forward's host lead exposed,
 as in the check); options within the model's measured error of the best (``MODEL_ERROR``) are
-reported as a tie. Not modelled: the host work of a compiled call, contention between an
-all-to-all and ring hops on one NVLink domain; ``benchmarks/advisor_check.py`` measures how far
+reported as a tie. An option's efficiency is one GPU's time for the whole batch
+(:func:`one_gpu_call`: one call of every document, priced as a block) over ``N`` x its step; its
+balance (:func:`balance`) a rank's tokens with pads over the mean real tokens per rank. Not
+modelled: the host work of a compiled call, contention between an all-to-all and ring hops on one
+NVLink domain; ``benchmarks/advisor_check.py`` measures how far
 the model is from single ranks (docs/benchmarks.md, "Advisor check"). A
 causal sliding window (``window``) limits every block's pairs (:func:`visible_pairs`, exact)
 and times them at the windowed throughput of the kernel CP takes for it; its host part is that
@@ -51,15 +54,17 @@ from __future__ import annotations
 
 from .records import (
     Advice, BlockWork, ComputeTimes, DEFAULT_DEVICE, ExchangeTimes, HopTimes, HostCounts, Links,
-    MODEL_ERROR, MODEL_ERROR_WINDOW, Option, PASS_BYTES_PER_S, Passes, PhaseTimes, Prediction, SCHEME,
+    MODEL_ERROR, MODEL_ERROR_WINDOW, OneGpuCall, Option, PASS_BYTES_PER_S, Passes, PhaseTimes, Prediction, SCHEME,
 )
 from .measurements import KernelTable, Timing, cache_dir, cache_file, entry_of, kernel_table
-from .compute import block_composition, block_work, compute_times, cuts_short_segments, visible_pairs
+from .compute import (
+    block_composition, block_seconds, block_work, compute_times, cuts_short_segments, one_gpu_call, visible_pairs,
+)
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
 from .host import host_counts, host_leads, host_times, kernel_calls, lead_counts, step_with_host
 from .passes import active_steps, pass_bytes, pass_times
 from .overlap import pipeline, predict_rank, ring_backward, ring_forward
-from .chooser import advise, cuda_kernel, mesh_options, predict
+from .chooser import advise, balance, cuda_kernel, mesh_options, predict
 from .report import format_advice, tied
 from .command import batches_from, cu_seqlens_of, main
 
@@ -75,6 +80,7 @@ __all__ = [
     "Links",
     "MODEL_ERROR",
     "MODEL_ERROR_WINDOW",
+    "OneGpuCall",
     "Option",
     "PASS_BYTES_PER_S",
     "Passes",
@@ -84,8 +90,10 @@ __all__ = [
     "Timing",
     "active_steps",
     "advise",
+    "balance",
     "batches_from",
     "block_composition",
+    "block_seconds",
     "block_work",
     "visible_pairs",
     "cache_dir",
@@ -107,6 +115,7 @@ __all__ = [
     "lead_counts",
     "main",
     "mesh_options",
+    "one_gpu_call",
     "pass_bytes",
     "pass_times",
     "pipeline",

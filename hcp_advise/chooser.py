@@ -20,7 +20,7 @@ from hcp_compile.validation import InputError, check_head_split
 
 from . import host_measured
 from .communication import exchange_bytes, exchange_times, hop_times, rank_sizes, ring_link
-from .compute import block_work, compute_times, cuts_short_segments
+from .compute import block_work, compute_times, cuts_short_segments, one_gpu_call
 from .host import host_counts, host_leads, host_times
 from .host_measured import HostRecord
 from .measurements import MEASURE, KernelTable, kernel_table
@@ -78,9 +78,10 @@ def _check_positive(**values: int) -> None:
 
 def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: CallShape,
                   kernel: str, table: KernelTable, links: Links,
-                  host: HostRecord | None = None) -> tuple[RankPrediction, float]:
-    """The slowest rank's prediction for one batch, and the mean rank's compute; ``host``:
-    the measured host constants (None: that part not modelled)."""
+                  host: HostRecord | None = None) -> tuple[RankPrediction, float, float]:
+    """The slowest rank's prediction for one batch, the mean rank's compute and the layout's
+    balance (:func:`balance`); ``host``: the measured host constants (None: that part not
+    modelled)."""
     ulysses, ring = option.ulysses, option.ring
     batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(option.placement))
     work = block_work(batch, call.window, cuts_short_segments(kernel))
@@ -104,15 +105,25 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
             ranks.append(RankPrediction(step, compute.total, a2a, exposed_ring, sum(moved[a]),
                                         ring_bytes.forward_bytes + ring_bytes.backward_bytes,
                                         issued.forward + issued.backward, wait, passes.total))
-    return max(ranks, key=lambda p: p.step), sum(p.compute for p in ranks) / len(ranks)
+    return max(ranks, key=lambda p: p.step), sum(p.compute for p in ranks) / len(ranks), balance(batch)
+
+
+def balance(batch: layout.BatchLayout) -> float:
+    """The largest rank's tokens, pads included, over the mean real tokens per rank: every rank
+    holds ``batch.local_tokens`` (layout.py), so this is how much more than an even share of the
+    batch a rank's activations hold."""
+    real = int(batch.lengths.sum())
+    return int(batch.local_tokens) * batch.ulysses * batch.ring / real if real else 1.0
 
 
 def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call: CallShape,
-            kernel: str, table: KernelTable, links: Links, host: HostRecord | None = None) -> Prediction:
+            kernel: str, table: KernelTable, links: Links, host: HostRecord | None = None,
+            one_gpu_s: float = 0.0) -> Prediction:
     """``option``'s prediction: the slowest rank of each batch, averaged over ``batches``, with the
-    kernel times of ``table`` (:func:`measurements.kernel_table`)."""
-    slowest, means = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, table, links, host)
-                           for b in batches))
+    kernel times of ``table`` (:func:`measurements.kernel_table`); ``one_gpu_s``: one GPU's time
+    for the batches (the mean :class:`OneGpuCall` seconds), which its efficiency divides."""
+    slowest, means, balances = zip(*(predict_batch(b, option, gpus_per_node, call, kernel, table, links, host)
+                                     for b in batches))
 
     def average(values: Sequence[float]) -> float:
         return sum(values) / len(values)
@@ -124,7 +135,7 @@ def predict(batches: Sequence[Tensor], option: Option, gpus_per_node: int, call:
         average([p.exposed_all_to_all for p in slowest]), average([p.exposed_ring for p in slowest]),
         average([p.all_to_all_bytes for p in slowest]), average([p.ring_bytes for p in slowest]),
         average([p.host for p in slowest]), average([p.host_wait for p in slowest]),
-        average([p.passes for p in slowest]),
+        average([p.passes for p in slowest]), one_gpu_s, average(balances),
     )
 
 
@@ -201,10 +212,15 @@ def advise(batches: Tensor | Sequence[Tensor], *, world: int, gpus_per_node: int
                             f"as a ring of {r} ranks needs") for a, r in unable]
     kernels = {o: cuda_kernel(table, window >= 0, by_position(o)) if kernel == "auto" else kernel for o in options}
     hosts = {k: host_measured.find(device_kind, mode, k) for k in set(kernels.values())}
+    # one GPU runs no ring: the kernel auto takes there (by_position False), or the one given
+    one_gpu_kernel = cuda_kernel(table, window >= 0, False) if kernel == "auto" else kernel
+    one_gpu = tuple(one_gpu_call(b, call, one_gpu_kernel, table) for b in batches)
+    one_gpu_s = sum(c.seconds for c in one_gpu) / len(one_gpu)
     predictions = sorted(
-        (predict(batches, o, gpus_per_node, call, kernels[o], table, links, hosts[kernels[o]]) for o in options),
+        (predict(batches, o, gpus_per_node, call, kernels[o], table, links, hosts[kernels[o]], one_gpu_s)
+         for o in options),
         key=lambda p: (p.step_s, p.exposed_s),
     )
     return Advice(tuple(predictions), device_kind, len(batches), time.perf_counter() - started, mode,
                   all(h is not None for h in hosts.values()), table.source,
-                  MODEL_ERROR_WINDOW if window >= 0 else MODEL_ERROR, tuple(sorted(left_out)))
+                  MODEL_ERROR_WINDOW if window >= 0 else MODEL_ERROR, tuple(sorted(left_out)), one_gpu)

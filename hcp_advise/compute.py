@@ -12,7 +12,7 @@ from hcp_compile.batch.traffic import CallShape
 from hcp_compile.kernels import KERNELS, measured
 
 from .measurements import KernelTable
-from .records import BlockWork, ComputeTimes, FLOPS_PER_PAIR_HEAD_DIM, FORWARD_SHARE
+from .records import BlockWork, ComputeTimes, FLOPS_PER_PAIR_HEAD_DIM, FORWARD_SHARE, OneGpuCall
 
 
 def block_composition(segments: int, longest: int, windowed: bool = False) -> str | None:
@@ -150,15 +150,11 @@ def compute_times(work: BlockWork, ring_rank: int, ulysses_rank: int, call: Call
     query head, at the throughput ``table`` records for the block's composition and for kernel
     calls of its calls' work (a small call runs below a large one's speed): the local region is
     one call, a ring step one per head group (docs/design.md §3.6)."""
-    flops_per_pair = FLOPS_PER_PAIR_HEAD_DIM * call.head_dim * call.heads_q
     ulysses = work.local.shape[1]
     groups = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
 
     def seconds(pairs: float, composition: str | None, calls: int) -> float:
-        if composition is None or pairs == 0:
-            return 0.0
-        flops = pairs * flops_per_pair
-        return flops / table.throughput(kernel, composition, flops / calls)
+        return block_seconds(pairs, composition, calls, call, kernel, table)
 
     local = seconds(float(work.local[ring_rank, ulysses_rank]), work.local_kind[ring_rank][ulysses_rank], 1)
     steps = [seconds(float(p), kind, groups) for p, kind in zip(work.steps[ring_rank].tolist(), work.step_kind[ring_rank])]
@@ -166,3 +162,35 @@ def compute_times(work: BlockWork, ring_rank: int, ulysses_rank: int, call: Call
         local * FORWARD_SHARE, local * (1 - FORWARD_SHARE),
         tuple(s * FORWARD_SHARE for s in steps), tuple(s * (1 - FORWARD_SHARE) for s in steps),
     )
+
+
+def block_seconds(pairs: float, composition: str | None, calls: int, call: CallShape, kernel: str,
+                  table: KernelTable) -> float:
+    """Seconds of a block of ``pairs`` visible pairs per query head run in ``calls`` equal kernel
+    calls: ``14 D`` FLOPs per pair and query head at the throughput ``table`` records for the
+    block's composition and for calls of that work."""
+    if composition is None or pairs == 0:
+        return 0.0
+    flops = pairs * pair_flops(call)
+    return flops / table.throughput(kernel, composition, flops / calls)
+
+
+def pair_flops(call: CallShape) -> float:
+    """Forward + backward FLOPs of one visible query-key pair over all query heads."""
+    return FLOPS_PER_PAIR_HEAD_DIM * call.head_dim * call.heads_q
+
+
+def one_gpu_call(cu_seqlens: Tensor, call: CallShape, kernel: str, table: KernelTable) -> OneGpuCall:
+    """The whole batch on one GPU, as the benchmarks' one-GPU baseline runs it: one kernel call
+    of every document (the sum of their visible pairs, under ``call.window`` if any), priced as
+    :func:`block_seconds` prices a rank's local region; with where its work lies against the
+    call sizes measured for its composition (beyond the largest: priced at that one's rate)."""
+    lengths = cu_seqlens.to(torch.int64).diff()
+    lengths = lengths[lengths > 0]  # empty documents are no segments (as block_work drops them)
+    start = torch.zeros_like(lengths)
+    pairs = float(visible_pairs(start, lengths, start, lengths, call.window).sum())
+    longest = int(lengths.max()) if lengths.numel() else 0
+    composition = block_composition(lengths.numel(), longest, 0 <= call.window < longest)
+    seconds = block_seconds(pairs, composition, 1, call, kernel, table)
+    return OneGpuCall(kernel, composition, pairs * pair_flops(call), seconds,
+                      table.call_range(kernel, composition) if composition is not None else None)

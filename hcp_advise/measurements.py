@@ -82,6 +82,13 @@ class KernelTable:
             return rates[kernel]
         return measured.interpolated(points, call_flops)
 
+    def call_range(self, kernel: str, composition: str) -> tuple[float, float] | None:
+        """The FLOPs of the smallest and the largest call measured for ``kernel`` on
+        ``composition``, between which :meth:`throughput` interpolates; None where fewer than two
+        sizes were recorded."""
+        points = self.sizes.get(composition, {}).get(kernel, ())
+        return (points[0][0], points[-1][0]) if len(points) >= 2 else None
+
 
 def cache_dir() -> Path:
     """Where ``--measure`` stores its tables: ``$HCP_ADVISE_CACHE_DIR``, else

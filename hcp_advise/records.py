@@ -187,6 +187,10 @@ class Prediction:
     host_s: float = 0.0  # the slowest rank's host time (0: not modelled, see Advice.host_modelled)
     host_wait_s: float = 0.0  # what waiting for the host adds to step_s
     passes_s: float = 0.0  # the slowest rank's memory-bound passes besides attention (merges, copies)
+    one_gpu_s: float = 0.0  # one GPU's compute of the whole batch (OneGpuCall.seconds), 0: not predicted
+    # a rank's tokens, pads included (equal on every rank), over the mean real tokens per rank: what
+    # the layout adds to a rank's memory against N GPUs sharing the batch evenly
+    balance: float = 1.0
 
     @property
     def ulysses(self) -> int:
@@ -204,6 +208,34 @@ class Prediction:
     def exposed_s(self) -> float:
         return self.exposed_all_to_all_s + self.exposed_ring_s
 
+    @property
+    def efficiency(self) -> float:
+        """One GPU's predicted time for the whole batch over ``N`` x the slowest rank's."""
+        ranks = self.ulysses * self.ring
+        return self.one_gpu_s / (ranks * self.step_s) if self.step_s else 0.0
+
+
+@dataclass(frozen=True)
+class OneGpuCall:
+    """One GPU's forward + backward of a whole batch: one call of all its documents, priced as
+    the compute model prices a block (:func:`compute.one_gpu_call`)."""
+
+    kernel: str
+    composition: str | None  # a key of measured.json; None for a batch without real tokens
+    flops: float
+    seconds: float
+    # the smallest and largest call (FLOPs) measured for the kernel on the composition; None
+    # where fewer than two sizes were recorded (then the main table's rate alone speaks)
+    measured_flops: tuple[float, float] | None
+
+    @property
+    def within_measured(self) -> bool:
+        """Whether the call's work lies inside the measured call sizes: outside them its rate
+        is the nearest measured call's, an extrapolation."""
+        if self.composition is None:
+            return True
+        return self.measured_flops is not None and self.measured_flops[0] <= self.flops <= self.measured_flops[1]
+
 
 @dataclass(frozen=True)
 class Advice:
@@ -219,6 +251,7 @@ class Advice:
     model_error: float = MODEL_ERROR  # closer predictions are a tie
     # the splits of the world that were not predicted: (ulysses, ring, why), smallest ulysses first
     left_out: tuple[tuple[int, int, str], ...] = ()
+    one_gpu: tuple[OneGpuCall, ...] = ()  # each batch's call on one GPU, the efficiencies' numerator
 
     @property
     def best(self) -> Prediction:

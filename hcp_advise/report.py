@@ -43,8 +43,9 @@ def format_table(advice: Advice, verbose: bool = False) -> str:
 
     if not verbose:
         rows = [[f"{p.ulysses} x {p.ring}", p.placement, f"{p.step_s * 1e3:.2f}", versus_best(p),
-                 f"{p.exposed_s * 1e3:.2f} ms ({exposed_share(p)})"] for p in advice.predictions]
-        headers = ["split (ulysses x ring)", "placement", "ms per call", "vs best", "exposed communication"]
+                 f"{p.exposed_s * 1e3:.2f} ({exposed_share(p)})", f"{p.efficiency:.3f}", f"{p.balance:.3f}"]
+                for p in advice.predictions]
+        headers = ["split", "placement", "ms per call", "vs best", "exposed ms", "efficiency", "balance"]
         return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     rows = [[
         f"{p.ulysses} x {p.ring}", p.placement, p.kernel, p.head_groups, p.ring_link,
@@ -52,18 +53,25 @@ def format_table(advice: Advice, verbose: bool = False) -> str:
         f"{p.host_s * 1e3:.2f}" if advice.host_modelled else "-",
         f"{(p.compute_s / p.mean_compute_s - 1) * 100:.1f}" if p.mean_compute_s else "0.0",
         f"{p.exposed_all_to_all_s * 1e3:.2f}", f"{p.exposed_ring_s * 1e3:.2f}", exposed_share(p),
-        f"{p.all_to_all_bytes / 2**20:.1f}", f"{p.ring_bytes / 2**20:.1f}",
+        f"{p.all_to_all_bytes / 2**20:.1f}", f"{p.ring_bytes / 2**20:.1f}", f"{p.efficiency:.3f}",
+        f"{p.balance:.3f}",
     ] for p in advice.predictions]
     headers = ["split", "placement", "kernel", "head groups", "ring link", "ms per call", "vs best",
                "compute ms", "other GPU ms", "host ms", "compute vs mean %", "exposed all-to-all ms",
-               "exposed ring ms", "exposed", "all-to-all MiB", "ring MiB"]
+               "exposed ring ms", "exposed", "all-to-all MiB", "ring MiB", "efficiency", "balance"]
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+EFFICIENCY_LEGEND = (
+    "efficiency: one GPU's predicted time for the whole batch (one call, at the same kernel "
+    "times) over N x ms per call; balance: a rank's tokens, pads included, over the mean real "
+    "tokens per rank (its memory against an even share of the batch)"
+)
 DEFAULT_LEGEND = (
     "split: make_mesh(ulysses=, ring=); ms per call: the predicted forward and backward of one "
-    "attention call on its slowest rank; exposed communication: the part of it spent waiting for "
-    "the all-to-all or the ring, not hidden behind compute (--verbose: every part)"
+    "attention call on its slowest rank; exposed ms: the part of it spent waiting for the "
+    "all-to-all or the ring, not hidden behind compute (its share of the call); "
+    f"{EFFICIENCY_LEGEND} (--verbose: every part)"
 )
 VERBOSE_LEGEND = (
     "Per option, the slowest rank's: kernel (what kernel='auto' takes on the mesh); head groups "
@@ -73,7 +81,7 @@ VERBOSE_LEGEND = (
     "vs mean % (its compute against the mean rank's: above 0 it has more work than the mean, below 0 "
     "it is the slowest for its communication, not its work); exposed all-to-all and ring ms (what "
     "waits for each); exposed (both as a share of the step); all-to-all and ring MiB (the bytes it "
-    "sends per call, forward and backward together)"
+    f"sends per call, forward and backward together); {EFFICIENCY_LEGEND}"
 )
 
 
@@ -129,6 +137,22 @@ def host_note(advice: Advice) -> str:
             "is a few ms per call are host-bound, so read their steps as floors")
 
 
+def one_gpu_note(advice: Advice) -> list[str]:
+    """A line where one GPU's call of a batch lies outside the call sizes measured for its kernel
+    and composition: the model prices it at the nearest measured call's rate, which no GPU ran,
+    so the efficiencies rest on that."""
+    outside = [c for c in advice.one_gpu if not c.within_measured]
+    if not outside:
+        return []
+    largest = max(outside, key=lambda c: c.flops)
+    measured = ("no call sizes recorded" if largest.measured_flops is None else
+                "{:.3g} to {:.3g} TFLOP".format(*(f / 1e12 for f in largest.measured_flops)))
+    return [f"efficiency: one GPU's call of the whole batch ({len(outside)} of {len(advice.one_gpu)} "
+            f"batch(es); {largest.flops / 1e12:,.1f} TFLOP of {largest.composition} with {largest.kernel}) "
+            f"lies outside the calls measured for it ({measured}): priced at the nearest measured "
+            "call's rate, an extrapolation"]
+
+
 def format_advice(advice: Advice, verbose: bool = False) -> str:
     """The report: the table (``verbose``: with every part of the prediction), what it leaves out,
     why the best wins, and the mesh to make; its prose wrapped to :data:`WIDTH` characters."""
@@ -140,7 +164,7 @@ def format_advice(advice: Advice, verbose: bool = False) -> str:
                 f"{STORED_MEASUREMENTS}, not by these measurements")
     prose = [
         VERBOSE_LEGEND if verbose else DEFAULT_LEGEND, *left_out_lines(advice), "",
-        *reasons(advice), host_note(advice), "",
+        *reasons(advice), host_note(advice), *one_gpu_note(advice), "",
         f"kernels at their {advice.device_kind} measurements ({advice.measurements}), "
         f"{advice.batches} batch(es), advised in {advice.seconds:.2f} s; {use}",
     ]
