@@ -32,6 +32,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import hcp_compile  # noqa: E402
+from hcp_compile.batch.placements import PLACEMENTS  # noqa: E402
 from hcp_compile.kernels import KERNEL_CHOICES  # noqa: E402
 from _common import (  # noqa: E402
     DTYPES, GRADIENTS, PackedBatch, Result, Worker, add_launch_args, compare, context_parallel,
@@ -71,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads-kv", type=int, nargs="+", default=[4, 16],
                         help="one configuration per value (< heads-q: GQA)")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--placement", nargs="+", default=["balanced", "zigzag"],
-                        choices=("balanced", "zigzag"), help="token layouts to check")
+    parser.add_argument("--placement", nargs="+", default=list(PLACEMENTS),
+                        choices=tuple(PLACEMENTS), help="token layouts to check")
     parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
                         help="sliding window (left, right); -1: unlimited")
     parser.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,

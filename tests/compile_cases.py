@@ -31,7 +31,8 @@ from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
 import hcp_compile as hc
 from hcp_compile.batch.layout import Assignment, Kind
-from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.batch.placements import DEFAULT_PLACEMENT, PLACEMENTS
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME, SCHEMES
 from cp_cases import (
     AttentionCase, World, cu_seqlens, saved_besides, saved_for_backward, seeded,
     shard_with_garbage_pads,
@@ -366,7 +367,7 @@ def inductor_decompositions() -> Iterator[None]:
 
 
 def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
-    """Every mesh compiles both placements, causal and full masks, a window and a scale, GQA
+    """Every mesh compiles every placement, causal and full masks, a window and a scale, GQA
     and MQA or MHA, paired up in two cases: the eager suite runs every combination on every
     mesh, and a compile costs a 4-rank world tens of seconds on 2 cores. FULL_MESH also
     compiles single-document batches and Dynamo's automatic dynamic shapes."""
@@ -389,21 +390,24 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     recompute = [CompiledAttentionCase("gqa-recompute-exchange", ("mixed", "no-ring"), 8, 4, True,
                                        recompute_exchange=True, inductor_decompositions=True)
                  ] if mesh in RECOMPUTE_MESHES else []
-    # the all-gather scheme where there is a ring: GQA 8/4 makes two head groups on 2 x 2
-    allgather = [CompiledAttentionCase("gqa-allgather", ("mixed", "four"), 8, 4, True, (4, 0),
-                                       scheme="allgather")] if mesh[1] > 1 else []
+    # every scheme besides the default (the other cases') where there is a ring: GQA 8/4 makes
+    # two head groups on 2 x 2
+    schemes = [CompiledAttentionCase(f"gqa-{scheme}", ("mixed", "four"), 8, 4, True, (4, 0), scheme=scheme)
+               for scheme in SCHEMES if scheme != DEFAULT_SCHEME and mesh[1] > 1]
     # batches that exchange nothing, heads and keys round the ring, then the first two again:
     # one Dynamo graph, and each narrower graph compiled once, on first use
     variants = [CompiledAttentionCase("gqa-graph-variants", ("no-ring", "mixed", "three", "no-ring", "three"),
                                       4, 2, True, placement=HEADS_ONLY, capture=True)] if mesh == (2, 2) else []
     return [
         *recompute,
-        *allgather,
+        *schemes,
         *variants,
         CompiledAttentionCase("gqa-causal-batches", ("mixed", "mixed-permuted", "four", *single),
                               4, 2, True),
-        CompiledAttentionCase(f"{name}-full-window-scale-zigzag-flex", automatic, 4, heads_kv, False,
-                              (3, 5), 0.3, dynamic=None, placement="zigzag", kernel="flex"),
+        # every placement besides the default (the other cases')
+        *(CompiledAttentionCase(f"{name}-full-window-scale-{placement}-flex", automatic, 4, heads_kv, False,
+                                (3, 5), 0.3, dynamic=None, placement=placement, kernel="flex")
+          for placement in PLACEMENTS if placement != DEFAULT_PLACEMENT),
     ]
 
 

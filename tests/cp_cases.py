@@ -24,7 +24,9 @@ from torch import Tensor
 import hcp_compile as hc
 from hcp_compile import hierarchical
 from hcp_compile.batch import layout
-from hcp_compile.kernels import torch_kernel
+from hcp_compile.batch.placements import DEFAULT_PLACEMENT, PLACEMENTS
+from hcp_compile.exchange.schemes import SCHEMES
+from hcp_compile.kernels import KERNELS, BlockRequest, resolve_kernel, torch_kernel
 from traffic import CollectiveTraffic
 
 MESHES = ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1))  # (ulysses, ring)
@@ -39,6 +41,21 @@ def mesh_id(mesh: tuple[int, int]) -> str:
 def cu_seqlens(lengths: tuple[int, ...]) -> Tensor:
     return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
                         dtype=torch.int32)
+
+
+def kernels_that_run(window: tuple[int, int] = (-1, -1), *, window_by_position: bool = False,
+                     device: str = "cpu", dtype: torch.dtype = torch.float32, heads: tuple[int, int] = (4, 2),
+                     head_dim: int = HEAD_DIM) -> list[str]:
+    """The registered kernels (``KERNELS``) whose ``supports`` takes such a call, in registry
+    order: what a test meant for every kernel parametrizes over, so a new kernel is tested
+    by its registry line alone."""
+    request = BlockRequest(torch.device(device), dtype, head_dim, *heads, window, window_by_position)
+    return [name for name, kernel in KERNELS.items() if kernel.supports(request) is None]
+
+
+def auto_kernel(device: str = "cpu", dtype: torch.dtype = torch.float32, head_dim: int = HEAD_DIM) -> str:
+    """The kernel ``kernel="auto"`` (every test's default) resolves an unwindowed call to."""
+    return resolve_kernel("auto", BlockRequest(torch.device(device), dtype, head_dim, 4, 2))
 
 
 def seeded(name: str, *shape: int, salt: int = 0) -> Tensor:
@@ -348,7 +365,7 @@ def scheme_cases() -> list[SchemeCase]:
     whose tokens all go through the exchange and round the ring on every mesh of MESHES (the
     report's "max")."""
     cases = []
-    for scheme in ("ring", "allgather"):
+    for scheme in SCHEMES:
         cases += [
             SchemeCase("mixed", 4, 2, True, scheme=scheme),
             SchemeCase("many", 8, 4, True, scheme=scheme),
@@ -453,11 +470,15 @@ def attention_cases() -> list[AttentionCase]:
         *(AttentionCase("many", 4, 2, causal, window) for causal, window in MASKS.values()),
         *(AttentionCase("short", 4, hkv, True) for hkv in (2, 1)),
         AttentionCase("short", 4, 2, False, (3, 5)),
-        AttentionCase("many", 4, 1, True, placement="zigzag"),
-        *(AttentionCase(docs, 4, 2, causal, window, placement="zigzag")
-          for docs in MATRIX_DOCS for causal, window in MASKS.values()),
-        InPlaceUpdateCase("16.0", 4, 2, True, placement="zigzag"),
     ]
+    for placement in PLACEMENTS:  # the matrix runs the default placement; every other one here
+        if placement != DEFAULT_PLACEMENT:
+            extras += [
+                AttentionCase("many", 4, 1, True, placement=placement),
+                *(AttentionCase(docs, 4, 2, causal, window, placement=placement)
+                  for docs in MATRIX_DOCS for causal, window in MASKS.values()),
+                InPlaceUpdateCase("16.0", 4, 2, True, placement=placement),
+            ]
     return matrix + extras
 
 
@@ -542,8 +563,7 @@ def plan_cases() -> list[PlanCase]:
         tuple(torch.randint(0, 30, (int(n),), generator=generator).tolist())
         for n in torch.randint(1, 8, (6,), generator=generator)
     ]
-    return [PlanCase(lengths, placement) for lengths in fixed + random
-            for placement in ("balanced", "zigzag")]
+    return [PlanCase(lengths, placement) for lengths in fixed + random for placement in PLACEMENTS]
 
 
 # --------------------------------------------------------------------------------------------

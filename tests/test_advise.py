@@ -18,7 +18,7 @@ from hcp_compile.kernels import KERNELS
 from hcp_advise import HopTimes, Links, Option
 from hcp_advise.measurements import CACHE_ENV
 from hcp_compile.batch.packing import log_uniform_lengths
-from hcp_compile.batch.placements import placement_rule
+from hcp_compile.batch.placements import PLACEMENTS, placement_rule
 from hcp_compile.batch.prepared import prepare_batch
 from hcp_compile.batch.traffic import CallShape
 from hcp_compile.kernels import measured
@@ -123,7 +123,7 @@ def test_one_long_document_on_two_nodes():
     last = prediction(advice, 1, 16, "balanced")
     assert last.compute_s == pytest.approx(alone, rel=1e-9)
     assert alone > step
-    assert options_of(advice)[-2:] == [(1, 16, "balanced"), (1, 16, "zigzag")]
+    assert options_of(advice)[-len(PLACEMENTS):] == [(1, 16, placement) for placement in PLACEMENTS]
     assert advice.best.ring > 1  # across the two nodes: a ring, never one Ulysses group of 16
 
 
@@ -329,7 +329,7 @@ def test_valid_meshes_keep_ulysses_in_a_node_and_split_the_heads():
         (1, 12), (2, 6), (4, 3)]  # not 3 (heads) nor 6, 12 (beyond a node of 4)
     # 24/6 heads split over 3 and 6, but a group of 3 or 6 would straddle nodes of 8
     assert [(o.ulysses, o.ring) for o in advise.mesh_options(12, 8, 24, 6, ["balanced"])] == [(1, 12), (2, 6)]
-    assert [o.placement for o in advise.mesh_options(2, 8, 32, 8)] == ["balanced", "zigzag", "balanced", "zigzag"]
+    assert [o.placement for o in advise.mesh_options(2, 8, 32, 8)] == [*PLACEMENTS] * 2  # every placement
 
 
 def test_block_pairs_sum_to_each_ranks_causal_work():
@@ -502,12 +502,13 @@ def test_command_prints_the_table_and_the_mesh_to_make(tmp_path):
     assert f"{best.step_s * 1e3:.2f}" in out.splitlines()[2]  # the first row is the best
     assert "2 batch(es)" in out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 8 and [name.strip() for name in rows[0].split("|")[1:-1]] == [
-        "split (ulysses x ring)", "placement", "ms per call", "vs best", "exposed communication"]
+    splits = 4  # 16 x 1 does not fit in a node of 8
+    assert len(rows) == 1 + splits * len(PLACEMENTS) and [name.strip() for name in rows[0].split("|")[1:-1]] == [
+        "split", "placement", "ms per call", "vs best", "exposed ms", "efficiency", "balance"]
     assert max(len(line) for line in out.splitlines()) <= 100  # the table and its prose
-    # every part, with --verbose: 16 columns
+    # every part, with --verbose: 18 columns
     verbose = advise.main(["--world", "16", "--lengths", str(batch_file), "--kernel", "dense", "--verbose"])
-    assert [len(line.split("|")) - 2 for line in verbose.splitlines() if line.startswith("| ")] == [16] * (1 + 8)
+    assert [len(line.split("|")) - 2 for line in verbose.splitlines() if line.startswith("| ")] == [18] * len(rows)
 
 
 def test_command_names_every_split_it_leaves_out():

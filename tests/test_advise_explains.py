@@ -14,6 +14,7 @@ from benchmarks.advisor_check import recompare
 from hcp_advise import Advice, Option, Prediction
 from hcp_advise.command import local_device_kind, parser
 from hcp_advise.measurements import CACHE_ENV
+from hcp_compile.batch.placements import PLACEMENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -37,7 +38,7 @@ def test_every_option_has_help_with_its_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     # rendered: the defaults with their units
     for expected in ["GPUs per node", "(default 8)", "elements per head (default 128)", "(default 0)",
-                     "(default balanced,zigzag)", "(default auto)", f"here {local_device_kind()}",
+                     f"(default {','.join(PLACEMENTS)})", "(default auto)", f"here {local_device_kind()}",
                      "GB/s per GPU and direction (default 290.0", "microseconds (default 10.0",
                      "microseconds (default 25.0", "in tokens (default -1: none)"]:
         assert expected in text, expected

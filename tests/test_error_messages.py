@@ -18,8 +18,10 @@ import torch
 
 import hcp_compile as hc
 from hcp_compile import validation
+from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.batch.prepared import prepare_batch
 from hcp_compile.compiled.backend import default_mesh
+from hcp_compile.exchange.schemes import SCHEMES
 from hcp_compile.kernels import KERNEL_CHOICES
 from hcp_compile.passes.match import UnsupportedAttention, _window
 from cp_cases import ErrorSetup, World, cu_seqlens, seeded
@@ -301,9 +303,8 @@ OPTIONS = {
                 "agreement_timeout_s: expected a number of seconds > 0, or None for the process "
                 "group's own timeout, got 0"),
     "kernel": (lambda: hc.CPOptions(kernel="x"), f"kernel: expected one of {KERNEL_CHOICES}, got 'x'"),
-    "placement": (lambda: hc.CPOptions(placement="x"),
-                  "placement: expected one of ('balanced', 'zigzag'), got 'x'"),
-    "scheme": (lambda: hc.CPOptions(scheme="x"), "scheme: expected one of ['allgather', 'ring'], got 'x'"),
+    "placement": (lambda: hc.CPOptions(placement="x"), f"placement: expected one of {tuple(PLACEMENTS)}, got 'x'"),
+    "scheme": (lambda: hc.CPOptions(scheme="x"), f"scheme: expected one of {sorted(SCHEMES)}, got 'x'"),
     "inner": (lambda: hc.backend(inner="x"),
               "inner: expected one of ('inductor', 'aot_eager', 'eager'), got 'x'"),
     "no-mesh": (default_mesh,

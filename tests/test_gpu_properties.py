@@ -140,6 +140,7 @@ def test_gpu_cases_cover_the_issue():
     thresholds, heads, dtypes and masks the suite must cover, and every case valid for its mesh."""
     lengths: Counter = Counter()
     seen = {key: set() for key in ("ratio", "head_dim", "dtype", "mask", "kernel")}
+    claimable = {"auto"}  # the kernels that claim some CP case drawn
     hkv_below_ulysses = one_token_batches_with_empty_documents = 0
     for phase, (ulysses, ring) in props.PHASES.items():
         for index in range(500):
@@ -161,6 +162,7 @@ def test_gpu_cases_cover_the_issue():
                 assert {r.mode for r in runs} == {"baseline", "eager", "compiled"}
                 kernel = runs[1].kernel
                 seen["kernel"].add(kernel)
+                claimable |= {k for k in props.KERNELS if props.claim(k, case, "cuda", ring) is None}
                 assert props.claim(kernel, case, "cuda", props.PHASES[case.phase][1]) is None
                 if kernel == "torch":
                     assert case.tokens <= profile.torch_max_tokens
@@ -169,7 +171,7 @@ def test_gpu_cases_cover_the_issue():
     assert max(lengths) > 16384
     assert seen["ratio"] == {1, 2, 4, 8} and seen["head_dim"] == {64, 96, 128, 256}
     assert seen["dtype"] == {"bfloat16", "float16"} and len(seen["mask"]) == 4
-    assert seen["kernel"] == {"auto", "torch", "flash", "flex", "dense"}
+    assert seen["kernel"] == claimable  # every registered kernel that claims some of them is drawn
     assert hkv_below_ulysses > 0 and one_token_batches_with_empty_documents > 0
 
 

@@ -1,9 +1,10 @@
 """The block kernels behind one contract (docs/design.md §8): the flex kernel against the
 float64 reference on CPU (flex's unfused reference path), each kernel's backward given the
 merged out and lse of two blocks (the ring's case), flex's block masks against their element
-masks, flex traced by Dynamo as on CUDA (``aot_eager``) without a recompile per batch and
-through ``backend="hcp"``, flex under eager CP on a 2 x 2 mesh, and how ``kernel=...`` is
-resolved. bf16 on CUDA: ``test_gpu.py``."""
+masks, flex traced by Dynamo as on CUDA (``aot_eager``) without a recompile per batch, each
+CPU kernel through ``backend="hcp"`` and under eager CP on a 2 x 2 mesh, and how ``kernel=...``
+is resolved. The tests meant for every kernel take them from the registry (``KERNELS``,
+``cp_cases.kernels_that_run``). bf16 on CUDA: ``test_gpu.py``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import hcp_compile as hc
 from attention_reference import document_mask, reference_with_grads
 from checks import assert_matches, expected_for, nan_filled_results
-from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded, World
+from cp_cases import HEAD_DIM, AttentionCase, attention_cases, auto_kernel, cu_seqlens, kernels_that_run, seeded, World
 from hcp_compile.hierarchical import _join_regions, _split_regions
 from hcp_compile.kernels.merge import merge_partials
 from hcp_compile.kernels import (
@@ -95,9 +96,16 @@ def split_keys(lengths: tuple[int, ...], part: int) -> tuple[torch.Tensor, torch
     return torch.tensor(rows, dtype=torch.int64), cu_seqlens(tuple(counts))
 
 
-@pytest.mark.parametrize("kernel", ["torch", "flex"])
-@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (True, (5, 0)),
-                                            (False, (4, 2))], ids=["causal", "full", "causal-w5.0", "full-w4.2"])
+def kernel_masks(masks: dict[str, tuple[bool, tuple[int, int]]], by_position: bool) -> list:
+    """``(kernel, causal, window)`` for every CPU kernel and every mask of ``masks`` it takes
+    (``by_position``: the window over the positions inside the document, as on a ring)."""
+    return [pytest.param(kernel, causal, window, id=f"{mask}-{kernel}") for mask, (causal, window) in masks.items()
+            for kernel in kernels_that_run(window, window_by_position=by_position)]
+
+
+@pytest.mark.parametrize("kernel, causal, window", kernel_masks(
+    {"causal": (True, (-1, -1)), "full": (False, (-1, -1)), "causal-w5.0": (True, (5, 0)),
+     "full-w4.2": (False, (4, 2))}, by_position=True))
 def test_backward_given_merged_out_and_lse_yields_each_blocks_share(kernel, causal, window):
     """Two blocks over disjoint keys, merged as the ring merges them; the sum of the two
     backwards, each given the merged out and lse, is the gradient of the whole attention."""
@@ -125,8 +133,8 @@ def test_backward_given_merged_out_and_lse_yields_each_blocks_share(kernel, caus
         assert_matches(got, expected[name], name)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "flex"])
-@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (3, 1))], ids=["causal", "full-w3.1"])
+@pytest.mark.parametrize("kernel, causal, window", kernel_masks(
+    {"causal": (True, (-1, -1)), "full-w3.1": (False, (3, 1))}, by_position=False))
 def test_rows_past_the_last_segment_leave_the_segments_results_alone(kernel, causal, window):
     """The local region's block of a rank without an exchange region runs over its pad rows
     too (docs/design.md §3, "Buffers"; ``covered_rows``): rows past ``cu_q``'s last entry,
@@ -531,7 +539,12 @@ def test_traced_flex_runs_inside_models_compiled_around_it(traced_flex):
                 assert_matches(got[name], expected[name], f"round {round_} {model.__name__} {name}")
         torch._dynamo.reset()
 
-@pytest.mark.parametrize("kernel, window", [("flex", (4, 0)), ("dense", (-1, -1))])
+# every CPU kernel besides the one "auto" (the other tests' default) runs: windowed if it takes a window
+NAMED_KERNELS = [k for k in kernels_that_run() if k != auto_kernel()]
+
+
+@pytest.mark.parametrize("kernel, window", [(k, (4, 0) if k in kernels_that_run((4, 0)) else (-1, -1))
+                                            for k in NAMED_KERNELS])
 def test_kernel_through_the_hcp_backend(one_rank_mesh, monkeypatch, kernel, window):
     """``backend="hcp"`` with a named kernel (aot_eager): the block ops run it inside (dense
     with segments of 8 rows and more as dense calls)."""
@@ -555,7 +568,7 @@ def test_kernel_through_the_hcp_backend(one_rank_mesh, monkeypatch, kernel, wind
 
 
 # --------------------------------------------------------------------------------------------
-# flex and dense under eager CP (a 2 x 2 world: local, group and ring documents, windows by
+# every CPU kernel under eager CP (a 2 x 2 world: local, group and ring documents, windows by
 # position)
 # --------------------------------------------------------------------------------------------
 
@@ -586,10 +599,12 @@ class KernelCase(AttentionCase):
             dense.MIN_DENSE_ROWS, dense.DENSE_SIZE_BITS, dense.STRIPE_ROWS, dense._results = saved
 
 
-CP_CASES = [KernelCase("many", 4, 2, True), KernelCase("mixed", 4, 1, True, (4, 0)),
-            KernelCase("long", 4, 4, False, (3, 5)),
-            KernelCase("many", 4, 2, True, kernel="dense"), KernelCase("long", 4, 4, True, kernel="dense"),
-            KernelCase("mixed", 4, 1, False, placement="zigzag", kernel="dense")]
+CP_SHAPES = [KernelCase("many", 4, 2, True), KernelCase("mixed", 4, 1, True, (4, 0)),
+             KernelCase("long", 4, 4, False, (3, 5)), KernelCase("long", 4, 4, True),
+             KernelCase("mixed", 4, 1, False, placement="zigzag")]
+# each case on every kernel besides "auto"'s that takes its window (by position: ring steps)
+CP_CASES = [dataclasses.replace(case, kernel=kernel) for kernel in NAMED_KERNELS for case in CP_SHAPES
+            if kernel in kernels_that_run(case.window, window_by_position=True, heads=(case.heads_q, case.heads_kv))]
 
 
 def suite(mesh: tuple[int, int]) -> list:
@@ -621,7 +636,7 @@ def request(device="cpu", dtype=torch.float32, head_dim=64, window=(-1, -1), cp=
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_every_registered_kernel_runs_by_its_name_or_says_why_not(traced_flex, name):
     """The op's ``kernel`` argument reaches that kernel: where it can run the call (on CPU:
-    torch, flex) it gives the float64 reference's output and gradients; where it cannot, an
+    those of ``kernels_that_run()``) it gives the float64 reference's output and gradients; where it cannot, an
     InputError names it and why, never another kernel's answer."""
     lengths = (5, 9, 1)
     x = {n: seeded(f"registered/{n}", sum(lengths), 2, 8) for n in ("q", "k", "v", "dout")}
@@ -693,10 +708,12 @@ def test_cudnn_that_fails_its_device_check_is_skipped_by_auto_and_named_raises_w
 
 
 def test_a_named_kernel_that_cannot_run_the_call_raises_its_reason(monkeypatch):
+    ring_window = request("cuda", torch.bfloat16, window=(8, 0), cp=True)
     with pytest.raises(hc.InputError, match=re.escape(
             "kernel='flash' cannot apply a sliding window under context parallelism")) as raised:
-        resolve_kernel("flash", request("cuda", torch.bfloat16, window=(8, 0), cp=True), "X(kernel=...)")
-    assert "one of ['torch', 'flex'] (X(kernel=...))" in str(raised.value)
+        resolve_kernel("flash", ring_window, "X(kernel=...)")
+    able = [name for name, kernel in KERNELS.items() if kernel.supports(ring_window) is None]
+    assert "flex" in able and f"one of {able} (X(kernel=...))" in str(raised.value)
     with pytest.raises(hc.InputError, match="kernel='flex' needs fp16, bf16 or fp32 tensors; got torch.float64"):
         resolve_kernel("flex", request(dtype=torch.float64))
     with pytest.raises(hc.InputError, match="kernel='flex' needs head_dim of at least 16 on CUDA"):

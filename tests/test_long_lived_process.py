@@ -21,7 +21,7 @@ import torch.distributed as dist
 import hcp_compile as hc
 from attention_reference import reference_with_grads
 from checks import assert_matches
-from cp_cases import cu_seqlens, seeded
+from cp_cases import cu_seqlens, kernels_that_run, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 64
@@ -112,7 +112,7 @@ def survives_resets_and_compiled_models(kernel: str, device: torch.device, dtype
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("kernel", ["torch", "flex", "dense", "auto"])
+@pytest.mark.parametrize("kernel", [*kernels_that_run(heads=(HEADS_Q, HEADS_KV), head_dim=HEAD_DIM), "auto"])
 def test_cpu_kernels_survive_resets_and_models_compiled_around_them(kernel, traced_flex, one_rank_mesh):
     torch._dynamo.reset()
     survives_resets_and_compiled_models(kernel, torch.device("cpu"), torch.float32, "aot_eager", one_rank_mesh)
@@ -192,7 +192,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["cudnn", "flex", "flash", "dense", "auto"])
+@pytest.mark.parametrize("kernel", [*KERNELS, "auto"])  # those that cannot run here skip
 def test_gpu_kernels_survive_resets_and_models_compiled_around_them(kernel):
     device = torch.device("cuda")
     if not runs_on(kernel, device, torch.bfloat16, (-1, -1)):

@@ -582,7 +582,7 @@ def test_backend_entry_point_is_registered():
     ({"kernel": "fast"}, "kernel: expected one of"),
     ({"recompute_exchange": "false"}, "recompute_exchange: expected True or False, got 'false'"),
     ({"agree_across_ranks": 0}, "agree_across_ranks: expected True or False, got 0"),
-    ({"scheme": "tree"}, "scheme: expected one of ['allgather', 'ring'], got 'tree'"),
+    ({"scheme": "tree"}, f"scheme: expected one of {sorted(SCHEMES)}, got 'tree'"),
 ])
 def test_invalid_backend_options_raise(options, message):
     with pytest.raises(hc.InputError) as raised:

@@ -356,8 +356,8 @@ def test_warm_derives_the_tables_the_attention_asks_for(ulysses, ring, window, m
 # the host copy of a schedule's tables (what cudnn's backward in chunks reads)
 # --------------------------------------------------------------------------------------------
 
-# 2 x 1 (Ulysses alone), 1 x 2 and 2 x 2 (a ring), each in both placements
-CP_SHAPES = [MeshShape(u, r, p) for u, r in ((2, 1), (1, 2), (2, 2)) for p in ("balanced", "zigzag")]
+# 2 x 1 (Ulysses alone), 1 x 2 and 2 x 2 (a ring), each in every placement
+CP_SHAPES = [MeshShape(u, r, p) for u, r in ((2, 1), (1, 2), (2, 2)) for p in PLACEMENTS]
 
 
 def mesh_id(mesh: MeshShape) -> str:

@@ -5,6 +5,7 @@ import torch
 
 from benchmarks.speed_workloads import Workload
 from benchmarks.work_split import rank_work, shares
+from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.batch.prepared import MeshShape, host_values, prepare
 
 
@@ -17,7 +18,7 @@ def test_a_zigzag_document_under_a_window_by_hand():
 
 @pytest.mark.parametrize("ulysses, ring", [(1, 2), (2, 1), (2, 2), (1, 4)])
 @pytest.mark.parametrize("window_left", [-1, 0, 5, 40])
-@pytest.mark.parametrize("placement", ["balanced", "zigzag"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_the_ranks_share_every_pair_of_the_batch_once(ulysses, ring, window_left, placement):
     lengths = (0, 1, 7, 3, 130, 0, 2, 61, 29, 300, 5)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
