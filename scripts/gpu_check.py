@@ -1,9 +1,9 @@
 """GPU correctness check of hierarchical CP against single-GPU attention (docs/design.md §6).
 
-    torchrun --nproc-per-node 2 scripts/gpu_check.py --ulysses 2 --ring 1
-    torchrun --nproc-per-node 2 scripts/gpu_check.py --ulysses 1 --ring 2
-    torchrun --nproc-per-node 2 scripts/gpu_check.py --device cpu --dtype float32 --tokens 200
-    torchrun --nproc-per-node 2 scripts/gpu_check.py --share-gpu --ulysses 2 --ring 1   # one GPU
+    torchrun --nproc-per-node 2 -m scripts.gpu_check --ulysses 2 --ring 1
+    torchrun --nproc-per-node 2 -m scripts.gpu_check --ulysses 1 --ring 2
+    torchrun --nproc-per-node 2 -m scripts.gpu_check --device cpu --dtype float32 --tokens 200
+    torchrun --nproc-per-node 2 -m scripts.gpu_check --share-gpu --ulysses 2 --ring 1   # one GPU
 
 A packed batch (default 65536 real tokens over 20 documents of mixed, partly odd lengths, one
 of them long) runs through ``varlen_attention`` inside ``context_parallel(mesh, kernel=...)``
@@ -29,12 +29,10 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import hcp_compile  # noqa: E402
-from hcp_compile.batch.placements import PLACEMENTS  # noqa: E402
-from hcp_compile.kernels import KERNEL_CHOICES  # noqa: E402
-from _common import (  # noqa: E402
+import hcp_compile
+from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.kernels import KERNEL_CHOICES
+from examples._common import (
     DTYPES, GRADIENTS, PackedBatch, Result, Worker, add_launch_args, compare, context_parallel,
     launch, make_batch, max_abs_error, mixed_doc_lengths, single_device, tolerance,
 )
@@ -198,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             "gpu_check: CUDA is not available here. This check is meant for GPU machines; to "
-            "exercise its logic on CPU run e.g. `torchrun --nproc-per-node 2 scripts/gpu_check.py "
+            "exercise its logic on CPU run e.g. `torchrun --nproc-per-node 2 -m scripts.gpu_check "
             "--device cpu --dtype float32 --tokens 200`",
             file=sys.stderr,
         )

@@ -1,11 +1,11 @@
 """GPU property suite: random packed batches through every kernel and every context-parallel
 mode, against an fp32 per-document reference.
 
-    python scripts/gpu_properties.py                         # one H200: 5 minutes, seed 0
-    python scripts/gpu_properties.py --minutes 8 --seed 3
-    python scripts/gpu_properties.py --replay '<a reproducer line's JSON>'
-    python scripts/gpu_properties.py --kernels cudnn --minutes 3   # one kernel, on cases it claims
-    python scripts/gpu_properties.py --device cpu --minutes 1   # the harness on CPU (fp32, bf16)
+    python -m scripts.gpu_properties                         # one H200: 5 minutes, seed 0
+    python -m scripts.gpu_properties --minutes 8 --seed 3
+    python -m scripts.gpu_properties --replay '<a reproducer line's JSON>'
+    python -m scripts.gpu_properties --kernels cudnn --minutes 3   # one kernel, on cases it claims
+    python -m scripts.gpu_properties --device cpu --minutes 1   # the harness on CPU (fp32, bf16)
 
 Each case is a random batch: document lengths from a mixture of 0- and 1-token documents
 (alone, they make batches whose longest document has 1 token), tiny (2-16) and short ones
@@ -98,15 +98,13 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import hcp_compile  # noqa: E402
-from hcp_compile.batch.layout import window_by_position  # noqa: E402
-from hcp_compile.batch.placements import PLACEMENTS  # noqa: E402
-from hcp_compile.batch.placements.balanced import DEFAULT_COST  # noqa: E402
-from hcp_compile.compiled.backend import INNER_COMPILERS  # noqa: E402
-from hcp_compile.kernels import KERNELS, BlockRequest, dense, flex_mask  # noqa: E402
-from _common import DTYPES, GRADIENTS, PAD_FILL, PackedBatch, Result, free_port, under_torchrun  # noqa: E402
+import hcp_compile
+from hcp_compile.batch.layout import window_by_position
+from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.batch.placements.balanced import DEFAULT_COST
+from hcp_compile.compiled.backend import INNER_COMPILERS
+from hcp_compile.kernels import KERNELS, BlockRequest, dense, flex_mask
+from examples._common import DTYPES, GRADIENTS, PAD_FILL, PackedBatch, Result, free_port, under_torchrun
 
 # phase -> (ulysses, ring); "single" runs the kernels on one device, the others CP
 PHASES: dict[str, tuple[int, int]] = {"single": (1, 1), "2x1": (2, 1), "1x2": (1, 2), "2x2": (2, 2)}
@@ -257,7 +255,7 @@ class Check:
 
     def command(self, device: str) -> str:
         device_arg = "" if device == "cuda" else f" --device {device}"
-        return f"python scripts/gpu_properties.py{device_arg} --replay '{self.to_json()}'"
+        return f"python -m scripts.gpu_properties{device_arg} --replay '{self.to_json()}'"
 
 
 def phase_kind(phase: str) -> str:

@@ -1,7 +1,7 @@
 """Measure the block kernels' throughput on this GPU and record it in the package.
 
-    python scripts/measure_kernels.py                 # writes hcp_compile/kernels/measured.json
-    python scripts/measure_kernels.py --out /tmp/m.json --iters 3
+    python -m scripts.measure_kernels                 # writes hcp_compile/kernels/measured.json
+    python -m scripts.measure_kernels --out /tmp/m.json --iters 3
 
 Single-device varlen attention (``torch.ops.hcp.varlen_attention`` with each kernel), forward
 + backward, on ``--tokens`` tokens in each composition ``kernel="auto"`` judges calls by
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -38,12 +37,11 @@ import torch
 from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks
-from benchmarks.common import kernel_intervals, log_uniform_lengths, stream_seed, union_intervals  # noqa: E402
-from benchmarks.cp_throughput import causal_flops  # noqa: E402
-from hcp_compile.kernels import KERNELS, BlockRequest  # noqa: E402
-from hcp_compile.kernels import measured  # noqa: E402
-from hcp_compile.kernels.measured import MEASURED_FILE, device_kind  # noqa: E402
+from benchmarks.common import kernel_intervals, log_uniform_lengths, stream_seed, union_intervals
+from benchmarks.cp_throughput import causal_flops
+from hcp_compile.kernels import KERNELS, BlockRequest
+from hcp_compile.kernels import measured
+from hcp_compile.kernels.measured import MEASURED_FILE, device_kind
 
 
 def batches(tokens: int, window: int, count: int) -> dict[str, tuple[list[list[int]], int]]:

@@ -9,19 +9,15 @@ import json
 import math
 import os
 import shlex
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_properties.py"
-sys.path.insert(0, str(SCRIPT.parent))
 
-import gpu_properties as props  # noqa: E402
-from _common import Result  # noqa: E402  (examples/, on the path through gpu_properties)
+from examples._common import Result
+from scripts import gpu_properties as props
 
 
 def run_suite(tmp_path: Path, capfd, monkeypatch, *args: str, device: str = "cpu") -> tuple[int, dict, str]:
@@ -78,11 +74,11 @@ def test_a_wrong_result_is_caught_and_its_reproducer_replays_it(tmp_path, capfd,
     assert [w["worst"] <= 1 for w in summary["worst"] if w["mode"] == "baseline"] == [True]
     assert failures[0]["replay"] in output
     command = shlex.split(failures[0]["replay"])  # as a shell reads the printed line
-    assert command[:4] == ["python", "scripts/gpu_properties.py", "--device", "cpu"]
-    code, again, output = run_suite(tmp_path, capfd, monkeypatch, *command[4:], "--inject-fault")
+    assert command[:5] == ["python", "-m", "scripts.gpu_properties", "--device", "cpu"]
+    code, again, output = run_suite(tmp_path, capfd, monkeypatch, *command[5:], "--inject-fault")
     assert code == 1 and again["totals"]["checks"] == again["totals"]["failed"] == 1, output
     assert again["failures"][0]["check"] == failures[0]["check"]
-    code, clean, output = run_suite(tmp_path, capfd, monkeypatch, *command[4:])
+    code, clean, output = run_suite(tmp_path, capfd, monkeypatch, *command[5:])
     assert code == 0 and clean["totals"]["checks"] == clean["totals"]["passed"] == 1, output
 
 
@@ -234,7 +230,7 @@ def test_the_property_suite_passes_on_this_gpu(tmp_path, capfd, monkeypatch):
     """The GPU property suite as part of ``pytest -m gpu``: random batches through every
     kernel on one device and CP with 2 ranks sharing the GPU, eager and compiled, within a
     bounded time (``HCP_PROPERTY_MINUTES``, default 3; ``HCP_PROPERTY_SEED``, default 0).
-    Longer runs: ``python scripts/gpu_properties.py --minutes N --seed S``."""
+    Longer runs: ``python -m scripts.gpu_properties --minutes N --seed S``."""
     minutes = os.environ.get("HCP_PROPERTY_MINUTES", "3")
     seed = os.environ.get("HCP_PROPERTY_SEED", "0")
     code, summary, output = run_suite(tmp_path, capfd, monkeypatch, "--phases", "single,2x1,1x2",

@@ -1,0 +1,1 @@
+"""GPU scripts, run as modules from the repository root: ``python -m scripts.<name>``."""
