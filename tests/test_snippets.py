@@ -97,9 +97,7 @@ def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("dump")
     args = DUMP_COMMAND.split()[2:]
     command = Source("<dump command>", 1, "\n".join([
-        "import sys",
-        f"sys.path.insert(0, {str(ROOT / 'examples')!r})",
-        "import compile_model",
+        "import compile_model",  # examples/ is on the path of pytest's processes (pythonpath)
         f"raise SystemExit(compile_model.main({args!r}))",
     ]))
     run_on_ranks([command], DUMP_RANKS, folder)
