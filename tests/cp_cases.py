@@ -264,6 +264,20 @@ class BackwardOnAnotherThreadCase(CheckpointedCase):
 
 
 @dataclass(frozen=True)
+class ReentrantBackwardOnAnotherThreadCase(BackwardOnAnotherThreadCase):
+    """As :class:`BackwardOnAnotherThreadCase` under reentrant checkpointing (transformers'
+    gradient checkpointing default), whose recompute runs a nested backward there."""
+
+    @property
+    def id(self) -> str:
+        return f"reentrant-{super().id}"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(super(CheckpointedCase, self).forward, q, k, v, cu, max_seqlen,
+                                                 use_reentrant=True)
+
+
+@dataclass(frozen=True)
 class InPlaceUpdateCase(AttentionCase):
     """Two calls in one ``context_parallel`` block: first the ``previous`` batch, then this
     case's, written into the same ``cu_seqlens`` tensor in place. Shapes and max_seqlen are
@@ -465,6 +479,7 @@ def attention_cases() -> list[AttentionCase]:
         RetainedGraphCase("many", 4, 2, True),
         CheckpointedCase("many", 4, 2, True),
         BackwardOnAnotherThreadCase("many", 4, 2, True),
+        ReentrantBackwardOnAnotherThreadCase("many", 4, 2, True),
         GroupReleaseCase("many", 4, 4, True),  # two head groups where A = 2 (two KV heads per rank)
         SmallQueryBlockCase("long", 4, 1, False),
         *(AttentionCase("many", 4, 2, causal, window) for causal, window in MASKS.values()),
