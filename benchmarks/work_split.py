@@ -59,12 +59,14 @@ def shares(workload: Workload, ulysses: int, ring: int, placement: str) -> list[
     return [w / mean for w in work]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="W4-128K", help="comma-separated names of benchmarks.speed")
+def parse_selection(parser: argparse.ArgumentParser, default_workloads: str = "W4-128K"
+                    ) -> tuple[list[str], list[tuple[int, int]], list[str]]:
+    """``--workloads``, ``--meshes`` and ``--placements`` added to ``parser``, parsed and checked:
+    the workload names, the ``(ulysses, ring)`` meshes and the placements."""
+    parser.add_argument("--workloads", default=default_workloads, help="comma-separated names of benchmarks.speed")
     parser.add_argument("--meshes", nargs="+", default=["1x2", "2x1"], metavar="AxR")
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()
     known = workloads()
     names, placements = args.workloads.split(","), args.placements.split(",")
     for name in names:
@@ -79,12 +81,19 @@ def main() -> None:
         if len(sides) != 2 or not all(side.isdigit() and int(side) > 0 for side in sides):
             parser.error(f"--meshes: expected ULYSSESxRING such as 2x4, got {mesh!r}")
         meshes.append((int(sides[0]), int(sides[1])))
-    rows = []
+    return names, meshes, placements
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names, meshes, placements = parse_selection(parser)
+    parser.parse_args()  # nothing else is accepted
+    known, rows = workloads(), []
     for name in names:
-        for mesh, (ulysses, ring) in zip(args.meshes, meshes):
+        for ulysses, ring in meshes:
             for placement in placements:
                 split = shares(known[name], ulysses, ring, placement)
-                rows.append([name, mesh, placement, round(min(split), 3), round(max(split), 3),
+                rows.append([name, f"{ulysses}x{ring}", placement, round(min(split), 3), round(max(split), 3),
                              " ".join(f"{s:.3f}" for s in split)])
     print(tabulate(rows, headers=["workload", "mesh", "placement", "least", "most", "every rank / mean"]))
 

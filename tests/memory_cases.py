@@ -7,42 +7,62 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 import hcp_compile as hc
+from benchmarks.held_bytes import held_bytes
 from cp_cases import DOC_MIXES, World, cu_seqlens, seeded
 from hcp_compile.batch.prepared import MeshShape, host_values, prepare
 
 MESH = (2, 2)
 SUITE = "memory_cases"
-HEADS_Q, HEADS_KV, HEAD_DIM, HIDDEN = 4, 2, 8, 16
+HEAD_DIM, HIDDEN = 8, 16
 
 
 @dataclass(frozen=True)
 class ProjectionCase:
     docs: str
     recompute_exchange: bool
+    heads: tuple[int, int] = (4, 2)  # query, KV; (4, 1) repeats KV heads, (8, 4) two head groups
 
     @property
     def id(self) -> str:
-        return f"{self.docs}-recompute-{self.recompute_exchange}"
+        return f"{self.docs}-h{self.heads[0]}.{self.heads[1]}-recompute-{self.recompute_exchange}"
 
     def run(self, world: World) -> dict:
         lengths = DOC_MIXES[self.docs]
         cu = cu_seqlens(lengths)
         plan = hc.shard_plan(cu, world.mesh)
         hidden = plan.shard(seeded(f"{self.id}/x", sum(lengths), HIDDEN))
-        weight = seeded(f"{self.id}/w", HIDDEN, (HEADS_Q + 2 * HEADS_KV) * HEAD_DIM).requires_grad_()
+        heads_q, heads_kv = self.heads
+        weight = seeded(f"{self.id}/w", HIDDEN, (heads_q + 2 * heads_kv) * HEAD_DIM).requires_grad_()
         with hc.context_parallel(world.mesh, recompute_exchange=self.recompute_exchange):
             projection = hidden @ weight
             q, k, v = (t.unflatten(-1, (-1, HEAD_DIM)) for t in projection.split(
-                [HEADS_Q * HEAD_DIM, HEADS_KV * HEAD_DIM, HEADS_KV * HEAD_DIM], dim=-1))
+                [heads_q * HEAD_DIM, heads_kv * HEAD_DIM, heads_kv * HEAD_DIM], dim=-1))
             out = hc.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
             storage = projection.untyped_storage().data_ptr()
             keeping = sum(t.untyped_storage().data_ptr() == storage for t in out.grad_fn.saved_tensors)
+            held = held_storage_bytes(out)
             out.sum().backward()
         sizes = prepare(host_values(cu), MeshShape(world.ulysses, world.ring, "balanced")).rank_sizes(
             world.rank // world.ulysses, world.rank % world.ulysses)
-        return {"saved_views_of_projection": keeping, "exchanged_rows": sizes.own_exchange}
+        counted = held_bytes(sizes, world.ring, self.heads, HEAD_DIM, world.ulysses,
+                             projection.element_size())
+        return {"saved_views_of_projection": keeping, "exchanged_rows": sizes.own_exchange,
+                "held_bytes": held, "counted_held_bytes": counted}
+
+
+def held_storage_bytes(out: Tensor) -> int:
+    """The bytes of every storage the attention's backward node keeps (its saved tensors and, as
+    eager CP keeps them, its head groups' streams), the output's own left out, each once."""
+    node = out.grad_fn  # a custom Function's node is its ctx
+    kept = [*node.saved_tensors, *(t for group in (node.streams or []) for t in group)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    storages.pop(out.untyped_storage().data_ptr(), None)
+    return sum(storages.values())
 
 
 def suite(mesh: tuple[int, int]) -> list[ProjectionCase]:
-    return [ProjectionCase(docs, recompute) for docs in ("many", "long", "mixed") for recompute in (False, True)]
+    cases = [ProjectionCase(docs, recompute) for docs in ("many", "long", "mixed") for recompute in (False, True)]
+    return cases + [ProjectionCase("many", False, heads) for heads in ((4, 1), (8, 4))]

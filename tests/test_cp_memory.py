@@ -24,3 +24,11 @@ def test_forward_keeps_the_projection_only_where_the_backward_reads_its_exchange
             f"rank {rank}: {result['saved_views_of_projection']} saved tensors share the projection's storage "
             f"({result['exchanged_rows']} exchanged rows, recompute_exchange={case.recompute_exchange})")
     assert any(r["exchanged_rows"] for r in memory_world.values(case.id)), "no rank exchanges: the case tests nothing"
+
+
+@pytest.mark.parametrize("case", [c for c in suite(MESH) if not c.recompute_exchange], ids=lambda c: c.id)
+def test_held_bytes_counted_from_the_layout_are_what_the_forward_keeps(memory_world, case):
+    """benchmarks/held_bytes.py's count (issue 48's "held" at scale) against the storages the
+    forward really keeps, on every rank."""
+    for rank, result in enumerate(memory_world.values(case.id)):
+        assert result["counted_held_bytes"] == result["held_bytes"], f"rank {rank}: {result}"

@@ -1,4 +1,8 @@
-"""benchmarks.work_split: each rank's attention work counted from the layout."""
+"""benchmarks.work_split: each rank's attention work counted from the layout; its command and
+benchmarks.held_bytes' (the bytes held for the backward, checked in test_cp_memory.py)."""
+
+import importlib
+import sys
 
 import pytest
 import torch
@@ -26,3 +30,16 @@ def test_the_ranks_share_every_pair_of_the_batch_once(ulysses, ring, window_left
     expected = sum(min(position, window_left if window_left >= 0 else position) + 1
                    for length in lengths for position in range(length))
     assert sum(rank_work(prepared, window_left)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("module", ["benchmarks.work_split", "benchmarks.held_bytes"])
+def test_the_commands_print_a_row_per_mesh_and_placement_and_reject_bad_meshes(module, monkeypatch, capsys):
+    command = importlib.import_module(module)
+    monkeypatch.setattr(sys, "argv", [module, "--workloads", "W2-128K", "--meshes", "2x1", "1x2"])
+    command.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("W2-128K")]
+    assert len(rows) == 2 * len(PLACEMENTS)
+    monkeypatch.setattr(sys, "argv", [module, "--meshes", "2by1"])
+    with pytest.raises(SystemExit):
+        command.main()
+    assert "--meshes: expected ULYSSESxRING" in capsys.readouterr().err
