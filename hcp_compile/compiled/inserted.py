@@ -61,7 +61,7 @@ def checked_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
         groups.ulysses_rank, list(tokens), list(max_seqlens), recompute_exchange, scheme, graph_for,
     )
-    verdict, sizes = on_host.split([_FLAGS, on_host.shape[0] - _FLAGS])
+    verdict, sizes = on_host.split([_VERDICT_SLOTS, on_host.shape[0] - _VERDICT_SLOTS])
     agreeing = agreeing_groups(groups) if agree else []
     if agreeing:
         verdict = verdict.to(agreement_device(groups))
@@ -85,7 +85,7 @@ class CheckedBatch(NamedTuple):
 # graph's kind (Exchanges), each followed by its negation (an all-reduced max of both gives the
 # highest and the lowest of the mesh): apart, so the error can tell ranks given different
 # batches from ranks running different graphs of one batch
-_FLAGS = validation.VERDICT_LENGTH + 4
+_VERDICT_SLOTS = validation.VERDICT_LENGTH + 4
 
 
 @torch.library.custom_op("hcp::batch_layout", mutates_args=())
@@ -166,7 +166,7 @@ def _sizes_length(ulysses: int, ring: int) -> int:
 @batch_layout_op.register_fake
 def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens,
       recompute_exchange, scheme, graph_for):
-    on_host = torch.empty(_FLAGS + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
+    on_host = torch.empty(_VERDICT_SLOTS + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
     return on_host, torch.empty(cu_seqlens_q.shape[0], dtype=torch.int64, device="cpu")
 
 
