@@ -7,9 +7,9 @@
 Counted as eager CP keeps it (default options, hcp_compile/hierarchical.py): the local region's
 rows of q, k and v (the rank's whole shards where it exchanges nothing), the local logsumexp,
 and per head group the exchanged stream's q, KV (repeated for GQA where the Ulysses size exceeds
-the KV heads), output and logsumexp. One GPU's kernel keeps q, k, v and the logsumexp. The
-output is left out on both sides: the next layer keeps it anyway. Checked against the bytes a
-forward really keeps by tests/test_cp_memory.py.
+the KV heads) and logsumexp; the backward exchanges the output again. One GPU's kernel keeps q,
+k, v and the logsumexp. The output is left out on both sides: the next layer keeps it anyway.
+Checked against the bytes a forward really keeps by tests/test_cp_memory.py.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def held_bytes(sizes: RankSizes, ring: int, heads: tuple[int, int], head_dim: in
     kept = rows * (heads_q + 2 * heads_kv) * head_dim * element + rows * heads_q * LSE_BYTES
     if not exchanged_head_groups(sizes, schedule_steps(sizes, ring), heads_kv, ulysses):
         return kept
-    stream_q = heads_q // ulysses  # the stream's query heads (and its output's)
+    stream_q = heads_q // ulysses  # the stream's query heads
     stream_kv = 2 * rank_kv_heads(heads_kv, ulysses)
-    return kept + sizes.stream * ((2 * stream_q + stream_kv) * head_dim * element + stream_q * LSE_BYTES)
+    return kept + sizes.stream * ((stream_q + stream_kv) * head_dim * element + stream_q * LSE_BYTES)
 
 
 def one_gpu_held_bytes(tokens: int, heads: tuple[int, int], head_dim: int, element: int) -> int:

@@ -31,9 +31,9 @@ from tabulate import tabulate
 
 import hcp_compile
 from hcp_compile.batch import prepared
+from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch
-from hcp_compile.batch.schedule import schedule_steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,14 +83,14 @@ def own_tokens(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> Prepared
 def ring_schedule(cu: torch.Tensor, ulysses: int, ring: int, rule: str) -> PreparedBatch:
     """The above and rank (0, 0)'s causal schedule tables."""
     batch = own_tokens(cu, ulysses, ring, rule)
-    batch.tables(0, 0, schedule_steps(batch.rank_sizes(0, 0), ring), True, False)
+    batch.tables(0, 0, True, (-1, -1))
     return batch
 
 
 def critical_path(pickled: bytes, cu: torch.Tensor) -> PreparedBatch:
     """What the training process does with a batch a worker prepared: unpickle it, keep it,
     find it by the values of a fresh ``cu_seqlens`` (read and hashed once per tensor)."""
-    batch = prepared.adopt(pickle.loads(pickled))
+    batch = BATCHES.adopt(pickle.loads(pickled))
     return prepared.prepare(prepared.host_values(cu), batch.mesh)
 
 
@@ -128,11 +128,11 @@ def shard_plan_ms(cu: torch.Tensor, repeats: int) -> tuple[float, float]:
         ahead = prepared.prepare_batch(cu, ulysses=1, ring=1)
 
         def fresh(c: torch.Tensor) -> object:
-            prepared._PREPARED.clear()  # a new batch every time, as in training
+            hcp_compile.clear_batch_cache()  # a new batch every time, as in training
             return hcp_compile.shard_plan(c, mesh)
 
         def given(c: torch.Tensor) -> object:
-            prepared._PREPARED.clear()
+            hcp_compile.clear_batch_cache()
             return hcp_compile.shard_plan(ahead, mesh)
 
         return median_ms(fresh, cu, repeats), median_ms(given, cu, repeats)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-import sys
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from benchmarks.speed_rows import Measurement, TracedStep
 from benchmarks.speed_setup import Setup, cu_seqlens, synchronize
 from benchmarks.speed_workloads import HEADS, Workload
 from hcp_compile.batch.prepared import PreparedBatch
-from hcp_compile.kernels import BoundedCache, KeysByValue
 
 
 @dataclass
@@ -234,20 +232,10 @@ def hcp_cp_stream(setup: Setup, placement: str,
 
 
 def forget_batches() -> None:
-    """Empty what hcp keeps of the batches it has seen by their values (the cache keys that
-    its :class:`KeysByValue` hand out, and its bounded lru caches of layouts and schedules):
-    every mode's stream draws the same batches, which must be new to each mode as a
-    trainer's are. Its unbounded caches, of configurations (compiled kernels), stay."""
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "hcp_compile" or name.startswith("hcp_compile.")):
-            continue
-        for value in list(vars(module).values()):
-            if isinstance(value, KeysByValue):
-                value._keys.clear()
-            elif isinstance(value, BoundedCache):
-                value.clear()
-            elif callable(getattr(value, "cache_parameters", None)) and value.cache_parameters()["maxsize"] is not None:
-                value.cache_clear()
+    """Empty what hcp keeps of the batches it has seen (``hcp_compile.clear_batch_cache``):
+    every mode's stream draws the same batches, which must be new to each mode as a trainer's
+    are. What it keeps per configuration (compiled kernels) stays."""
+    hcp_compile.clear_batch_cache()
 
 
 class PlannedSteps(torch.utils.data.Dataset):

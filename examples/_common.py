@@ -1,5 +1,4 @@
-"""Helpers shared by the examples and the GPU scripts (``scripts/gpu_check.py``,
-``scripts/gpu_properties.py``).
+"""Helpers shared by the examples and the GPU script ``scripts/gpu_check.py``.
 
 Launching (``torchrun`` or a self-spawned group of processes), a packed batch of documents,
 attention with and without context parallelism, and the comparison against docs/design.md §6.
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 import hcp_compile
+from hcp_compile.testing.cases import PackedBatch  # the global tensors of a batch, as the tests build them
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -141,18 +141,6 @@ def _run(
 
 
 # --------------------------------------------------------------------------- the batch
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Global packed (THD) tensors, identical on every rank."""
-
-    cu_seqlens: Tensor  # [docs + 1] int32
-    max_seqlen: int
-    q: Tensor  # [T, Hq, D]
-    k: Tensor  # [T, Hkv, D]
-    v: Tensor  # [T, Hkv, D]
-    dout: Tensor  # [T, Hq, D]: the gradient fed to backward
 
 
 def mixed_doc_lengths(total_tokens: int, num_docs: int, seed: int) -> list[int]:

@@ -9,7 +9,7 @@ exchange stream, ``W`` the ring section, ``T`` the rank's tokens; ``h_q``, ``h_k
 rank attends with after the exchange, repeated KV heads included):
 
 - packing: the exchange's send buffers, one strided copy per tensor (``collectives._pack``): q
-  (in the backward dout) where a Ulysses group or several head groups split it, k and v always
+  (in the backward dout and out) where a Ulysses group or several head groups split it, k and v always
   (two tensors in one buffer); k and v first repeated where a group has more ranks than KV heads;
 - joining: the gathered head groups back into the rank's heads (``join_heads``), where a Ulysses
   group or several head groups split them: out; dq, dk and dv (the repeats summed); and the local
@@ -81,7 +81,7 @@ def pass_bytes(sizes: RankSizes, active: Sequence[bool], call: CallShape, ulysse
     forward = backward = 0
     step_forward, step_backward = [0] * steps, [0] * steps
     if groups:
-        split = ulysses > 1 or groups > 1  # q and dout packed, the results joined
+        split = ulysses > 1 or groups > 1  # q, and dout and out, packed; the results joined
         # packing: q, k and v (repeated first: one read, ``repeat`` writes)
         if repeat > 1:
             forward += own * 2 * heads_kv * (1 + repeat) * dim * item
@@ -90,7 +90,7 @@ def pass_bytes(sizes: RankSizes, active: Sequence[bool], call: CallShape, ulysse
             sent = 3 * heads_q + 2 * heads_kv * repeat if ulysses > 1 else 2 * heads_kv * repeat
             backward += 2 * own * sent * dim * item
         else:
-            backward += 2 * own * heads_q * split * dim * item
+            backward += 2 * own * 2 * heads_q * split * dim * item  # dout and out
         if split:  # joining: out; dq, and dk, dv (read with their repeats, written summed)
             forward += 2 * own * heads_q * dim * item
             backward += (2 * own * heads_q + 2 * own * heads_kv * (repeat + 1)) * dim * item

@@ -1,11 +1,13 @@
 """hcp_compile: hierarchical context parallelism (Ulysses all-to-all over heads, then a zigzag
 ring across groups) for packed variable-length (THD) attention."""
 
+from hcp_compile.batch.cache import clear_batch_cache
 from hcp_compile.batch.packing import cu_seqlens_from_position_ids
 from hcp_compile.batch.prepared import PreparedBatch, prepare_batch
 from hcp_compile.compiled.backend import BackendOptions, backend
 from hcp_compile.context import CPOptions, context_parallel
-from hcp_compile.exchange.mesh import AgreementTimeout, make_mesh
+from hcp_compile.exchange.agreement import AgreementTimeout
+from hcp_compile.exchange.mesh import make_mesh
 from hcp_compile.explain import Explanation, explain
 from hcp_compile.hf import register_when_imported as _register_with_transformers
 from hcp_compile.marking import AttentionMark, attention
@@ -22,6 +24,7 @@ __all__ = [
     "Explanation",
     "attention",
     "backend",
+    "clear_batch_cache",
     "explain",
     "CPOptions",
     "InputError",

@@ -9,13 +9,15 @@ import torch
 from torch import Tensor
 
 from hcp_compile import validation
+from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.call import checked_batch, rank_schedule
 from hcp_compile.batch.layout import window_by_position
-from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
-from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed, schedule_steps
-from hcp_compile.exchange.mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
+from hcp_compile.batch.prepared import MeshShape, PreparedBatch, find, host_values
+from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed
+from hcp_compile.exchange.agreement import Verdict, agree, raise_agreed
+from hcp_compile.exchange.mesh import CPGroups, MeshLike, resolve_groups
 from hcp_compile.hierarchical import HierarchicalAttention
-from hcp_compile.kernels import BlockRequest, new_cache_key, resolve_kernel
+from hcp_compile.kernels import BlockRequest, resolve_kernel
 from hcp_compile.options import AttentionOptions
 from hcp_compile.validation import InputError
 
@@ -30,19 +32,12 @@ class CPOptions(AttentionOptions):
 
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
         outside it (costs one small device-to-host read per new ``cu_seqlens``).
-    agreement_timeout_s: how long the agreement before a call's first collective waits for
-        the other ranks before it raises :class:`hcp_compile.AgreementTimeout` (a rank that
-        skipped the call, e.g. because it caught an exception and went on, would leave the
-        others waiting); None: the process group's own timeout
-        (``init_process_group(timeout=...)``).
     """
 
     skip_outside_window: bool = True
-    agreement_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        validation.check_timeout(self.agreement_timeout_s, "agreement_timeout_s")
         validation.check_flags(self, ("skip_outside_window",))
 
 
@@ -103,20 +98,27 @@ class ContextParallel:
         max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float,
         window: tuple[int, int],
     ) -> Tensor:
-        error, kernel, prepared = None, None, None
+        groups = self.groups
+        error, kernel, prepared, failures = None, None, None, ()
         try:
             prepared = self._prepared(cu_seqlens_q)
-            kernel = self._check_call(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, prepared
-            )
+            failures = self._batch_failures(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prepared)
+            if not failures:
+                kernel = resolve_kernel(
+                    self.options.kernel,
+                    BlockRequest.of(q, k, window, window_by_position=window_by_position(window, groups.ring_size)),
+                    "context_parallel(mesh, kernel=...)",
+                )
         except InputError as exc:
             error = exc
+        # the protocol the compiled graph's host op follows too (exchange/agreement.py)
+        verdict = Verdict(
+            tuple(validation.verdict(failures, (groups.ring_rank, groups.ulysses_rank))), error is not None,
+            0 if prepared is None else prepared.fingerprint(self.options.recompute_exchange, self.options.scheme),
+        ).encode()
         if self.options.agree_across_ranks:
-            fingerprint = (None if prepared is None
-                           else prepared.fingerprint(self.options.recompute_exchange, self.options.scheme))
-            agree_on_error(self.groups, error, fingerprint, timeout_s=self.options.agreement_timeout_s)
-        elif error is not None:
-            raise error
+            verdict = agree(groups, verdict, timeout_s=self.options.agreement_timeout_s, caller="varlen_attention")
+        raise_agreed(verdict.tolist(), error)
         # max_seqlen only bounds the kernels' segments: the larger one is right for both
         max_seqlen = max(max_seqlen_q, max_seqlen_k)
         sched = self._schedule(q, prepared, max_seqlen, causal, scale, window, kernel)
@@ -126,7 +128,7 @@ class ContextParallel:
         """The batch, by value (shard_plan prepared it already, here or in a DataLoader
         worker, unless the cache lost it)."""
         validation.check_cu_seqlens_dtype(cu_seqlens, "cu_seqlens_q")
-        return prepare(host_values(cu_seqlens), self.shape)
+        return find(cu_seqlens, self.shape)
 
     def _schedule(
         self, q: Tensor, prepared: PreparedBatch, max_seqlen: int, causal: bool, scale: float,
@@ -141,22 +143,20 @@ class ContextParallel:
                 del self._schedules[stale]  # another batch: the old one's layers are done
             groups = self.groups
             ring_rank, ulysses_rank = groups.ring_rank, groups.ulysses_rank
-            sizes = prepared.rank_sizes(ring_rank, ulysses_rank)
-            steps = schedule_steps(sizes, groups.ring_size)
-            windowed = window_by_position(window, groups.ring_size)
-            active = (prepared.steps_seeing_keys(ring_rank, ulysses_rank, causal, window)
-                      if self.options.skip_outside_window else None)
-            flat = prepared.device_tables(ring_rank, ulysses_rank, steps, causal, windowed, q.device)
+            plan, flat = prepared.device_tables(ring_rank, ulysses_rank, causal, window, q.device)
+            # the batch's keys for this rank, as the compiled graph's: eager and compiled calls of
+            # one batch share what the kernels derive
+            first_key = BATCHES.cache_keys(prepared, (ring_rank, ulysses_rank), cache_keys_needed(groups.ring_size))
             self._schedules[key] = rank_schedule(
-                flat, sizes, steps, ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=scale,
-                window=window, kernel=kernel, active=None if active is None else list(active),
-                first_cache_key=new_cache_key(cache_keys_needed(groups.ring_size)), scheme=self.options.scheme,
+                flat, plan.sizes, plan.steps, ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=scale,
+                window=window, kernel=kernel, active=list(plan.active) if self.options.skip_outside_window else None,
+                first_cache_key=first_key, scheme=self.options.scheme,
             )
         return self._schedules[key]
 
-    def _check_call(self, q, k, v, cu_q, cu_k, max_q, max_k, window, prepared: PreparedBatch) -> str:
-        """The rules of one call (validation.py; no collective); returns the
-        kernel to run."""
+    def _batch_failures(self, q, k, v, cu_q, cu_k, max_q, max_k, prepared: PreparedBatch) -> tuple:
+        """The batch rules one call breaks (validation.py; no collective), after the rules of
+        its inputs' shapes, which raise."""
         groups = self.groups
         validation.check_qkv(q, k, v)
         validation.check_head_split(q.shape[1], k.shape[1], groups.ulysses_size)
@@ -164,13 +164,8 @@ class ContextParallel:
         if cu_k is not cu_q:
             validation.check_cu_seqlens_dtype(cu_k, "cu_seqlens_k")
             keys = host_values(cu_k)
-        _, failures = checked_batch(prepared.batch, keys, self.shape, (q.shape[0], k.shape[0], v.shape[0]),
-                                    (max_q, max_k), (groups.ring_rank, groups.ulysses_rank))
-        validation.raise_first(failures)
-        return resolve_kernel(
-            self.options.kernel, BlockRequest.of(q, k, window, window_by_position=window_by_position(window, groups.ring_size)),
-            "context_parallel(mesh, kernel=...)",
-        )
+        return checked_batch(prepared, keys, (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k),
+                             (groups.ring_rank, groups.ulysses_rank))
 
 
 def context_parallel(mesh: MeshLike, **options) -> ContextParallel:

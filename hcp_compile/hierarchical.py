@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from hcp_compile.batch.layout import StepKind
+from hcp_compile.batch.layout import StepKind, known_empty
 from hcp_compile.batch.schedule import RingSchedule, RingStep, exchanged_head_groups, kv_head_repeat
 from hcp_compile.exchange.collectives import Issued
 from hcp_compile.exchange.mesh import CPGroups
@@ -136,6 +136,27 @@ def _scatter_stream(
     return Issued(issued.pending, unpack)
 
 
+def _scatter_gradient(
+    heads: HeadExchange, sent: list[Tensor], ulysses: tuple, part: int, parts: int, carried: Tensor,
+) -> Issued[tuple[Tensor, Tensor]]:
+    """Issue the backward's exchange of head group ``part`` when the forward kept the exchanged
+    q and KV: ``sent`` = the exchange regions of ``[dout, out]``, in one all-to-all, into
+    ``(dout_s, out_s)``. The forward keeps no exchanged copy of the output: the rank's output,
+    which the next layer keeps anyway, travels again beside its gradient (docs/design.md §4).
+    The gradient goes first into the send buffer, so the output's copy depends on the
+    backward's input and a partitioner cannot move it into the forward (as in
+    :func:`_scatter_stream`). Without a Ulysses group the regions are the stream: taken as they
+    are where there is one head group, else the output's part is packed after ``carried``."""
+    size = ulysses[1]
+    if size == 1:
+        dout_s = heads.scatter(sent[:1], *ulysses, part, parts)
+        out_s = heads.scatter(sent[1:], *ulysses, part, parts, after=carried)
+        return Issued(dout_s.pending, lambda dout: (dout_s.finish(dout), out_s.wait()), collective=False)
+    widths = [t.shape[1] // (size * parts) for t in sent]
+    issued = heads.scatter(sent, *ulysses, part, parts)
+    return Issued(issued.pending, lambda received: tuple(issued.finish(received).split(widths, dim=1)))
+
+
 def _split_regions(x: Tensor, sched: RingSchedule) -> tuple[Tensor, Tensor]:
     """A rank's ``[T, ...]`` tensor -> its local region and its exchange region; the local
     region with the pad rows after it (every row) where :func:`_local_holds_every_row`."""
@@ -161,10 +182,10 @@ def _local_holds_every_row(sched: RingSchedule) -> bool:
     region is empty (a batch of short documents, every one whole on its rank), the pad rows
     follow the local region outside its segments, the block op sets them (out 0, lse -inf,
     gradients 0: ``BlockSpec.covered_rows``), and the rank's output and gradients are the
-    block's own, not a join that copies them. Only eagerly: a graph's region sizes are symbols,
-    whose emptiness it does not know."""
-    size = sched.sizes.own_exchange
-    return isinstance(size, int) and size == 0
+    block's own, not a join that copies them. Decided as every size is
+    (:func:`layout.known_empty`): eagerly, and in a graph built for batches that exchange
+    nothing (its exchange regions are the constant 0)."""
+    return known_empty(sched.sizes.own_exchange)
 
 
 class HierarchicalAttention(torch.autograd.Function):
@@ -178,9 +199,9 @@ class HierarchicalAttention(torch.autograd.Function):
     the attention; group 0's overlaps the local region's.
 
     For the backward it saves the shards, the output and the logsumexps; with
-    ``recompute_exchange`` False also every group's exchanged q, KV and output, which the
-    backward otherwise exchanges again, together with the gradient it sends anyway
-    (docs/design.md §4.1)."""
+    ``recompute_exchange`` False also every group's exchanged q and KV, which the backward
+    otherwise exchanges again, together with the gradient it sends anyway (docs/design.md
+    §4.1). The exchanged output is never kept: it travels again beside its gradient."""
 
     @staticmethod
     def forward(
@@ -210,7 +231,7 @@ class HierarchicalAttention(torch.autograd.Function):
                 incoming = scatter(part + 1)
             q_s, kv_s = (issued.wait() for issued in arriving)
             out_s, lse_s = ring_forward(q_s, kv_s, sched, groups, scheme.ring)
-            streams.append((lse_s,) if recompute_exchange else (q_s, kv_s, out_s, lse_s))
+            streams.append((lse_s,) if recompute_exchange else (q_s, kv_s, lse_s))
             # sent back at once
             lse_back = heads.gather(lse_s.t().unsqueeze(-1), *back) if return_lse else None
             outgoing.append((heads.gather(out_s, *back), lse_back))
@@ -259,7 +280,7 @@ class HierarchicalAttention(torch.autograd.Function):
                 return _scatter_stream(heads, sent, ulysses, part, parts, carried)
         else:
             def scatter(part: int) -> Issued:
-                return heads.scatter([dout_x], *ulysses, part, parts)
+                return _scatter_gradient(heads, [dout_x, out_x], ulysses, part, parts, carried)
 
         incoming = scatter(0) if parts else None  # hidden by the local region
         dq_l, dk_l, dv_l = run_backward(
@@ -275,7 +296,7 @@ class HierarchicalAttention(torch.autograd.Function):
             if recompute:
                 dout_s, q_s, out_s, kv_s = arriving.wait()
             else:
-                (q_s, kv_s, out_s), dout_s = kept, arriving.wait()
+                (q_s, kv_s), (dout_s, out_s) = kept, arriving.wait()
             dq_s, dkv_s = ring_backward(dout_s, q_s, kv_s, out_s, lse_s, sched, groups, carried,
                                         scheme.ring)
             outgoing.append((heads.gather(dq_s, *back), heads.gather(dkv_s, *back)))

@@ -7,10 +7,11 @@ import torch
 from torch import Tensor
 
 from hcp_compile import validation
+from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.call import checked_batch
-from hcp_compile.batch.prepared import host_values
+from hcp_compile.batch.prepared import find, host_values
 from hcp_compile.context import active_context
-from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, KeysByValue, resolve_kernel
+from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, resolve_kernel
 from hcp_compile.kernels.precision import accumulate_dtype
 
 
@@ -40,15 +41,11 @@ def varlen_attention_op(
     return KERNELS[chosen].forward(q, k, v, spec)
 
 
-# keys of the batches seen last: the layers of a model and the backward share what a kernel
-# derives from one batch (flex's mask)
-_keys_by_value = KeysByValue(64)
-
-
 def _cache_key(cu_q: Tensor, cu_k: Tensor) -> int:
-    """The :attr:`BlockSpec.cache_key` of a batch, given by its values (read on the host once
-    per tensor version, as the checks read them: prepared.host_values)."""
-    return _keys_by_value.key((host_values(cu_q).digest, host_values(cu_k).digest))
+    """The :attr:`BlockSpec.cache_key` of a batch, handed out by the batch cache for its values
+    (read on the host once per tensor version, as the checks read them: prepared.host_values),
+    so that the layers of a model and the backward share what a kernel derives (flex's mask)."""
+    return BATCHES.cache_keys(find(cu_q, None), ("single device", host_values(cu_k).digest))
 
 
 def _kernel(name: str, q: Tensor, k: Tensor, cu_q: Tensor, longest: int, window_left: int,
@@ -158,5 +155,5 @@ def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         validation.check_cu_seqlens_dtype(cu, name)
     keys = None if cu_k is cu_q else host_values(cu_k)
-    _, failures = checked_batch(host_values(cu_q), keys, None, (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k))
+    failures = checked_batch(find(cu_q, None), keys, (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k))
     validation.raise_first(failures)

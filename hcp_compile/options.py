@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME, check_scheme
 from hcp_compile.kernels import KERNEL_CHOICES
-from hcp_compile.validation import InputError, check_flags
+from hcp_compile.validation import InputError, check_flags, check_timeout
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,20 @@ class AttentionOptions:
         ``init_process_group("cpu:gloo,cuda:nccl")``, it does not wait for the GPU). Off:
         checks stay local, which is cheaper, but one rank's bad input can leave the other
         ranks waiting in a collective.
-    recompute_exchange: keep for the backward only what one GPU keeps (the q, k and v shards,
-        the output and the logsumexps) and exchange the exchange regions' q, KV and output
-        again in the backward, in the all-to-all that sends the gradient: a layer's saved
-        tensors per rank fall by the exchanged copies, for about twice the backward's
-        all-to-all bytes (docs/design.md §4.1).
+    recompute_exchange: keep for the backward only the q, k and v shards, the output and the
+        logsumexps, and exchange the exchange regions' q and KV again in the backward, in the
+        all-to-all that sends the gradient and the output (which travels again by default):
+        a layer's saved tensors per rank fall by the exchanged q and KV, for about 1.4 times
+        the backward's all-to-all bytes (docs/design.md §4.1).
     scheme: the collective scheme that moves KV between the ring ranks, a key of
         ``hcp_compile.exchange.schemes.SCHEMES`` (``"ring"``: hops round the ring, each behind
         a step's blocks; ``"allgather"``: one all-gather, for rings of short steps;
         docs/extending.md).
+    agreement_timeout_s: how long the agreement before a call's first collective (compiled:
+        before a batch's) waits for the other ranks before it raises
+        :class:`hcp_compile.AgreementTimeout` (a rank that skipped the call, e.g. because it
+        caught an exception and went on, would leave the others waiting); None: the process
+        group's own timeout (``init_process_group(timeout=...)``).
     """
 
     placement: str = DEFAULT_PLACEMENT
@@ -46,8 +51,10 @@ class AttentionOptions:
     agree_across_ranks: bool = True
     recompute_exchange: bool = False
     scheme: str = DEFAULT_SCHEME
+    agreement_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        check_timeout(self.agreement_timeout_s, "agreement_timeout_s")
         check_placement(self.placement)
         check_scheme(self.scheme)
         if self.kernel not in KERNEL_CHOICES:

@@ -12,9 +12,11 @@ from hcp_compile import validation
 from hcp_compile.batch import layout
 from hcp_compile.batch.layout import Kind
 from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement
-from hcp_compile.batch.prepared import MeshShape, PreparedBatch, adopt, host_values, prepare, record_plan
+from hcp_compile.batch.cache import BATCHES
+from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 from hcp_compile.exchange.collectives import gather_tokens
-from hcp_compile.exchange.mesh import CPGroups, MeshLike, agree_on_error, resolve_groups
+from hcp_compile.exchange.agreement import Verdict, agree, raise_agreed
+from hcp_compile.exchange.mesh import CPGroups, MeshLike, resolve_groups
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 from hcp_compile.batch.traffic import CallShape, call_traffic
 from hcp_compile.validation import InputError
@@ -48,7 +50,7 @@ class ShardPlan:
         groups = self.groups
         shape = MeshShape(groups.ulysses_size, groups.ring_size, placement)
         self.prepared = _prepared(cu_seqlens, shape)
-        record_plan(self.prepared)  # the attention checks that it runs on this shape
+        BATCHES.record_plan(self.prepared)  # the attention checks that it runs on this shape
         self.layout = self.prepared.layout
         self.local_tokens = self.prepared.rank_tokens(groups.ring_rank, groups.ulysses_rank)
         self.num_tokens = self.prepared.batch.num_tokens
@@ -85,7 +87,9 @@ class ShardPlan:
                 f"x_local: expected this rank's shard with {self.local_tokens} tokens on dim 0, "
                 f"got {got}; pass a tensor produced by plan.shard or by attention on its output"
             )
-        agree_on_error(self.groups, error, caller="plan.unshard")
+        agreed = agree(self.groups, Verdict(other_error=error is not None).encode(), timeout_s=None,
+                       caller="plan.unshard")
+        raise_agreed(agreed.tolist(), error)
         gathered = _GatherShards.apply(x_local, self.groups)
         # derived on first use: the other ranks' tokens, which a step that never unshards
         # does not need (a prepared batch for one rank leaves them out)
@@ -145,7 +149,7 @@ def _prepared(cu_seqlens: Tensor | PreparedBatch, shape: MeshShape) -> PreparedB
                 f"{shape.describe()}; give prepare_batch the mesh's ulysses and ring sizes and "
                 "the placement of shard_plan"
             )
-        return adopt(cu_seqlens)
+        return BATCHES.adopt(cu_seqlens)
     validation.check_cu_seqlens_dtype(cu_seqlens, "cu_seqlens")
     batch = host_values(cu_seqlens)
     validation.raise_first(batch.failures("cu_seqlens"))

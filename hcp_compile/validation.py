@@ -222,7 +222,7 @@ def _placement_name(index: int) -> str:
     return list(PLACEMENTS)[index]
 
 
-# The compiled path's verdict: per rule and argument of BATCH_RULES, FACTS slots, each a number
+# A verdict on the batch rules: per rule and argument of BATCH_RULES, FACTS slots, each a number
 # of the failure with the rank that found it in the bits above, so that a max all-reduced over
 # the mesh keeps in all slots of a rule the numbers of the lowest rank that broke it (0: none).
 _NUMBER_BITS = 40  # numbers in [-2**39, 2**39): token counts and lengths are int32
@@ -232,8 +232,9 @@ VERDICT_LENGTH = len(BATCH_RULES) * FACTS
 
 
 def verdict(failures: Sequence[Failure], rank: tuple[int, int]) -> list[int]:
-    """The compiled path's verdict of one rank (``rank``: ring rank, Ulysses rank) on its call,
-    :data:`VERDICT_LENGTH` ints: all 0 where ``failures`` is empty."""
+    """One rank's verdict on the batch rules of its call (``rank``: ring rank, Ulysses rank),
+    :data:`VERDICT_LENGTH` ints, all 0 where ``failures`` is empty: the batch part of an
+    agreement's :class:`hcp_compile.exchange.agreement.Verdict`."""
     broken = {(failure.rule, failure.argument): failure.facts for failure in failures}
     unflagged = set(broken) - set(BATCH_RULES)
     if unflagged:  # a failure the compiled path could not report would let the batch run
@@ -254,9 +255,9 @@ def verdict(failures: Sequence[Failure], rank: tuple[int, int]) -> list[int]:
 def rejected_batch_error(
     agreed: Sequence[int], *, batches_differ: bool, graphs_differ: bool,
 ) -> InputError | None:
-    """The error of the compiled path's batch check, from the :func:`verdict` agreed over the
-    mesh (None when it accepts the batch): for the lowest rank that broke each rule, the line
-    eager CP raises there (arguments that broke a rule with the same numbers in one line).
+    """The error of a call's batch check, eager or compiled, from the :func:`verdict` agreed
+    over the mesh (None when it accepts the batch): for the lowest rank that broke each rule,
+    the rule's line (arguments that broke a rule with the same numbers in one line).
     Ranks given different batches may run different graphs too (each batch picks its own): the
     graphs are named only where the batches agree."""
     messages = []
@@ -281,7 +282,7 @@ def rejected_batch_error(
     if not messages:
         return None
     return InputError(
-        "the compiled graph's batch check failed on a rank of the context-parallel mesh:\n" + "\n".join(messages)
+        "the batch check failed on a rank of the context-parallel mesh:\n" + "\n".join(messages)
     )
 
 

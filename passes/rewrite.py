@@ -43,6 +43,7 @@ class RewriteConfig:
     recompute_exchange: bool = False
     scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.exchange.schemes.SCHEMES
     graph_for: Exchanges = Exchanges.RING  # the batches the graph serves (hcp_compile.compiled.graph_variants)
+    agreement_timeout_s: float | None = None  # the agreement's wait for the other ranks (None: the groups')
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _rewrite_one(
                 checked_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens, max_seqlens),
                 {**names, "placement": config.placement, "agree": config.agree_across_ranks,
                  "recompute_exchange": config.recompute_exchange, "scheme": config.scheme,
-                 "graph_for": config.graph_for.value},
+                 "graph_for": config.graph_for.value, "agreement_timeout_s": config.agreement_timeout_s},
             )
         if call.max_seqlen_k is not call.max_seqlen_q and call.max_seqlen_k != call.max_seqlen_q:
             # only a bound for the kernels' grids: the larger one is right for both

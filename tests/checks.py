@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import Tensor
 
-from attention_reference import reference_with_grads
+from hcp_compile.testing.reference import reference_with_grads
 from cp_cases import AttentionCase, cu_seqlens
 
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}  # docs/design.md §6, fp32 on CPU
@@ -59,7 +59,7 @@ def assert_rounding_close(got: Tensor, other: Tensor, what: str, ulps: float = R
 
 
 def assert_raised(record, cls: type, match: str, what: str) -> None:
-    """A worker's :class:`distributed.CaseRecord` shows ``cls`` raised with ``match`` in it."""
+    """A worker's :class:`hcp_compile.testing.worlds.CaseRecord` shows ``cls`` raised with ``match`` in it."""
     assert record.raised_instance_of(cls), f"{what}: expected {cls.__name__}, {record.describe()}"
     assert match in record.message, f"{what}: {match!r} not in the message {record.message!r}"
 

@@ -1,5 +1,5 @@
 """Cases of the compiled path (``torch.compile`` with the ``hcp`` backend), run inside the
-worker processes of ``distributed.py``: ``suite="compile_cases"`` once per mesh of
+worker processes of ``hcp_compile/testing/worlds.py``: ``suite="compile_cases"`` once per mesh of
 ``COMPILE_MESHES`` (inner compiler ``aot_eager``), ``suite=INDUCTOR_SUITE`` once for the single
 Inductor-compiled run.
 
@@ -30,6 +30,7 @@ from torch import Tensor, fx, nn
 from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
 import hcp_compile as hc
+from hcp_compile.compiled import inserted
 from hcp_compile.batch.layout import Assignment, Kind
 from hcp_compile.batch.placements import DEFAULT_PLACEMENT, PLACEMENTS
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME, SCHEMES
@@ -37,7 +38,7 @@ from cp_cases import (
     AttentionCase, World, cu_seqlens, saved_besides, saved_for_backward, seeded,
     shard_with_garbage_pads,
 )
-from distributed import WORLD_DIR_ENV
+from hcp_compile.testing.worlds import WORLD_DIR_ENV
 
 BACKEND_MODULE = importlib.import_module("hcp_compile.compiled.backend")  # hc.backend is the function
 
@@ -154,6 +155,9 @@ def collective_summary(gm: fx.GraphModule, ulysses_group: str, ring_group: str) 
     summary = {"ulysses": 0, "ring": 0, "all_reduce": 0, "unwaited": 0, "bad_splits": 0,
                "ulysses_from_tangents": 0, "ring_from_tangents": 0, "other": []}
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is AGREE_ON_BATCH:
+            summary["all_reduce"] += agreement_all_reduces(node.args[1:4], (ulysses_group, ring_group))
+            continue
         if node.op != "call_function" or getattr(node.target, "namespace", None) not in COLLECTIVE_NAMESPACES:
             continue
         if node.target is C10D.wait_tensor.default:
@@ -186,8 +190,22 @@ def collective_summary(gm: fx.GraphModule, ulysses_group: str, ring_group: str) 
     return summary
 
 
-def group_names(mesh) -> tuple[str, str]:
-    return mesh.get_group("ulysses").group_name, mesh.get_group("ring").group_name
+def group_names(mesh) -> tuple[str | None, str | None]:
+    """The names of the mesh's Ulysses and ring groups, None for a group of one rank (no
+    collective runs on it)."""
+    return tuple(group.group_name if group.size() > 1 else None
+                 for group in (mesh.get_group("ulysses"), mesh.get_group("ring")))
+
+
+# the batch check's agreement runs its all-reduces inside this op (hcp_compile/exchange/agreement.py)
+AGREE_ON_BATCH = inserted.agree_on_batch._opoverload
+
+
+def agreement_all_reduces(arguments: tuple, names: tuple[str | None, str | None]) -> int:
+    """The all-reduces an ``hcp::agree_on_batch`` call with ``(ulysses_group, ring_group, agree)``
+    runs: one per group of more than one rank (``names``), none without ``agree``."""
+    ulysses_group, ring_group, agree = arguments
+    return sum(name is not None and name in names for name in (ulysses_group, ring_group)) if agree else 0
 
 
 def aot_summaries(captured: list[fx.GraphModule], mesh) -> dict:
@@ -949,14 +967,18 @@ def table_counts(markdown: str) -> dict[str, int]:
     return totals
 
 
+AGREE_CALL = re.compile(r"hcp\.agree_on_batch\.default\(\w+, '([^']+)', '([^']+)', (True|False)")
 A2A_CALL = re.compile(
     r"_c10d_functional\.all_to_all_single\.default\((\w+), \[([^\]]*)\], \[([^\]]*)\], '([^']+)'\)")
 
 
 def text_collectives(code: str, ulysses_group: str, ring_group: str) -> dict[str, int]:
     """Collectives in a dumped graph's code (``print_readable`` text), by kind."""
+    agreements = AGREE_CALL.findall(code)
     counts = {"ulysses": 0, "ring": 0, "other_group": 0,
-              "all_reduce": code.count("_c10d_functional.all_reduce.default("),
+              "all_reduce": code.count("_c10d_functional.all_reduce.default(") + sum(
+                  agreement_all_reduces((u, r, agree == "True"), (ulysses_group, ring_group))
+                  for u, r, agree in agreements),
               "wait_tensor": code.count("_c10d_functional.wait_tensor.default(")}
     for _, output_splits, input_splits, group in A2A_CALL.findall(code):
         key = {ulysses_group: "ulysses", ring_group: "ring"}.get(group, "other_group")

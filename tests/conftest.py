@@ -2,26 +2,27 @@ import json
 
 import pytest
 
-import distributed
+from hcp_compile.testing import worlds
+
+DEFAULT_SUITE = "cp_cases"  # the eager suite: cp_cases.suite(mesh)
 
 
 @pytest.fixture(scope="session")
 def cp_world():
-    """``cp_world(mesh, suite=..., deadline_s=...)`` -> the :class:`distributed.WorldResults`
+    """``cp_world(mesh, suite=..., deadline_s=...)`` -> the :class:`worlds.WorldResults`
     of that mesh's suite (default: ``cp_cases``, the eager suite).
 
     Each (mesh, suite) world's processes are started once per session, the first time a test
     asks for it."""
-    worlds: dict[tuple[tuple[int, int], str], distributed.WorldResults] = {}
+    started: dict[tuple[tuple[int, int], str], worlds.WorldResults] = {}
 
     def get(
-        mesh: tuple[int, int], suite: str = distributed.DEFAULT_SUITE,
-        deadline_s: float = distributed.WORLD_DEADLINE_S,
-    ) -> distributed.WorldResults:
+        mesh: tuple[int, int], suite: str = DEFAULT_SUITE, deadline_s: float = worlds.WORLD_DEADLINE_S,
+    ) -> worlds.WorldResults:
         key = (tuple(mesh), suite)
-        if key not in worlds:
-            worlds[key] = distributed.run_world(*mesh, deadline_s=deadline_s, suite=suite)
-        return worlds[key]
+        if key not in started:
+            started[key] = worlds.run_world(*mesh, suite=suite, deadline_s=deadline_s)
+        return started[key]
 
     return get
 

@@ -1,4 +1,5 @@
-"""Cases run under context parallelism inside the worker processes of ``distributed.py``.
+"""Cases run under context parallelism inside the worker processes of
+``hcp_compile/testing/worlds.py``.
 
 Every case has a stable ``id`` and a ``run(world)`` that executes on every rank and returns a
 dict of CPU tensors / plain values (or raises: the harness records the exception). The
@@ -27,6 +28,7 @@ from hcp_compile.batch import layout
 from hcp_compile.batch.placements import DEFAULT_PLACEMENT, PLACEMENTS
 from hcp_compile.exchange.schemes import SCHEMES
 from hcp_compile.kernels import KERNELS, BlockRequest, resolve_kernel, torch_kernel
+from hcp_compile.testing.worlds import World
 from traffic import CollectiveTraffic
 
 MESHES = ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1))  # (ulysses, ring)
@@ -62,16 +64,6 @@ def seeded(name: str, *shape: int, salt: int = 0) -> Tensor:
     """Deterministic fp32 standard normals, identical in every process for the same name."""
     generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + salt)
     return torch.randn(*shape, generator=generator)
-
-
-@dataclass
-class World:
-    """What a case sees on its rank."""
-
-    mesh: object  # the ("ring", "ulysses") DeviceMesh of this world
-    rank: int
-    ulysses: int
-    ring: int
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,8 +612,10 @@ class ErrorSetup:
 
 @dataclass(frozen=True)
 class ErrorCase:
-    """``action`` runs on every rank. Ranks in ``bad_ranks`` (all when None) must raise
-    ``error`` with ``match`` in the message; the others a RuntimeError naming another rank."""
+    """``action`` runs on every rank. Ranks in ``bad_ranks`` (all when None: a batch rule
+    broken on any rank raises on every rank) must raise ``error`` with ``match`` in the
+    message; the others (a rank's own input failed outside the batch rules) a RuntimeError
+    naming another rank."""
 
     id: str
     action: Callable[[ErrorSetup], object] = field(compare=False)
@@ -677,8 +671,9 @@ def _attend_as_is(s: ErrorSetup):
     return s.attend()
 
 
+# a batch rule broken on one rank: every rank raises its error (the agreed verdict names it)
 ONE_BAD_RANK = ErrorCase("one-rank-q-wrong-size", lambda s: s.attend(q=only_on(1, s.q[:-1], s.q)),
-                         match=Q_NOT_A_SHARD, bad_ranks=(1,))
+                         match=Q_NOT_A_SHARD)
 
 
 def error_cases() -> list[ErrorCase]:
@@ -691,17 +686,17 @@ def error_cases() -> list[ErrorCase]:
         ErrorCase("cu-2d", lambda s: s.attend(cu_seqlens_q=two_d(s), cu_seqlens_k=two_d(s)),
                   match="cu_seqlens_q: expected a 1-D tensor"),
         ErrorCase("cu-not-from-0", lambda s: s.attend(cu_seqlens_q=s.cu + 1, cu_seqlens_k=s.cu + 1),
-                  match="cu_seqlens_q: must start at 0"),
+                  match="cu_seqlens_q, cu_seqlens_k: must start at 0"),
         ErrorCase("cu-decreasing", lambda s: s.attend(cu_seqlens_q=decreasing, cu_seqlens_k=decreasing),
                   match="cu_seqlens_q: must be non-decreasing"),
         ErrorCase("cu-last-entry-too-large",
                   lambda s: s.attend(cu_seqlens_q=cu_seqlens(ERROR_DOCS + (9,)),
                                      cu_seqlens_k=cu_seqlens(ERROR_DOCS + (9,))),
-                  match=Q_NOT_A_SHARD),
+                  match="q, k, v: under context parallelism must hold this rank's token count"),
         ErrorCase("q-not-sharded", lambda s: s.attend(q=seeded("g", sum(ERROR_DOCS), 4, HEAD_DIM)),
                   match="got 14 tokens where this cu_seqlens sharded over ulysses=2 x ring=2"),
         ErrorCase("k-v-not-sharded", lambda s: s.attend(k=s.k[:-2], v=s.v[:-2]),
-                  match="k: under context parallelism must hold this rank's token count"),
+                  match="k, v: under context parallelism must hold this rank's token count"),
         ErrorCase("hq-not-divisible-by-ulysses", _attend_as_is, heads=(3, 1),
                   match="q: 3 query heads cannot be split over ulysses=2"),
         ErrorCase("hkv-neither-divides-nor-divisible", _attend_as_is, heads=(6, 3),
@@ -710,7 +705,7 @@ def error_cases() -> list[ErrorCase]:
                   lambda s: s.attend(cu_seqlens_k=cu_seqlens((9, 0, 5))), match="cu_seqlens_k"),
         ErrorCase("max-seqlen-too-small",
                   lambda s: s.attend(max_seqlen_q=s.longest - 1, max_seqlen_k=s.longest - 1),
-                  match="max_seqlen_q: must be at least the longest document's length, got 8"),
+                  match="max_seqlen_q, max_seqlen_k: must be at least the longest document's length, got 8"),
         ErrorCase("max-seqlen-k-too-small", lambda s: s.attend(max_seqlen_k=s.longest - 1),
                   match="max_seqlen_k: must be at least the longest document's length, got 8"),
         ErrorCase("window-negative", lambda s: s.attend(window_size=(-2, 0)), match="window_size"),
@@ -745,8 +740,7 @@ def error_cases() -> list[ErrorCase]:
                   lambda s: s.plan.unshard(only_on(1, s.q[:-1], s.q)),
                   match="x_local: expected this rank's shard", bad_ranks=(1,)),
         # last: if it hangs, the short-timeout groups it uses may be broken afterwards
-        ErrorCase("one-rank-bad-after-cached-call", _bad_rank_after_cached_call,
-                  match=Q_NOT_A_SHARD, bad_ranks=(1,)),
+        ErrorCase("one-rank-bad-after-cached-call", _bad_rank_after_cached_call, match=Q_NOT_A_SHARD),
     ]
 
 

@@ -1,5 +1,5 @@
 """Hugging Face transformers cases (``attn_implementation="hcp"``), run inside the worker
-processes of ``distributed.py``: ``suite="hf_cases"``, one ulysses 2 x ring 2 world.
+processes of ``hcp_compile/testing/worlds.py``: ``suite="hf_cases"``, one ulysses 2 x ring 2 world.
 
 A tiny randomly initialized causal LM (no download) takes one training step on a packed batch
 that transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` builds: each

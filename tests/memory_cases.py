@@ -1,5 +1,5 @@
 """What eager CP keeps for the backward, in a model's terms (run inside the worker processes of
-``distributed.py``: ``suite="memory_cases"``). In a decoder layer q, k and v are views of one
+``hcp_compile.testing.worlds``: ``suite="memory_cases"``). In a decoder layer q, k and v are views of one
 projection's output; a forward that saved them whole would keep that output, exchanged rows
 included, alive until the backward. Each case records which saved tensors share its storage."""
 

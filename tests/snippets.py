@@ -14,7 +14,7 @@ an HTML comment (invisible on the rendered page) on the line before the block:
 
 Every other ``python`` block runs as a script, on the number of processes that a
 ``torchrun --nproc-per-node N`` in it (or in its setup) names, else one. The ranks are forked
-from the fork server of tests/distributed.py, which has imported torch and hcp_compile already,
+from the fork server of hcp_compile/testing/worlds.py, which has imported torch and hcp_compile already,
 and get torchrun's environment variables, so ``dist.init_process_group("gloo")`` works as under
 torchrun.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-import distributed
+from hcp_compile.testing import worlds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -138,21 +138,21 @@ def run_on_ranks(sources: list[Source], world: int, cwd: Path,
                  deadline_s: float = RUN_DEADLINE_S) -> None:
     """Run ``sources`` in one namespace on each of ``world`` ranks (as ``__main__``, in
     ``cwd``); raises AssertionError with the failed ranks' output unless every rank exits 0."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(distributed.free_port()),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(worlds.free_port()),
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
     logs = [cwd / f"rank{rank}.log" for rank in range(world)]
     for log in logs:  # readable even for a rank that fails before it opens its log
         log.touch()
-    context = distributed._fork_server()
+    context = worlds.fork_server()
     procs = [context.Process(target=_rank_main, name=f"snippet-rank-{rank}",
                              args=(rank, env, sources, cwd, logs[rank]))
              for rank in range(world)]
     try:
         for proc in procs:
             proc.start()
-        return_codes = distributed._wait_all(procs, time.monotonic() + deadline_s)
+        return_codes = worlds.wait_all(procs, time.monotonic() + deadline_s)
     finally:  # also when the wait is interrupted: no rank outlives the call
-        distributed._kill_running(procs)
+        worlds.kill_running(procs)
     failed = [rank for rank, code in enumerate(return_codes) if code != 0]
     if failed:
         output = "\n".join(f"--- rank {rank} (exit code {return_codes[rank]}):\n"
@@ -162,7 +162,7 @@ def run_on_ranks(sources: list[Source], world: int, cwd: Path,
 
 def _rank_main(rank: int, env: dict[str, str], sources: list[Source], cwd: Path,
                log: Path) -> None:
-    distributed.output_to(log)
+    worlds.output_to(log)
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     os.chdir(cwd)  # what a snippet writes lands in the test's folder
     torch.set_num_threads(1)  # several ranks share the test machine's cores

@@ -88,7 +88,7 @@ def test_one_long_document_on_two_nodes():
     forward_passes = passes(2 * x * (32 + 16) * D * BF16  # q, k, v packed
                             + 2 * x * 32 * D * BF16  # out joined from the group's ranks
                             + (x + x) * 32 * D * BF16)  # the exchange region into the rank's rows
-    backward_passes = passes(2 * x * 32 * D * BF16 + 2 * x * (32 + 16) * D * BF16  # dout packed; dq, dk, dv joined
+    backward_passes = passes(2 * x * 64 * D * BF16 + 2 * x * (32 + 16) * D * BF16  # dout, out packed; dq, dk, dv joined
                              + 2 * (2 * s * 2 * D * BF16)  # the own section's message; its sum and the rest joined
                              + (x + x) * (32 + 16) * D * BF16)  # the regions
     merge = passes(s * 4 * D * 3 * BF16)  # step 1's merge (and dq sum): both in bf16, written in bf16
@@ -100,7 +100,7 @@ def test_one_long_document_on_two_nodes():
     ring_b = (max(own * 5 / 7 + dkv_join, network(section + BF16))
               + max(ring * 5 / 7 + dkv_join + merge + dkv_add, network(section)) + network(section))
     exchange = [2048 * (4 + 2) * D * 7 * BF16, 14336 * 4 * D * BF16,  # q, kv in; out back
-                2048 * 4 * D * 7 * BF16, 14336 * (4 + 2) * D * BF16]  # dout in; dq, dkv back
+                2048 * 8 * D * 7 * BF16, 14336 * (4 + 2) * D * BF16]  # dout and out in; dq, dkv back
     # one head group and no local region: every all-to-all waits in line with the ring; the
     # packing and joining passes on top (no host part: none is measured for the dense kernel)
     step = sum(nvlink_a2a(b) for b in exchange) + ring_f + ring_b + forward_passes + backward_passes
@@ -158,14 +158,14 @@ def test_gqa_with_fewer_kv_heads_than_a_node_repeats_them_and_pays_the_rings_mer
     assert {(p.ulysses, p.ring) for p in advice.predictions} == {(1, 8), (2, 4), (4, 2), (8, 1)}
     whole = seconds_at(length * (length + 1) / 2 / 8, "one document")
     exchange = [8192 * (4 + 2 * 1) * D * 7 * BF16, 57344 * 4 * D * BF16,
-                8192 * 4 * D * 7 * BF16, 57344 * (4 + 2 * 1) * D * BF16]
+                8192 * 8 * D * 7 * BF16, 57344 * (4 + 2 * 1) * D * BF16]  # dout and out in
     # ulysses 8's passes: X = 8192 tokens per rank, the stream S = 65536; 4 KV heads repeated
     # twice (one head of 4 * 2 / 8 per rank after the exchange, 4 q heads)
     x, s = 8192, length
     forward = (x * 2 * 4 * (1 + 2) * D * BF16  # k and v repeated: read once, written twice
                + 2 * x * (32 + 2 * 4 * 2) * D * BF16  # q, k, v packed
                + 2 * x * 32 * D * BF16 + (x + x) * 32 * D * BF16)  # out joined; the regions
-    backward = (2 * x * 32 * D * BF16  # dout packed
+    backward = (2 * x * 64 * D * BF16  # dout and out packed
                 + (2 * x * 32 + 2 * x * 4 * (2 + 1)) * D * BF16  # dq joined; dk, dv read repeated, summed
                 + 2 * s * 2 * D * BF16 + 2 * s * 2 * D * BF16  # the step's dk, dv into dKV; dKV joined to the rows
                 + (x + x) * (32 + 8) * D * BF16)  # the regions
@@ -207,7 +207,7 @@ def test_the_slowest_member_of_an_all_to_all_sets_its_time():
     links = Links(all_to_all_bytes_per_s=1e6, nvlink_latency_s=0.0)
     got = advise.predict([advise.cu_seqlens_of([1001])], Option(2, 1, "balanced"), 8, call,
                          "dense", advise.kernel_table("NVIDIA H200"), links)
-    phases = [501 * (2 + 2) * 8 * 2, 501 * 2 * 8 * 2, 501 * 2 * 8 * 2, 501 * (2 + 2) * 8 * 2]
+    phases = [501 * (2 + 2) * 8 * 2, 501 * 2 * 8 * 2, 501 * 4 * 8 * 2, 501 * (2 + 2) * 8 * 2]  # dout and out in
     assert got.exposed_all_to_all_s == pytest.approx(sum(phases) / 1e6, rel=1e-9)
     assert got.exposed_ring_s == 0
 
@@ -267,7 +267,7 @@ def test_passes_count_the_bytes_of_the_calls_copies_and_sums():
     forward = (2 * x * (12 + 2 * 6) * 8 * 2  # q, k, v packed
                + 2 * x * 12 * 8 * 2  # out joined from the head groups and ranks
                + rows * 12 * 8 * 2)  # out's regions
-    backward = (2 * x * 12 * 8 * 2  # dout packed
+    backward = (2 * x * 24 * 8 * 2  # dout and out packed
                 + 2 * x * (12 + 2 * 6) * 8 * 2  # dq, dk, dv joined
                 + 2 * w * 2 * 2 * 8 * 2  # the own section's message
                 + 2 * s * 2 * 2 * 8 * 2  # the section's dKV joined to the GROUP rows
@@ -461,7 +461,7 @@ def test_exchange_bytes_split_what_goes_before_and_after_the_ring():
     forward_in, forward_out, backward_in, backward_out = advise.exchange_bytes(sizes, call, 3, 1)
     assert forward_in == 70 * (4 + 4) * 8 * 2 * 2  # own tokens, the other 2 ranks' heads
     assert forward_out == (50 + 30) * 4 * 8 * 2
-    assert backward_in == 70 * 4 * 8 * 2 * 2
+    assert backward_in == 70 * 8 * 8 * 2 * 2  # dout and out
     assert backward_out == (50 + 30) * (4 + 4) * 8 * 2
 
 

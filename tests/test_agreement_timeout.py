@@ -2,7 +2,7 @@
 leave the other ranks waiting forever in the agreement before the call: they raise
 ``hcp_compile.AgreementTimeout`` after ``agreement_timeout_s`` (default: the process group's own
 timeout), saying which collective, after how long, the likely cause and the fix
-(docs/design.md §9). One world of two processes (ulysses 1 x ring 2, gloo, eager path).
+(docs/design.md §9). One world of two processes (ulysses 1 x ring 2, gloo), eager and compiled.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import re
 from dataclasses import dataclass
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import hcp_compile as hc
-from attention_reference import reference_attention
+from hcp_compile.testing.reference import reference_attention
 from checks import assert_matches, assert_raised
 from cp_cases import ERROR_DOCS, ErrorSetup, World, cu_seqlens, short_timeout_groups
 
@@ -51,6 +52,36 @@ class SkippedCallCase:
 
 
 @dataclass(frozen=True)
+class SkippedCompiledCallCase:
+    """The compiled door: both ranks run a graph compiled by the hcp backend once, then rank 1
+    skips the second call; rank 0's graph waits in its agreement op (``hcp::agree_on_batch``)
+    at most the backend's ``agreement_timeout_s``, as eager CP's does."""
+
+    id: str = "rank-1-skips-the-compiled-call"
+    agreement_timeout_s: float = 1.5
+
+    def run(self, world: World) -> dict:
+        groups = short_timeout_groups(world, seconds=30)
+        setup = ErrorSetup(world)
+
+        def attend(q, k, v, cu_seqlens, max_seqlen):
+            return hc.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+
+        options = {"mesh": groups, "inner": "eager", "agreement_timeout_s": self.agreement_timeout_s}
+        compiled = torch.compile(attend, backend="hcp", fullgraph=True, options=options)
+        args = (setup.q, setup.k, setup.v, setup.cu, setup.longest)
+        torch._dynamo.reset()
+        try:
+            compiled(*args)  # both ranks: the graph is compiled and runs
+            if world.rank != SKIPPING_RANK:
+                compiled(*args)
+        finally:
+            dist.barrier()
+            torch._dynamo.reset()
+        return {}
+
+
+@dataclass(frozen=True)
 class EveryRankCallsCase:
     """Every rank makes the call with a timeout: it waits as long as needed and no longer."""
 
@@ -65,11 +96,12 @@ class EveryRankCallsCase:
 SKIPPED = SkippedCallCase("rank-1-skips-the-call", agreement_timeout_s=1.5, group_timeout_s=30)
 # agreement_timeout_s=None: the groups' own timeout, read from their backend
 SKIPPED_GROUP_TIMEOUT = SkippedCallCase("rank-1-skips-the-call-group-timeout", None, 2.5)
+SKIPPED_COMPILED = SkippedCompiledCallCase()
 EVERY_RANK = EveryRankCallsCase()
 
 
 def suite(mesh: tuple[int, int]) -> list:
-    return [EVERY_RANK, SKIPPED, SKIPPED_GROUP_TIMEOUT]
+    return [EVERY_RANK, SKIPPED, SKIPPED_GROUP_TIMEOUT, SKIPPED_COMPILED]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +123,19 @@ def test_a_skipped_call_raises_agreement_timeout_on_the_waiting_rank(world, case
     for part in (option, "ring group, global ranks [0, 1]", "skipped this call or stopped",
                  "caught an exception and went on", "context_parallel(mesh, agreement_timeout_s=...)"):
         assert part in waiting.message, f"{part!r} not in {waiting.message!r}"
+
+
+def test_a_skipped_compiled_call_raises_agreement_timeout_on_the_waiting_rank(world):
+    """The same protocol through the compiled door: the same error, after the backend's
+    ``agreement_timeout_s``."""
+    case = SKIPPED_COMPILED
+    waiting, skipping = world.per_rank(case.id)
+    assert not skipping.raised, f"rank {SKIPPING_RANK}: {skipping.describe()}"
+    assert_raised(waiting, hc.AgreementTimeout,
+                  "the compiled graph's varlen_attention: the agreement all-reduce", "rank 0")
+    waited = float(re.search(r"timed out after ([\d.]+) s", waiting.message).group(1))
+    assert case.agreement_timeout_s <= waited < case.agreement_timeout_s + LATE_S, waiting.message
+    assert "agreement_timeout_s=1.5" in waiting.message
 
 
 def test_every_rank_calling_with_a_timeout_matches_the_reference(world):

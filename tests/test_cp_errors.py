@@ -1,5 +1,6 @@
-"""Invalid input under CP: every rank raises, naming the argument, and no rank hangs; when a
-single rank gets invalid input, the others raise a RuntimeError pointing at another rank."""
+"""Invalid input under CP: every rank raises, naming the argument, and no rank hangs; a batch
+rule broken on one rank raises its error on every rank, and when a single rank's input fails
+another rule (its dtype, ...) the others raise a RuntimeError pointing at another rank."""
 
 import pytest
 

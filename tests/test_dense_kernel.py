@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from attention_reference import reference_with_grads
+from hcp_compile.testing.reference import reference_with_grads
 from checks import assert_matches, nan_filled_results
 from cp_cases import HEAD_DIM, cu_seqlens, seeded
 from hcp_compile.kernels import BlockSpec, dense, run_backward, run_forward

@@ -160,35 +160,35 @@ PLANNED_ZIGZAG = (
     "attention runs on ulysses=1 x ring=1 with placement='balanced'; give shard_plan the mesh "
     "and placement the attention runs with")
 
-# the batch rules under context parallelism, eager and compiled: (overrides, eager CP's text,
-# the compiled error's line), where the compiled line is eager's text with every argument that
-# broke the rule with the same numbers (eager raises the first failure)
+# the batch rules under context parallelism: (overrides, the line of the error both doors raise),
+# every argument that broke a rule with the same numbers in one line
 CP_BATCH = {
-    "tokens": ({"q": Q[:12], "k": KV[:12], "v": KV[:12]}, shard_tokens(12), shard_tokens(12, "q, k, v")),
-    "max-seqlen-both": ({"max_seqlen_q": 8, "max_seqlen_k": 8}, max_seqlen_short("max_seqlen_q"),
-                        max_seqlen_short("max_seqlen_q, max_seqlen_k")),
-    "max-seqlen-k": ({"max_seqlen_k": 8}, max_seqlen_short("max_seqlen_k"), max_seqlen_short("max_seqlen_k")),
-    "same-documents": ({"cu_seqlens_k": cu_seqlens((9, 0, 5))}, SAME_DOCUMENTS, SAME_DOCUMENTS),
-    "cu-start": ({"cu_seqlens_q": CU + 1, "cu_seqlens_k": CU}, "cu_seqlens_q: must start at 0, got 1; prepend a 0",
-                 "cu_seqlens_q: must start at 0, got 1; prepend a 0"),
+    "tokens": ({"q": Q[:12], "k": KV[:12], "v": KV[:12]}, shard_tokens(12, "q, k, v")),
+    "max-seqlen-both": ({"max_seqlen_q": 8, "max_seqlen_k": 8}, max_seqlen_short("max_seqlen_q, max_seqlen_k")),
+    "max-seqlen-k": ({"max_seqlen_k": 8}, max_seqlen_short("max_seqlen_k")),
+    "same-documents": ({"cu_seqlens_k": cu_seqlens((9, 0, 5))}, SAME_DOCUMENTS),
+    "cu-start": ({"cu_seqlens_q": CU + 1, "cu_seqlens_k": CU}, "cu_seqlens_q: must start at 0, got 1; prepend a 0"),
     "cu-decreasing": (
         {"cu_seqlens_k": DECREASING},
         "cu_seqlens_k: must be non-decreasing (cumulative document lengths), got entry 2 (5) < entry 1 "
-        "(9); pass the running sum of the document lengths, starting at 0", None),
+        "(9); pass the running sum of the document lengths, starting at 0"),
 }
 
 
-@pytest.mark.parametrize("overrides, message, line", CP_BATCH.values(), ids=CP_BATCH.keys())
-def test_cp_batch_error_text(one_rank_mesh, overrides, message, line):
-    assert message_of(lambda: attend_cp(one_rank_mesh, planned=CU, **overrides)) == message
+@pytest.mark.parametrize("overrides, line", CP_BATCH.values(), ids=CP_BATCH.keys())
+def test_cp_batch_error_text_is_the_same_through_both_doors(one_rank_mesh, compiled, overrides, line):
+    eager = message_of(lambda: attend_cp(one_rank_mesh, planned=CU, **overrides))
+    assert compiled(**call()).shape == Q.shape  # the valid batch runs
+    assert eager == message_of(lambda: compiled(**call(**overrides))) == CHECK_FAILED + on_rank(0, 0, line)
 
 
-def test_cp_planned_for_another_placement_error_text(one_rank_mesh):
+def test_cp_planned_for_another_placement_error_text(one_rank_mesh, compiled):
     cu = cu_seqlens((6, 8))  # values of its own: the record of the plan is kept by value
     hc.shard_plan(cu, one_rank_mesh, placement="zigzag")
     with hc.context_parallel(one_rank_mesh):
-        message = message_of(lambda: hc.varlen_attention(**call(cu_seqlens_q=cu, cu_seqlens_k=cu)))
-    assert message == PLANNED_ZIGZAG
+        eager = message_of(lambda: hc.varlen_attention(**call(cu_seqlens_q=cu, cu_seqlens_k=cu)))
+    assert eager == message_of(lambda: compiled(**call(cu_seqlens_q=cu, cu_seqlens_k=cu)))
+    assert eager == CHECK_FAILED + on_rank(0, 0, PLANNED_ZIGZAG)
 
 
 def test_graph_of_another_backend_inside_context_parallel_error_text(one_rank_mesh):
@@ -205,7 +205,7 @@ def test_graph_of_another_backend_inside_context_parallel_error_text(one_rank_me
 # the compiled door on a one-rank mesh: the agreed batch check gives eager's facts
 # --------------------------------------------------------------------------------------------
 
-CHECK_FAILED = "the compiled graph's batch check failed on a rank of the context-parallel mesh:\n"
+CHECK_FAILED = "the batch check failed on a rank of the context-parallel mesh:\n"
 
 
 def on_rank(ring_rank: int, ulysses_rank: int, *lines: str) -> str:
@@ -239,19 +239,6 @@ def compiled(one_rank_mesh) -> Iterator[Callable]:
     hc.shard_plan(CU, one_rank_mesh)
     yield compiled_attention(one_rank_mesh)
     torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("overrides, message, line", CP_BATCH.values(), ids=CP_BATCH.keys())
-def test_compiled_batch_check_error_text(compiled, overrides, message, line):
-    assert compiled(**call()).shape == Q.shape  # the valid batch runs
-    assert message_of(lambda: compiled(**call(**overrides))) == CHECK_FAILED + on_rank(0, 0, line or message)
-
-
-def test_compiled_planned_for_another_placement_error_text(compiled, one_rank_mesh):
-    cu = cu_seqlens((6, 8))
-    hc.shard_plan(cu, one_rank_mesh, placement="zigzag")
-    message = message_of(lambda: compiled(**call(cu_seqlens_q=cu, cu_seqlens_k=cu)))
-    assert message == CHECK_FAILED + on_rank(0, 0, PLANNED_ZIGZAG)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -398,6 +385,13 @@ def _compiled_short_q_on_rank_1(s: ErrorSetup) -> torch.Tensor:
     return _compiled(s, q=short, k=s.k[:short.shape[0]], v=s.v[:short.shape[0]])
 
 
+def _cu_int64_on_rank_1(s: ErrorSetup) -> torch.Tensor:
+    cu = s.cu.long() if s.rank == 1 else s.cu
+    return s.attend(cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+CU_INT64 = ("cu_seqlens_q: expected dtype torch.int32 (as varlen attention kernels take), got torch.int64; "
+            "convert with cu_seqlens_q.to(torch.int32)")
 # ErrorSetup's shard of 7 tokens given cu_seqlens [0, 7], its own
 LOCAL_CU = (
     "{arguments}: under context parallelism must hold this rank's token count of shard_plan(cu_seqlens, "
@@ -405,27 +399,31 @@ LOCAL_CU = (
     "'balanced') gives 4 per rank; cu_seqlens ends at 7, no more tokens than this rank holds: pass "
     "the GLOBAL cu_seqlens and max_seqlen (of the whole packed batch, the same on every rank) with "
     "this rank's shards of q, k, v, hcp_compile.shard_plan(cu_seqlens, mesh).shard(x)")
-COMPILED_LOCAL_CU = CHECK_FAILED + on_rank(0, 0, LOCAL_CU.format(arguments="q, k, v"))
-# every rank: what the lowest rank that broke the rule found (eager: rank 1's own error)
-COMPILED_SHORT_Q = CHECK_FAILED + on_rank(0, 1, SHORT_Q.replace("q: ", "q, k, v: ", 1))
+# every rank, through both doors: what the lowest rank that broke the rule found
+LOCAL_CU_TEXT = CHECK_FAILED + on_rank(0, 0, LOCAL_CU.format(arguments="q, k, v"))
+SHORT_Q_TEXT = CHECK_FAILED + on_rank(0, 1, SHORT_Q)
+COMPILED_SHORT_Q_TEXT = CHECK_FAILED + on_rank(0, 1, SHORT_Q.replace("q: ", "q, k, v: ", 1))
+OTHER_BATCH = CHECK_FAILED + f"  - {SAME_BATCH}"
 RANK_CASES = [
-    RankCase("messages-other-batch", _other_batch_on_rank_1, (SAME_BATCH, SAME_BATCH)),
-    RankCase("messages-one-rank-short-q", _short_q_on_rank_1, (ANOTHER_RANK, SHORT_Q)),
-    RankCase("messages-local-cu-seqlens", _local_cu_seqlens, (LOCAL_CU.format(arguments="q"),) * 2),
-    RankCase("messages-compiled-local-cu-seqlens", _compiled_local_cu_seqlens, (COMPILED_LOCAL_CU,) * 2),
-    RankCase("messages-compiled-one-rank-short-q", _compiled_short_q_on_rank_1, (COMPILED_SHORT_Q,) * 2),
+    RankCase("messages-other-batch", _other_batch_on_rank_1, (OTHER_BATCH,) * 2),
+    RankCase("messages-one-rank-short-q", _short_q_on_rank_1, (SHORT_Q_TEXT,) * 2),
+    RankCase("messages-local-cu-seqlens", _local_cu_seqlens, (LOCAL_CU_TEXT,) * 2),
+    RankCase("messages-compiled-local-cu-seqlens", _compiled_local_cu_seqlens, (LOCAL_CU_TEXT,) * 2),
+    RankCase("messages-compiled-one-rank-short-q", _compiled_short_q_on_rank_1, (COMPILED_SHORT_Q_TEXT,) * 2),
+    RankCase("messages-one-rank-cu-int64", _cu_int64_on_rank_1, (ANOTHER_RANK, CU_INT64)),
 ]
 
 
 def rank_cases(mesh: tuple[int, int]) -> list[RankCase]:
-    """The suite of the 2-rank world (tests/distributed.py)."""
+    """The suite of the 2-rank world (hcp_compile/testing/worlds.py)."""
     return RANK_CASES
 
 
 @pytest.mark.parametrize("case", RANK_CASES, ids=lambda c: c.id)
 def test_ranks_that_disagree_error_text(cp_world, case):
-    """Ranks given different batches raise the same text on every rank; a rank with a bad
-    input raises its own error, the others say that another rank did."""
+    """A batch rule broken on any rank, or ranks given different batches, raise the same text
+    on every rank, eager and compiled; a rank whose input fails another rule raises its own
+    error, the others say that another rank did."""
     records = cp_world(RANK_MESH, suite="test_error_messages:rank_cases").per_rank(case.id)
     assert [record.message for record in records] == list(case.messages)
     own_errors = [message != ANOTHER_RANK for message in case.messages]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attention_reference import reference_with_grads
+from hcp_compile.testing.reference import reference_with_grads
 from checks import assert_matches
 from cp_cases import HEAD_DIM, cu_seqlens, seeded
 from hcp_compile.kernels import BlockSpec, dense, flash

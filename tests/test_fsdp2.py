@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from distributed import run_script
+from hcp_compile.testing.worlds import run_script
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_compile.py"
 CPU_DEADLINE_S = 300  # generous: the cores may be shared (measured: 25-36 s on 2 cores)

@@ -19,7 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import hcp_compile as hc
-from attention_reference import reference_with_grads
+from hcp_compile.testing.reference import reference_with_grads
 from checks import assert_matches
 from cp_cases import HEAD_DIM, cu_seqlens
 from hcp_compile.kernels import torch_kernel

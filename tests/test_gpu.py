@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hcp_compile as hc
-from attention_reference import reference_with_grads
+from hcp_compile.testing.reference import reference_with_grads
 from checks import assert_matches, expected_for, nan_filled_results
 from cp_cases import AttentionCase, cu_seqlens, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest, measured, BlockSpec, new_cache_key, resolve_kernel, run_backward, run_forward

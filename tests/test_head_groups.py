@@ -1,7 +1,7 @@
 """The Ulysses exchange pipelined over head groups (docs/design.md §3.6).
 
 The rule (``schedule.head_groups``) as a unit; then, in one gloo world per mesh of
-``MESHES`` (suite :func:`suite` of this module, run by ``distributed.py``): eager CP with
+``MESHES`` (suite :func:`suite` of this module, run by ``hcp_compile/testing/worlds.py``): eager CP with
 grouped heads (GQA 8/4, MHA 4/4) and with the rule's fallback to one group (4/2, 8/2, 2/1
 with repeated KV heads), results and gradients against the float64 reference and equal, up to
 rounding, to the algorithm forced to one group (the same ops on the groups' smaller tensors,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hcp_compile as hc
-from attention_reference import document_mask, reference_with_grads
+from hcp_compile.testing.reference import document_mask, reference_with_grads
 from checks import assert_matches, expected_for, nan_filled_results
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, auto_kernel, cu_seqlens, kernels_that_run, seeded, World
 from hcp_compile.hierarchical import _join_regions, _split_regions

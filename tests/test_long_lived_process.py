@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hcp_compile as hc
-from attention_reference import reference_with_grads
+from hcp_compile.testing.reference import reference_with_grads
 from checks import assert_matches
 from cp_cases import cu_seqlens, kernels_that_run, seeded
 from hcp_compile.kernels import KERNELS, BlockRequest

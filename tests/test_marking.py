@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 import hcp_compile as hc
-from attention_reference import reference_attention
+from hcp_compile.testing.reference import reference_attention
 from checks import assert_matches, assert_raised
 from cp_cases import HEAD_DIM, World, cu_seqlens, seeded
 from hcp_compile.passes.match import UnsupportedAttention

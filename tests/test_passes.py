@@ -29,7 +29,7 @@ from torch.nn.attention.varlen import AuxRequest, varlen_attn
 from torch.utils._pytree import tree_map_only
 
 import hcp_compile as hc
-from attention_reference import reference_attention, reference_with_grads
+from hcp_compile.testing.reference import reference_attention, reference_with_grads
 from checks import assert_matches
 from compile_cases import counting_runs
 from cp_cases import HEAD_DIM, MESHES, cu_seqlens, mesh_id, scheme_cases, seeded
@@ -429,7 +429,7 @@ def test_rewrite_replaces_every_match_and_checks_each_cu_seqlens_once():
     assert [c.args[0] for c in checks] == [inputs["l_cu_"], inputs["l_other_cu_"]]
     assert all(c.kwargs == {"ulysses_group": "ulysses-group", "ring_group": "ring-group",
                             "placement": "balanced", "agree": True, "recompute_exchange": False,
-                            "scheme": "ring", "graph_for": "ring"}
+                            "scheme": "ring", "graph_for": "ring", "agreement_timeout_s": None}
                for c in checks)
     # every call reads the checked layout of its own cu_seqlens
     assert [a.args[4] for a in attention] == [checks[0], checks[0], checks[1]]

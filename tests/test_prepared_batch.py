@@ -22,13 +22,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import hcp_compile as hc
-from attention_reference import reference_with_grads
+from hcp_compile.testing.reference import reference_with_grads
 from checks import assert_matches, assert_raised, local_rows
 from compile_cases import VarlenAttention, fresh_dynamo
 from cp_cases import World, cu_seqlens, seeded
 from hcp_compile import validation
-from hcp_compile.batch import layout, pickling, prepared, schedule
+from hcp_compile.batch import layout, pickling, prepared, rank_plan, schedule
 from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch, prepare_batch
 
 MESH = (2, 2)  # (ulysses, ring)
@@ -62,7 +63,7 @@ class _PreparedBatches(Dataset):
 
 # what preparing a batch derives; the prepared path must call none of it again
 _DERIVATIONS = ((layout, "batch_layout"), (layout, "rank_size_values"), (layout, "rank_tokens"),
-                (layout, "step_sees_any_key"), (prepared, "schedule_tables"))
+                (layout, "step_sees_any_key"), (rank_plan, "schedule_tables"))
 
 
 @contextmanager
@@ -117,7 +118,7 @@ class AheadOfTimeCase:
             plan = hc.shard_plan(batch, world.mesh)
             ahead = {"eager": attend(plan, world, cu, compiled=False),
                      "compiled": attend(plan, world, cu, compiled=True)}
-        prepared._PREPARED.clear()  # forget it: the on-the-fly path derives everything again
+        hc.clear_batch_cache()  # forget it: the on-the-fly path derives everything again
         with counting_derivations() as on_the_fly_calls:
             fly_plan = hc.shard_plan(cu, world.mesh)
             on_the_fly = {"eager": attend(fly_plan, world, cu, compiled=False),
@@ -243,7 +244,7 @@ def test_pickled_batch_holds_what_the_host_derives():
     assert batch.rank_sizes(1, 1) == sizes
     assert torch.equal(batch.tokens(1, 1).global_index, layout.rank_tokens(fresh, sizes, 1).global_index)
     want = schedule.schedule_tables(fresh, sizes, 1, 2, causal=True, windowed=False).flat()
-    for got, expected in zip(batch.tables(1, 1, 2, True, False).flat(), want):
+    for got, expected in zip(batch.tables(1, 1, True, (-1, -1), steps=2).flat(), want):
         assert torch.equal(got, expected)
 
 
@@ -256,7 +257,7 @@ def test_compiled_check_keeps_each_calls_own_verdict():
 
     cu = cu_seqlens(DOCS)
     batch = prepared.prepare(prepared.host_values(cu), MeshShape(2, 2, "balanced"))
-    prepared.record_plan(batch)
+    BATCHES.record_plan(batch)
     tokens = batch.rank_tokens(1, 1)
 
     def verdict(count: int) -> list[int]:
@@ -266,13 +267,13 @@ def test_compiled_check_keeps_each_calls_own_verdict():
 
     def expected(count: int) -> list[int]:
         call = validation.BatchCall({n: count for n in "qkv"}, {"max_seqlen_q": max(DOCS), "max_seqlen_k": max(DOCS)},
-                                     rank=(1, 1), planned=prepared.planned_shape(batch.batch))
+                                     rank=(1, 1), planned=BATCHES.planned(batch.batch.digest))
         return validation.verdict(validation.check(batch, call), (1, 1))
 
     assert verdict(tokens) == expected(tokens) and not any(expected(tokens))
     assert verdict(tokens + 1) == expected(tokens + 1) and any(expected(tokens + 1))
     assert verdict(tokens) == expected(tokens)  # the first call's, kept
-    prepared.record_plan(prepared.prepare(batch.batch, MeshShape(1, 4, "balanced")))
+    BATCHES.record_plan(prepared.prepare(batch.batch, MeshShape(1, 4, "balanced")))
     assert verdict(tokens) == expected(tokens) and any(expected(tokens))  # now planned for 1 x 4
 
 
@@ -282,7 +283,6 @@ def test_pickled_batch_crosses_as_one_tensor():
     which a worker preparing one rank's batch leaves out, are derived again on first use."""
     cu = cu_seqlens(DOCS)
     prepared_batch = prepare_batch(cu, ulysses=2, ring=2, rank=3, causal=True)
-    assert "unshard" not in prepared_batch._derived
 
     class Counting(pickle.Pickler):
         tensors = 0
@@ -294,9 +294,14 @@ def test_pickled_batch_crosses_as_one_tensor():
 
     Counting(io.BytesIO()).dump(prepared_batch)
     assert Counting.tensors == 1
-    every_rank = prepare_batch(cu, ulysses=2, ring=2, causal=True)
+    every_rank = pickle.loads(pickle.dumps(prepare_batch(cu, ulysses=2, ring=2, causal=True)))
     batch = pickle.loads(pickle.dumps(prepared_batch))
-    assert torch.equal(batch.unshard_rows(), every_rank.unshard_rows())
+    with counting_derivations() as calls:
+        rows = batch.unshard_rows()
+    assert calls["rank_tokens"] == 3  # the other ranks' tokens: the rows were not sent
+    with counting_derivations() as calls:
+        assert torch.equal(rows, every_rank.unshard_rows())
+    assert not any(calls.values())  # sent by a worker that prepared every rank
 
 
 def test_pack_restores_every_tensor_and_the_rest():
@@ -345,11 +350,28 @@ def test_warm_derives_the_tables_the_attention_asks_for(ulysses, ring, window, m
     def rebuilt(*args, **kwargs):
         raise AssertionError("schedule tables built again on the training step")
 
-    monkeypatch.setattr(prepared, "schedule_tables", rebuilt)
+    monkeypatch.setattr(rank_plan, "schedule_tables", rebuilt)
     for rank in range(ulysses * ring):
-        ring_rank, ulysses_rank = divmod(rank, ulysses)
-        steps = schedule.schedule_steps(ready.rank_sizes(ring_rank, ulysses_rank), ring)
-        ready.tables(ring_rank, ulysses_rank, steps, True, layout.window_by_position(window, ring))
+        ready.tables(*divmod(rank, ulysses), True, window)
+
+
+def test_tables_prepared_ahead_on_a_ring_of_one_with_a_window_are_the_ones_the_step_uses(one_rank_mesh):
+    """A worker's batch for a mesh with a ring of one and a window (positions need not be
+    passed there, so the keys of the tables differ from a plain ``window != (-1, -1)``): the
+    training step, eager and compiled, derives nothing again, and its results are the
+    reference's."""
+    cu = cu_seqlens(DOCS)
+    sent = pickle.loads(pickle.dumps(prepare_batch(cu, ulysses=1, ring=1, rank=0, **MASK)))
+    x = global_inputs()
+    expected = reference_with_grads(x["q"], x["k"], x["v"], x["dout"], cu.tolist(), cu.tolist(), **MASK)
+    world = World(rank=0, ulysses=1, ring=1, mesh=one_rank_mesh)
+    with counting_derivations() as calls:
+        plan = hc.shard_plan(sent, one_rank_mesh)
+        results = {"eager": attend(plan, world, cu, compiled=False), "compiled": attend(plan, world, cu, compiled=True)}
+    assert not any(calls.values()), f"derived again on the step: {calls}"
+    for path, result in results.items():
+        for name, got in result.items():
+            assert_matches(got, local_rows(expected[name], plan.global_index), f"{path} {name}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,15 +410,14 @@ def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.dev
     from hcp_compile.hierarchical import _local_spec, _step_spec
 
     batch = prepared.prepare(prepared.host_values(cu_seqlens(lengths)), mesh)
-    windowed = layout.window_by_position(window, mesh.ring)
     for ring_rank in range(mesh.ring):
         for ulysses_rank in range(mesh.ulysses):
-            sizes = batch.rank_sizes(ring_rank, ulysses_rank)
-            steps = schedule.schedule_steps(sizes, mesh.ring)
-            flat = batch.device_tables(ring_rank, ulysses_rank, steps, causal, windowed, torch.device(device))
-            sched = rank_schedule(flat, sizes, steps, ring_rank, mesh.ring, max(lengths), causal=causal, scale=0.125,
+            plan, flat = batch.device_tables(ring_rank, ulysses_rank, causal, window, torch.device(device))
+            sizes = plan.sizes
+            sched = rank_schedule(flat, sizes, plan.steps, ring_rank, mesh.ring, max(lengths), causal=causal, scale=0.125,
                                   window=window, kernel="cudnn",
-                                  first_cache_key=hc.kernels.new_cache_key(schedule.cache_keys_needed(mesh.ring)),
+                                  first_cache_key=BATCHES.cache_keys(batch, (ring_rank, ulysses_rank),
+                                                                     schedule.cache_keys_needed(mesh.ring)),
                                   scheme=DEFAULT_SCHEME)
             blocks = [CPBlock("local", _local_spec(sched), sizes.local, sizes.local)]
             blocks += [CPBlock(f"step {i} (keys of ring rank {step.source})", _step_spec(step, sched), sizes.stream,
@@ -438,8 +459,8 @@ def test_compiled_tables_op_keeps_the_host_copy_for_the_graphs_aliases():
     sizes = batch.rank_sizes(ring_rank, ulysses_rank)
     steps = schedule.schedule_steps(sizes, mesh.ring)
     tables, _ = torch.ops.hcp.schedule_tables(cu.long(), torch.device("cpu"), mesh.ulysses, mesh.ring, mesh.placement,
-                                              ring_rank, ulysses_rank, steps, True, False, layout.size_values(sizes))
-    expected = batch.tables(ring_rank, ulysses_rank, steps, True, False).flat()[0]
+                                              ring_rank, ulysses_rank, steps, True, -1, -1, layout.size_values(sizes))
+    expected = batch.tables(ring_rank, ulysses_rank, True, (-1, -1), steps).flat()[0]
     start, length = sizes.local_entries + 1, 4 * sizes.step_entries[0] + 1  # the own step's cu_q
     alias = torch._C._dynamo.guards._reinterpret_tensor(tables, (length,), (1,), start)
     del tables

@@ -15,7 +15,7 @@ from torch import fx
 import hcp_compile as hc
 from hcp_compile.kernels import BlockSpec, torch_kernel
 from hcp_compile.passes.match import UnsupportedAttention
-from attention_reference import reference_with_grads
+from hcp_compile.testing.reference import reference_with_grads
 from checks import assert_matches, assert_rounding_close, expected_for
 from cp_cases import HEAD_DIM, AttentionCase, attention_cases, cu_seqlens, seeded
 

@@ -1,6 +1,6 @@
 """``examples/train_packed.py`` in a reduced form (as a subprocess, the way users run it), and
 the ``("data", "ring", "ulysses")`` mesh of ``make_mesh(..., data=D)`` in a 4-process world
-(suite :func:`suite` of this module, run by ``distributed.py``), where the example's worker
+(suite :func:`suite` of this module, run by ``hcp_compile/testing/worlds.py``), where the example's worker
 then trains with data-parallel replicas."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import hcp_compile as hc
 from checks import assert_matches
 from cp_cases import World
-from distributed import WORLD_DIR_ENV, run_script
+from hcp_compile.testing.worlds import WORLD_DIR_ENV, run_script
 from hcp_compile.exchange.mesh import resolve_groups
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_packed.py"

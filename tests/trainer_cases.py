@@ -1,5 +1,5 @@
 """Trainer cases (``hcp_compile.trainer``), run inside the worker processes of
-``distributed.py``: ``suite="trainer_cases"``, one world of 4 ranks.
+``hcp_compile/testing/worlds.py``: ``suite="trainer_cases"``, one world of 4 ranks.
 
 A tiny randomly initialized Llama (no download) trains for a few optimizer steps with
 transformers' ``Trainer`` on ``DataCollatorWithFlattening`` batches and with TRL's
@@ -21,7 +21,7 @@ from torch import nn
 
 import hcp_compile as hc
 from cp_cases import World
-from distributed import WORLD_DIR_ENV
+from hcp_compile.testing.worlds import WORLD_DIR_ENV
 
 from datasets import Dataset  # noqa: E402
 from transformers import (  # noqa: E402
@@ -152,7 +152,7 @@ def train(kind: str, out_dir: str, mesh=None, *, batch: int = 4, schedule: Sched
 
 def as_torchrun_sets_it(world: World) -> None:
     """The variables torchrun sets, which accelerate (hence the Trainer) reads for its process
-    index and count: the ranks of distributed.py get only the store's address."""
+    index and count: the ranks of hcp_compile/testing/worlds.py get only the store's address."""
     size = world.ulysses * world.ring
     os.environ.update(RANK=str(world.rank), LOCAL_RANK=str(world.rank), WORLD_SIZE=str(size),
                       LOCAL_WORLD_SIZE=str(size))

@@ -1,10 +1,10 @@
 """One attention call on one batch, the same steps for every door (docs/design.md §2.4, §9).
 
-    cu_seqlens ──► host_values ──► checked_batch ──► agreement ──► rank_schedule ──► the algorithm
-                   (once per       (prepared for     (eager: an     (the tables
-                   tensor and      the mesh, and     all-reduce;    the kernels
-                   version)        checked against  compiled: in   and the ring
-                                   the call)         the graph)     steps read)
+    cu_seqlens ──► find ──────────► checked_batch ──► agreement ──► rank_schedule ──► the algorithm
+                   (read once per  (the call's       (eager: an     (the tables
+                   tensor version, rules against     all-reduce;    the kernels
+                   prepared once   the prepared      compiled: in   and the ring
+                   per batch)      batch)            the graph)     steps read)
 
 The single-device op stops after the check; eager CP (hcp_compile/context.py) runs every step
 in the call; the compiled graph runs the first two in its host op (``hcp::batch_layout``), the
@@ -17,26 +17,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hcp_compile.batch.layout import RankSizes, window_by_position
-from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch, planned_shape, prepare
+from hcp_compile.batch.cache import BATCHES
+from hcp_compile.batch.prepared import BatchValues, PreparedBatch
 from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule
 from hcp_compile.validation import BatchCall, Failure, check
 
 
 def checked_batch(
-    queries: BatchValues, keys: BatchValues | None, mesh: MeshShape | None, tokens: Sequence[int],
-    max_seqlens: Sequence[int], rank: tuple[int, int] = (0, 0),
-) -> tuple[PreparedBatch, tuple[Failure, ...]]:
-    """The batch ``queries`` (``cu_seqlens_q``'s values) prepared for ``mesh`` (None: one
-    device, nothing to lay out), and the rules a call breaks on it: ``keys``,
-    ``cu_seqlens_k``'s values where it is another tensor; ``tokens``, q, k and v's token
-    counts; ``max_seqlens``, both ``max_seqlen`` as passed; ``rank``, (ring rank, Ulysses
-    rank)."""
-    prepared = prepare(queries, mesh) if mesh is not None else PreparedBatch(queries, None)
+    prepared: PreparedBatch, keys: BatchValues | None, tokens: Sequence[int], max_seqlens: Sequence[int],
+    rank: tuple[int, int] = (0, 0),
+) -> tuple[Failure, ...]:
+    """The rules a call breaks on the batch ``prepared`` (``cu_seqlens_q``'s, for the call's
+    mesh; a single device's has none): ``keys``, ``cu_seqlens_k``'s values where it is another
+    tensor; ``tokens``, q, k and v's token counts; ``max_seqlens``, both ``max_seqlen`` as
+    passed; ``rank``, (ring rank, Ulysses rank)."""
     call = BatchCall(
         dict(zip("qkv", tokens)), {"max_seqlen_q": max_seqlens[0], "max_seqlen_k": max_seqlens[1]},
-        keys, rank, planned_shape(queries) if mesh is not None else None,
+        keys, rank, BATCHES.planned(prepared.batch.digest) if prepared.mesh is not None else None,
     )
-    return prepared, check(prepared, call)
+    return check(prepared, call)
 
 
 def rank_schedule(

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 class Kind(IntEnum):
@@ -157,6 +158,14 @@ def rank_size_values(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> 
         layout.exchange_extent[ring_rank],
         torch.stack([layout.is_local_on(ring_rank, ulysses_rank).sum(), *step_entries]),
     ])
+
+
+def known_empty(size: int | torch.SymInt) -> bool:
+    """Whether a region of this size is known to be empty, the one rule both doors decide by:
+    an eager call's sizes are ints; a compiled graph's are symbols, known to be 0 only where its
+    variant made them the constant 0 (``Exchanges.narrowed``), and otherwise kept general
+    without a guard."""
+    return statically_known_true(size == 0)
 
 
 def size_values(sizes: RankSizes) -> list:

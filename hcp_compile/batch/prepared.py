@@ -4,15 +4,17 @@ place and cached by value: :class:`PreparedBatch` (docs/design.md §2, §5.3, §
 Eager CP, the compiled graph's host ops, ``shard_plan`` and the single-device op (the mesh-less
 case) all read the batch from here: the checked host copy of ``cu_seqlens``, the layout, every
 rank's sizes, the fingerprint the ranks agree on, each rank's tokens and its schedule tables.
-A batch is found by the digest of its values, so a :class:`PreparedBatch` built ahead of time
-(``prepare_batch`` in a DataLoader worker: no process group needed, and it pickles) is taken
-as it is by every path once ``shard_plan`` adopts it.
+A batch is found by the digest of its values and the mesh shape in the one batch cache
+(hcp_compile/batch/cache.py), so a :class:`PreparedBatch` built ahead of time (``prepare_batch``
+in a DataLoader worker: no process group needed, and it pickles) is taken as it is by every path
+once ``shard_plan`` adopts it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,11 +24,13 @@ from torch import Tensor
 
 from hcp_compile import validation
 from hcp_compile.batch import layout, pickling
+from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.layout import BatchLayout, RankSizes, StreamTokens
 from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement, placement_rule
-from hcp_compile.batch.schedule import ScheduleTables, schedule_steps, schedule_tables
+from hcp_compile.batch.rank_plan import RankPlan, plan_rank
+from hcp_compile.batch.schedule import ScheduleTables, schedule_steps
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME
-from hcp_compile.kernels.contract import HOST_READS, BoundedCache
+from hcp_compile.kernels.contract import HOST_READS
 from hcp_compile.validation import Failure
 
 
@@ -120,7 +124,7 @@ class MeshShape:
         return f"ulysses={self.ulysses} x ring={self.ring} with placement={self.placement!r}"
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class PreparedBatch:
     """One batch prepared for one mesh shape (``mesh=None``: a single device, the identity
     layout): picklable, built without a process group.
@@ -130,13 +134,26 @@ class PreparedBatch:
         mesh: the mesh shape and placement, or None for a single device.
         layout: the :class:`layout.BatchLayout` on the host; None for a single device or when
             ``cu_seqlens`` breaks its own rules (then nothing is laid out).
+
+    What is derived per rank ``(ring rank, Ulysses rank)`` or per mask is kept in the fields
+    after these on first use (or by :meth:`warm`) and pickled along, but for the pinned copies.
     """
 
     batch: BatchValues
     mesh: MeshShape | None
     layout: BatchLayout | None = None
-    # what is derived per rank or per mask, on first use (and by warm()): pickled along
-    _derived: dict = field(default_factory=dict, repr=False)
+    _sizes: dict[tuple[int, int], RankSizes] = field(default_factory=dict, repr=False)
+    _tokens: dict[tuple[int, int], StreamTokens] = field(default_factory=dict, repr=False)
+    _plans: dict[tuple[int, int, bool, tuple[int, int], int | None], RankPlan] = field(default_factory=dict, repr=False)
+    _fingerprints: dict[tuple[bool, str], int] = field(default_factory=dict, repr=False)
+    # the plans' tables in pinned memory, by the plan's id (the plans are kept as long), this
+    # process's only: a worker's would arrive as plain memory
+    _pinned: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def key(self) -> tuple[bytes, MeshShape | None]:
+        """What names the batch in the batch cache (hcp_compile/batch/cache.py)."""
+        return self.batch.digest, self.mesh
 
     @property
     def laid_out(self) -> bool:
@@ -149,38 +166,25 @@ class PreparedBatch:
             return self.batch.num_tokens
         return self.rank_sizes(ring_rank, ulysses_rank).tokens
 
-    def rank_size_values(self, ring_rank: int, ulysses_rank: int) -> Tensor:
-        """Rank ``(ring_rank, ulysses_rank)``'s :func:`layout.rank_size_values`, derived for the
-        ranks that ask (each costs a few table builds: all 64 of an 8 x 8 mesh, a second)."""
-        key = ("sizes", ring_rank, ulysses_rank)
-        if key not in self._derived:
-            self._derived[key] = layout.rank_size_values(self.layout, ring_rank, ulysses_rank)
-        return self._derived[key]
-
     def rank_sizes(self, ring_rank: int, ulysses_rank: int) -> RankSizes:
-        values = self.rank_size_values(ring_rank, ulysses_rank).tolist()
-        return layout.rank_sizes(values, ulysses_rank, self.layout.ulysses)
+        """Rank ``(ring_rank, ulysses_rank)``'s sizes (:func:`layout.rank_size_values`), derived
+        for the ranks that ask (each costs a few table builds: all 64 of an 8 x 8 mesh, a
+        second)."""
+        rank = (ring_rank, ulysses_rank)
+        if rank not in self._sizes:
+            values = layout.rank_size_values(self.layout, ring_rank, ulysses_rank).tolist()
+            self._sizes[rank] = layout.rank_sizes(values, ulysses_rank, self.layout.ulysses)
+        return self._sizes[rank]
 
-    @property
-    def has_ring_section(self) -> bool:
-        """Whether any document goes round the ring (``W > 0``): without, every schedule of the
-        batch is its own step alone (:func:`schedule.schedule_steps`). True when nothing is
-        laid out, so that a caller takes the path that checks the batch."""
-        if self.layout is None:
-            return True
-        if "ring_width" not in self._derived:
-            self._derived["ring_width"] = int(self.layout.ring_width)
-        return self._derived["ring_width"] > 0
-
-    @property
+    @functools.cached_property
     def exchanges(self) -> Exchanges:
         """What the batch moves between ranks (:class:`Exchanges`); RING when nothing is laid
-        out, so that a caller takes the path that checks the batch."""
-        if not self.has_ring_section:
-            if "exchanged" not in self._derived:
-                self._derived["exchanged"] = int(self.layout.exchange_extent.sum())
-            return Exchanges.HEADS if self._derived["exchanged"] else Exchanges.NOTHING
-        return Exchanges.RING
+        out, so that a caller takes the path that checks the batch. Without a ring section
+        (``W == 0``) every schedule of the batch is its own step alone
+        (:func:`schedule.schedule_steps`)."""
+        if self.layout is None or int(self.layout.ring_width) > 0:
+            return Exchanges.RING
+        return Exchanges.HEADS if int(self.layout.exchange_extent.sum()) else Exchanges.NOTHING
 
     def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME) -> int:
         """A hash of the values, the mesh shape, the placement, ``recompute_exchange`` and the
@@ -189,23 +193,23 @@ class PreparedBatch:
         an int64 too: ranks all-reduce the maximum of both to learn whether they hold the same
         batch. Names, not indices, go in, so any number of placements and schemes is told
         apart."""
-        key = ("fingerprint", recompute_exchange, scheme)
-        if key not in self._derived:
+        options = (recompute_exchange, scheme)
+        if options not in self._fingerprints:
             shape = "single" if self.mesh is None else f"{self.mesh.ulysses}x{self.mesh.ring}:{self.mesh.placement}"
             salted = hashlib.sha256(self.batch.digest + f"|{shape}|{int(recompute_exchange)}|{scheme}".encode())
-            self._derived[key] = int.from_bytes(salted.digest()[:8], "little") & (2**62 - 1)
-        return self._derived[key]
+            self._fingerprints[options] = int.from_bytes(salted.digest()[:8], "little") & (2**62 - 1)
+        return self._fingerprints[options]
 
     def tokens(self, ring_rank: int, ulysses_rank: int) -> StreamTokens:
         """Where each token rank ``(ring_rank, ulysses_rank)`` holds comes from (host)."""
-        key = ("tokens", ring_rank, ulysses_rank)
-        if key not in self._derived:
-            self._derived[key] = self._tokens_unkept(ring_rank, ulysses_rank)
-        return self._derived[key]
+        rank = (ring_rank, ulysses_rank)
+        if rank not in self._tokens:
+            self._tokens[rank] = self._tokens_unkept(ring_rank, ulysses_rank)
+        return self._tokens[rank]
 
     def _tokens_unkept(self, ring_rank: int, ulysses_rank: int) -> StreamTokens:
         """The rank's tokens as kept by :meth:`tokens`, else derived without keeping them."""
-        kept = self._derived.get(("tokens", ring_rank, ulysses_rank))
+        kept = self._tokens.get((ring_rank, ulysses_rank))
         if kept is not None:
             return kept
         return layout.rank_tokens(self.layout, self.rank_sizes(ring_rank, ulysses_rank), ring_rank)
@@ -213,52 +217,42 @@ class PreparedBatch:
     def unshard_rows(self) -> Tensor:
         """Row of each global token in every rank's shard gathered ring rank major, Ulysses
         minor (what ``ShardPlan.unshard`` selects)."""
-        if "unshard" not in self._derived:
-            # the other ranks' tokens are not kept: only their order matters here (their sizes
-            # are: a ShardPlan of another rank, or the summary, needs them)
-            gathered = torch.cat([
-                self._tokens_unkept(r, a).global_index
-                for r in range(self.mesh.ring) for a in range(self.mesh.ulysses)
-            ])
-            total = self.batch.num_tokens
-            # pads (-1) scatter into one extra slot that is cut off afterwards
-            slot = torch.where(gathered >= 0, gathered, total)
-            rows = torch.empty(total + 1, dtype=torch.int64)
-            rows.scatter_(0, slot, torch.arange(gathered.numel()))
-            self._derived["unshard"] = rows[:-1]
-        return self._derived["unshard"]
+        return self._unshard_rows
 
-    def tables(self, ring_rank: int, ulysses_rank: int, steps: int, causal: bool, windowed: bool) -> ScheduleTables:
-        """The host tables of rank ``(ring_rank, ulysses_rank)``'s schedule of ``steps`` ring
-        steps for this mask (:func:`schedule.schedule_tables`)."""
-        key = ("tables", ring_rank, ulysses_rank, steps, causal, windowed)
-        if key not in self._derived:
-            self._derived[key] = schedule_tables(
-                self.layout, self.rank_sizes(ring_rank, ulysses_rank), ring_rank, steps,
-                causal=causal, windowed=windowed,
-            )
-        return self._derived[key]
+    @functools.cached_property
+    def _unshard_rows(self) -> Tensor:
+        # the other ranks' tokens are not kept: only their order matters here (their sizes
+        # are: a ShardPlan of another rank, or the summary, needs them)
+        gathered = torch.cat([
+            self._tokens_unkept(r, a).global_index
+            for r in range(self.mesh.ring) for a in range(self.mesh.ulysses)
+        ])
+        total = self.batch.num_tokens
+        # pads (-1) scatter into one extra slot that is cut off afterwards
+        slot = torch.where(gathered >= 0, gathered, total)
+        rows = torch.empty(total + 1, dtype=torch.int64)
+        rows.scatter_(0, slot, torch.arange(gathered.numel()))
+        return rows[:-1]
 
-    def steps_seeing_keys(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int]) -> tuple[bool, ...]:
-        """Per ring step of the rank's schedule, whether any query sees any key under the
-        sliding ``window`` (the own step always computes): the steps a schedule may skip."""
-        steps = schedule_steps(self.rank_sizes(ring_rank, ulysses_rank), self.layout.ring)
-        if window == (-1, -1) or steps == 1:
-            return (True,) * steps
-        key = ("seeing", ring_rank, causal, window)
-        if key not in self._derived:
-            batch, ring = self.layout, self.layout.ring
-            own = layout.stream_table(batch, ring_rank)
-            sources = layout.step_sources(ring_rank, ring, steps)[1:]
-            seen = torch.stack([
-                layout.step_sees_any_key(
-                    own, layout.stream_table(batch, src, with_group=False), ring_rank, src, ring,
-                    layout.step_kind(ring_rank, src, causal), *window,
-                )
-                for src in sources
-            ])
-            self._derived[key] = (True, *seen.tolist())
-        return self._derived[key]
+    def rank_plan(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
+                  steps: int | None = None) -> RankPlan:
+        """Rank ``(ring_rank, ulysses_rank)``'s :class:`RankPlan` for calls with this mask, kept
+        under the mask as given (warm() and both doors ask alike): of its own ring steps, or of
+        ``steps`` (a compiled graph keeps every step)."""
+        asked = (ring_rank, ulysses_rank, causal, window, steps)
+        if asked not in self._plans:
+            sizes = self.rank_sizes(ring_rank, ulysses_rank)
+            # the rank's own steps asked for with their count (a compiled graph) or without
+            counted = asked[:-1] + (schedule_steps(sizes, self.mesh.ring) if steps is None else steps,)
+            if counted not in self._plans:
+                self._plans[counted] = plan_rank(self.layout, sizes, ring_rank, causal, window, counted[-1])
+            self._plans[asked] = self._plans[counted]
+        return self._plans[asked]
+
+    def tables(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
+               steps: int | None = None) -> ScheduleTables:
+        """The host tables of the rank's schedule for this mask (:meth:`rank_plan`)."""
+        return self.rank_plan(ring_rank, ulysses_rank, causal, window, steps).tables
 
     def warm(self, ranks: Iterable[int] | None = None, *, causal: bool = True,
              window: tuple[int, int] = (-1, -1)) -> "PreparedBatch":
@@ -274,49 +268,41 @@ class PreparedBatch:
         for rank in range(mesh.ulysses * mesh.ring) if ranks is None else ranks:
             ring_rank, ulysses_rank = divmod(check_rank(rank, mesh), mesh.ulysses)
             self.tokens(ring_rank, ulysses_rank)  # and the rank's sizes
-            steps = schedule_steps(self.rank_sizes(ring_rank, ulysses_rank), mesh.ring)
-            # keyed as both doors ask for them: a window masks by position only round a ring
-            self.tables(ring_rank, ulysses_rank, steps, causal, layout.window_by_position(window, mesh.ring))
-            self.steps_seeing_keys(ring_rank, ulysses_rank, causal, window)
+            self.rank_plan(ring_rank, ulysses_rank, causal, window)
         if ranks is None:
             self.unshard_rows()
         return self
 
     def device_tables(
-        self, ring_rank: int, ulysses_rank: int, steps: int, causal: bool, windowed: bool,
-        device: torch.device,
-    ) -> tuple[Tensor, Tensor]:
-        """:meth:`tables` flattened (:meth:`ScheduleTables.flat`) and copied to ``device``, the
-        segmentations' host copy kept in ``HOST_READS`` (:meth:`HostReads.put_table`), where a
-        kernel finds the segmentation of any block of the schedule without reading it back
-        (cudnn's backward in chunks of documents). On CUDA the copy comes from pinned memory
-        (kept in this process only) and waits for nothing: a copy from pageable memory waits for
-        all the work queued before it."""
-        if device.type != "cuda":
-            flat = self.tables(ring_rank, ulysses_rank, steps, causal, windowed).flat()
-            copies = tuple(t.to(device, copy=True) for t in flat)
-        else:
-            key = (ring_rank, ulysses_rank, steps, causal, windowed)
-            pinned = self.__dict__.setdefault("_pinned", {})
-            if key not in pinned:
-                flat = self.tables(ring_rank, ulysses_rank, steps, causal, windowed).flat()
-                pinned[key] = tuple(t.pin_memory() for t in flat)
-            flat = pinned[key]
-            copies = tuple(t.to(device, copy=True, non_blocking=True) for t in flat)
+        self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int], device: torch.device,
+        steps: int | None = None,
+    ) -> tuple[RankPlan, tuple[Tensor, Tensor]]:
+        """The rank's :meth:`rank_plan` and its tables copied to ``device``, the segmentations'
+        host copy kept in ``HOST_READS`` (:meth:`HostReads.put_table`), where a kernel finds the
+        segmentation of any block of the schedule without reading it back (cudnn's backward in
+        chunks of documents). On CUDA the copy comes from pinned memory (kept in this process
+        only) and waits for nothing: a copy from pageable memory waits for all the work queued
+        before it."""
+        plan = self.rank_plan(ring_rank, ulysses_rank, causal, window, steps)
+        flat = plan.flat
+        if device.type == "cuda":
+            if id(plan) not in self._pinned:
+                self._pinned[id(plan)] = tuple(t.pin_memory() for t in flat)
+            flat = self._pinned[id(plan)]
+        copies = tuple(t.to(device, copy=True, non_blocking=device.type == "cuda") for t in flat)
         HOST_READS.put_table(copies[0], flat[0])
-        return copies
+        return plan, copies
 
     def __reduce__(self) -> tuple:
         # its tensors as one buffer (hcp_compile/batch/pickling.py: a DataLoader moves each tensor
-        # through a shared-memory segment of its own); pinned memory is this process's: a
-        # worker's would arrive as plain memory
-        state = {k: v for k, v in self.__dict__.items() if k != "_pinned"}
+        # through a shared-memory segment of its own); the pinned copies stay in this process
+        state = {name: value for name, value in vars(self).items() if name != "_pinned"}
         return _unpickled, pickling.pack(state)
 
 
 def _unpickled(buffer: Tensor, data: bytes) -> PreparedBatch:
     prepared = PreparedBatch.__new__(PreparedBatch)
-    prepared.__dict__.update(pickling.unpack(buffer, data))
+    vars(prepared).update(pickling.unpack(buffer, data), _pinned={})
     return prepared
 
 
@@ -337,36 +323,16 @@ def _build(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
     return PreparedBatch(batch, mesh, laid)
 
 
-# --------------------------------------------------------------------------------------------
-# the by-value cache and the record of what shard_plan laid out
-# --------------------------------------------------------------------------------------------
-
-# batches kept: a training step's, the next one's from the loader, a few more
-_PREPARED = BoundedCache(8)  # (digest, mesh shape) -> PreparedBatch
-_PLANNED = BoundedCache(64)  # digest -> the mesh shape shard_plan last laid those values out for
-
-
 def prepare(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
-    """The batch prepared for ``mesh``: from the cache when these values were prepared (or
-    adopted) for it before, else built now and kept."""
-    found = _PREPARED.get((batch.digest, mesh))
-    return found if found is not None else adopt(_build(batch, mesh))
+    """The batch prepared for ``mesh`` (None: a single device): from the batch cache when these
+    values were prepared (or adopted) for it before, else built now and kept."""
+    return BATCHES.prepared((batch.digest, mesh), lambda: _build(batch, mesh))
 
 
-def adopt(prepared: PreparedBatch) -> PreparedBatch:
-    """Keep ``prepared`` (built here or unpickled from a worker) where every path finds it by
-    value; returns the one kept (an equal one already there wins)."""
-    return _PREPARED.put((prepared.batch.digest, prepared.mesh), prepared, keep_existing=True)
-
-
-def record_plan(prepared: PreparedBatch) -> None:
-    """Remember that ``shard_plan`` laid these values out for ``prepared.mesh`` (last)."""
-    _PLANNED.put(prepared.batch.digest, prepared.mesh)
-
-
-def planned_shape(batch: BatchValues) -> MeshShape | None:
-    """The mesh shape ``shard_plan`` laid these values out for last (None: never, here)."""
-    return _PLANNED.get(batch.digest)
+def find(cu_seqlens: Tensor, mesh: MeshShape | None) -> PreparedBatch:
+    """The batch of the ``cu_seqlens`` tensor (dtype checked) prepared for ``mesh``: what a door
+    starts from (:func:`host_values`, then :func:`prepare`)."""
+    return prepare(host_values(cu_seqlens), mesh)
 
 
 def prepare_batch(

@@ -49,8 +49,7 @@ def exchanged_head_groups(sizes: RankSizes, steps: int, kv_heads: int, ulysses: 
     rank issues no collective. Every rank of the group decides alike from its sizes (they share
     the exchange regions' sizes, and the ring section's width is the mesh's). Sizes that are
     symbols (a compiled graph's) are not known to be empty."""
-    stream = sizes.stream
-    if isinstance(stream, int) and stream == 0 and steps == 1:
+    if layout.known_empty(sizes.stream) and steps == 1:
         return 0
     return head_groups(rank_kv_heads(kv_heads, ulysses), ulysses)
 
@@ -151,7 +150,7 @@ def schedule_steps(sizes: RankSizes, ring: int) -> int:
     nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
     keeps every step (its graphs for batches without a ring section make the width the
     constant 0: hcp_compile.compiled.graph_variants)."""
-    return 1 if isinstance(sizes.ring_width, int) and sizes.ring_width == 0 else ring
+    return 1 if layout.known_empty(sizes.ring_width) else ring
 
 
 def assemble_schedule(
@@ -166,9 +165,12 @@ def assemble_schedule(
     steps = len(tables.cu_q)
     sources = layout.step_sources(ring_rank, ring, steps)
     active = [True] * steps if active is None else active
+    # a causal schedule's ring steps are segmented otherwise than a full one's under the same
+    # spec flags (only the own step is causal): each takes its own half of the keys
+    first = None if first_cache_key is None else first_cache_key + (0 if causal else ring + 1)
 
     def key(slot: int) -> int | torch.SymInt:
-        return -1 if first_cache_key is None else first_cache_key + slot
+        return -1 if first is None else first + slot
 
     return RingSchedule(
         sizes=sizes,
@@ -192,9 +194,9 @@ def assemble_schedule(
 
 
 def cache_keys_needed(ring: int) -> int:
-    """How many cache keys one schedule's blocks take: one per ring step, one for the local
-    region."""
-    return ring + 1
+    """How many cache keys a rank's schedules of one batch take: one per ring step and one for
+    the local region, for a causal schedule and for a full one."""
+    return 2 * (ring + 1)
 
 
 def _step_tables(

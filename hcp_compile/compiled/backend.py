@@ -67,7 +67,8 @@ def rewrite_config(groups: CPGroups, options: BackendOptions) -> RewriteConfig:
     from hcp_compile.passes.rewrite import RewriteConfig  # see HcpBackend._compile
 
     return RewriteConfig(groups, options.kernel, options.agree_across_ranks, options.placement,
-                         options.recompute_exchange, options.scheme)
+                         options.recompute_exchange, options.scheme,
+                         agreement_timeout_s=options.agreement_timeout_s)
 
 
 def parse_options(options: dict[str, Any] | None) -> BackendOptions:

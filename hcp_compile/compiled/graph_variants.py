@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from torch import fx
 
-from hcp_compile.batch.prepared import Exchanges, MeshShape, host_values, prepare
+from hcp_compile.batch.prepared import Exchanges, MeshShape, find
 
 
 def cu_seqlens_inputs(graph: fx.Graph, matches: Sequence[Any]) -> tuple[int, ...] | None:
@@ -78,7 +78,7 @@ class GraphVariants:
 
     def needed(self, args: Sequence[Any]) -> Exchanges:
         """What the batch of ``args`` exchanges (the broadest over its cu_seqlens)."""
-        needs = [prepare(host_values(args[i]), self.mesh).exchanges for i in self.inputs]
+        needs = [find(args[i], self.mesh).exchanges for i in self.inputs]
         return min(needs, key=list(Exchanges).index)
 
     def graph_for(self, exchanges: Exchanges) -> Callable:

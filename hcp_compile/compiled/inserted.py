@@ -23,21 +23,23 @@ from hcp_compile import validation
 from hcp_compile.batch import layout
 from hcp_compile.batch.call import checked_batch, rank_schedule
 from hcp_compile.batch.layout import RankSizes
+from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import (
-    BatchValues, Exchanges, MeshShape, host_values, planned_shape, prepare, remember_values,
+    BatchValues, Exchanges, MeshShape, PreparedBatch, find, host_values, prepare, remember_values,
 )
 from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, schedule_steps
-from hcp_compile.exchange.mesh import CPGroups, agreeing_groups, agreement_device, resolve_groups
+from hcp_compile.exchange import agreement
+from hcp_compile.exchange.agreement import Verdict
+from hcp_compile.exchange.mesh import CPGroups, resolve_groups
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 from hcp_compile.hierarchical import HierarchicalAttention
-from hcp_compile.kernels import BoundedCache, KeysByValue
 
 
 def checked_layout(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tokens: tuple[int | torch.SymInt, ...],
     max_seqlens: tuple[int | torch.SymInt, ...], *, ulysses_group: str, ring_group: str,
     placement: str, agree: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
-    graph_for: str = Exchanges.RING.value,
+    graph_for: str = Exchanges.RING.value, agreement_timeout_s: float | None = None,
 ) -> "CheckedBatch":
     """Check the batch and return what every attention call of it in the graph reuses: this
     rank's sizes (the values of :func:`layout.rank_size_values`) and the first cache key of
@@ -47,29 +49,20 @@ def checked_layout(
 
     One opaque op (``hcp::batch_layout``) reads ``cu_seqlens`` to the host (once per tensor and
     version), takes the batch's prepared layout (by value) and checks
-    :data:`validation.BATCH_RULES` there. With ``agree`` the verdict and a fingerprint of the
-    batch are all-reduced over the mesh first, so every rank raises together (also when the
-    ranks were given different batches, or differ in ``placement``, ``recompute_exchange`` or
-    ``scheme``, or run graphs built for different batches beside each other (``graph_for``, a
-    :class:`prepared.Exchanges` value), which the verdict covers) instead of some ranks waiting in the
-    next collective. The verdict travels where eager CP's agreement does
-    (:func:`mesh.agreement_device`): on the host where the groups' backends take a CPU tensor,
-    so that reading it waits for no GPU work; only on a GPU-only backend (NCCL) is that read
-    the one of the call that waits for the device."""
+    :data:`validation.BATCH_RULES` there; another (``hcp::agree_on_batch``) agrees on the
+    verdict over the mesh as eager CP does (hcp_compile/exchange/agreement.py: the same
+    payload, timeout and errors), so every rank raises together (also when the ranks were
+    given different batches, or differ in ``placement``, ``recompute_exchange`` or ``scheme``,
+    or run graphs built for different batches beside each other (``graph_for``, a
+    :class:`prepared.Exchanges` value)) instead of some ranks waiting in the next collective."""
     groups = groups_from_names(ulysses_group, ring_group)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
         groups.ulysses_rank, list(tokens), list(max_seqlens), recompute_exchange, scheme, graph_for,
     )
-    verdict, sizes = on_host.split([_VERDICT_SLOTS, on_host.shape[0] - _VERDICT_SLOTS])
-    agreeing = agreeing_groups(groups) if agree else []
-    if agreeing:
-        verdict = verdict.to(agreement_device(groups))
-    for _, group in agreeing:
-        issued = torch.ops._c10d_functional.all_reduce(verdict, "max", group.group_name)
-        verdict = torch.ops._c10d_functional.wait_tensor(issued)
-    sizes = tuple(torch.ops.hcp.raise_if_rejected(verdict, sizes).tolist())
-    return CheckedBatch(cu_on_host, placement, sizes)
+    accepted = torch.ops.hcp.agree_on_batch(on_host, ulysses_group, ring_group, agree, agreement_timeout_s)
+    *sizes, first_cache_key = accepted.tolist()
+    return CheckedBatch(cu_on_host, placement, tuple(sizes), first_cache_key)
 
 
 class CheckedBatch(NamedTuple):
@@ -77,15 +70,15 @@ class CheckedBatch(NamedTuple):
 
     cu_on_host: Tensor  # int64 CPU copy of cu_seqlens_q: what the schedule tables come from
     placement: str
-    sizes: tuple[int | torch.SymInt, ...]  # layout.rank_size_values of this rank, then the first cache key
+    sizes: tuple[int | torch.SymInt, ...]  # layout.rank_size_values of this rank
+    first_cache_key: int | torch.SymInt
 
 
-# the verdict: validation.verdict (per rule and argument of validation.BATCH_RULES, the numbers
-# of the lowest rank that broke it, once all-reduced), then the batch's fingerprint and the
-# graph's kind (Exchanges), each followed by its negation (an all-reduced max of both gives the
-# highest and the lowest of the mesh): apart, so the error can tell ranks given different
-# batches from ranks running different graphs of one batch
-_VERDICT_SLOTS = validation.VERDICT_LENGTH + 4
+# Note [the host vector]: what ``hcp::batch_layout`` hands the graph, one int64 CPU tensor
+#
+#     | verdict (agreement.Verdict, its LENGTH) | rank sizes (layout.rank_size_values) | first cache key |
+#
+# ``hcp::agree_on_batch`` takes the verdict off and passes the rest on; the graph reads that.
 
 
 @torch.library.custom_op("hcp::batch_layout", mutates_args=())
@@ -112,51 +105,41 @@ def batch_layout_op(
     values, so the layers and the backward of one batch share what the kernels derive."""
     queries = host_values(cu_seqlens_q)
     keys = None if cu_seqlens_k is cu_seqlens_q else host_values(cu_seqlens_k)
-    planned = planned_shape(queries)
-    call = (queries.digest, None if keys is None else keys.digest, ulysses, ring, placement, ring_rank,
-            ulysses_rank, tuple(tokens), tuple(max_seqlens), recompute_exchange, scheme, graph_for, planned)
-    on_host = _checked_calls.get(call)
-    if on_host is None:
-        on_host = _checked_calls.put(call, _check_call(
-            queries, keys, MeshShape(ulysses, ring, placement), (ring_rank, ulysses_rank), tokens,
-            max_seqlens, recompute_exchange, scheme, graph_for,
-        ))
+    # kept per call with the batch: a model's graphs check the same call of a batch again (each
+    # graph of a model split by graph breaks, every step of a benchmark), and the check and the
+    # layout's sizes cost the host a few hundred microseconds of Python that the GPU waits for
+    # at the start of a step (docs/benchmarks.md, "Compiled host work")
+    prepared = prepare(queries, MeshShape(ulysses, ring, placement))
+    call = (None if keys is None else keys.digest, ring_rank, ulysses_rank, tuple(tokens), tuple(max_seqlens),
+            recompute_exchange, scheme, graph_for)
+    on_host = BATCHES.checked(prepared, call, lambda: _check_call(
+        prepared, keys, (ring_rank, ulysses_rank), tokens, max_seqlens, recompute_exchange, scheme, graph_for,
+    ))
     cu_on_host = queries.values.clone()
     remember_values(cu_on_host, queries)  # schedule_tables finds the batch without hashing it again
     return on_host.clone(), cu_on_host
 
 
 def _check_call(
-    queries: BatchValues, keys: BatchValues | None, mesh: MeshShape,
-    rank: tuple[int, int], tokens: list[int], max_seqlens: list[int], recompute_exchange: bool, scheme: str,
-    graph_for: str,
+    prepared: PreparedBatch, keys: BatchValues | None, rank: tuple[int, int], tokens: list[int],
+    max_seqlens: list[int], recompute_exchange: bool, scheme: str, graph_for: str,
 ) -> Tensor:
-    """``batch_layout``'s ``on_host`` for one call of the batch ``queries`` on rank ``rank``
-    (ring rank, Ulysses rank) of ``mesh``."""
-    prepared, failures = checked_batch(queries, keys, mesh, tokens, max_seqlens, rank)
-    ring_rank, ulysses_rank = rank
+    """``batch_layout``'s ``on_host`` for one call of the batch ``prepared`` on rank ``rank``
+    (ring rank, Ulysses rank) of its mesh."""
+    mesh = prepared.mesh
+    failures = checked_batch(prepared, keys, tokens, max_seqlens, rank)
     failed = validation.verdict(failures, rank)
     fingerprint = prepared.fingerprint(recompute_exchange, scheme)
     graph = list(Exchanges).index(Exchanges(graph_for))
     if prepared.laid_out:
-        sizes = prepared.rank_size_values(ring_rank, ulysses_rank)
+        sizes = torch.tensor(layout.size_values(prepared.rank_sizes(*rank)))
     else:
         sizes = torch.zeros(_sizes_length(mesh.ulysses, mesh.ring), dtype=torch.int64)
-    # keys are never reused within a process, so a kept result stays right after its batch
-    # left _batch_keys: it names the same segmentations
-    key = _batch_keys.key((queries.digest, mesh.ulysses, mesh.ring, mesh.placement, ring_rank, ulysses_rank),
-                          cache_keys_needed(mesh.ring))
-    verdict = [*failed, fingerprint, -fingerprint, graph, -graph]
-    return torch.tensor([*verdict, *sizes.tolist(), key], dtype=torch.int64)
-
-
-# the keys of the batches seen last (a compiled model's graphs see one batch per step)
-_batch_keys = KeysByValue(64)
-# batch_layout's result per call: a model's graphs check the same call of a batch again (each
-# graph of a model split by graph breaks, every step of a benchmark), and the check and the
-# layout's sizes cost the host a few hundred microseconds of Python that the GPU waits for
-# at the start of a step (docs/benchmarks.md, "Compiled host work")
-_checked_calls = BoundedCache(64)
+    # the batch's keys for this rank, as eager CP's: eager and compiled calls of one batch share
+    # what the kernels derive
+    key = BATCHES.cache_keys(prepared, rank, cache_keys_needed(mesh.ring))
+    verdict = Verdict(tuple(failed), False, fingerprint, graph).encode()
+    return torch.cat([verdict, sizes.to(torch.int64), torch.tensor([key], dtype=torch.int64)])
 
 
 def _sizes_length(ulysses: int, ring: int) -> int:
@@ -166,25 +149,27 @@ def _sizes_length(ulysses: int, ring: int) -> int:
 @batch_layout_op.register_fake
 def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens,
       recompute_exchange, scheme, graph_for):
-    on_host = torch.empty(_VERDICT_SLOTS + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
+    on_host = torch.empty(Verdict.LENGTH + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
     return on_host, torch.empty(cu_seqlens_q.shape[0], dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("hcp::raise_if_rejected", mutates_args=())
-def raise_if_rejected(flags: Tensor, sizes: Tensor) -> Tensor:
-    """Raise :class:`InputError` on the host if the (agreed) ``flags`` reject the batch, else
-    pass ``sizes`` on."""
-    *failed, highest, negated_lowest, highest_graph, negated_lowest_graph = flags.tolist()
-    error = validation.rejected_batch_error(failed, batches_differ=highest != -negated_lowest,
-                                            graphs_differ=highest_graph != -negated_lowest_graph)
-    if error is not None:
-        raise error
-    return sizes.clone()
+@torch.library.custom_op("hcp::agree_on_batch", mutates_args=())
+def agree_on_batch(on_host: Tensor, ulysses_group: str, ring_group: str, agree: bool,
+                   timeout_s: float | None) -> Tensor:
+    """The verdict of ``on_host`` (Note [the host vector]) agreed over the mesh (``agree``) as
+    eager CP agrees (:func:`agreement.agree`, waiting at most ``timeout_s``), raising
+    :func:`agreement.raise_agreed`'s error on every rank; else the rest of ``on_host``."""
+    verdict, rest = on_host.split([Verdict.LENGTH, on_host.shape[0] - Verdict.LENGTH])
+    if agree:
+        verdict = agreement.agree(groups_from_names(ulysses_group, ring_group), verdict,
+                                  timeout_s=timeout_s, caller="the compiled graph's varlen_attention")
+    agreement.raise_agreed(verdict.tolist())
+    return rest.clone()
 
 
-@raise_if_rejected.register_fake
-def _(flags, sizes):
-    return torch.empty_like(sizes)
+@agree_on_batch.register_fake
+def _(on_host, ulysses_group, ring_group, agree, timeout_s):
+    return on_host.new_empty(on_host.shape[0] - Verdict.LENGTH)
 
 
 def hierarchical_varlen_attention(
@@ -204,7 +189,7 @@ def hierarchical_varlen_attention(
     empty become the constant 0, checked when the graph runs (docs/compiled-path.md, "Graph
     variants")."""
     groups = groups_from_names(ulysses_group, ring_group)
-    *values, first_cache_key = batch.sizes
+    values, first_cache_key = batch.sizes, batch.first_cache_key
     for size in values[1:]:
         _check_is_size(size)
     rank_sizes = _sizes_for_graph(layout.rank_sizes(values, groups.ulysses_rank, groups.ulysses_size),
@@ -214,10 +199,9 @@ def hierarchical_varlen_attention(
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
     steps = schedule_steps(rank_sizes, groups.ring_size)
-    windowed = layout.window_by_position(window, groups.ring_size)
     flat = torch.ops.hcp.schedule_tables(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
-        groups.ring_rank, groups.ulysses_rank, steps, causal, windowed, values,
+        groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values,
     )
     sched = rank_schedule(
         flat, rank_sizes, steps, groups.ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=float(scale),
@@ -229,7 +213,8 @@ def hierarchical_varlen_attention(
 @torch.library.custom_op("hcp::schedule_tables", mutates_args=())
 def schedule_tables_op(
     cu_on_host: Tensor, device: torch.device, ulysses: int, ring: int, placement: str,
-    ring_rank: int, ulysses_rank: int, steps: int, causal: bool, windowed: bool, sizes: list[int],
+    ring_rank: int, ulysses_rank: int, steps: int, causal: bool, window_left: int, window_right: int,
+    sizes: list[int],
 ) -> tuple[Tensor, Tensor]:
     """The tables of rank ``(ring_rank, ulysses_rank)``'s schedule of the batch ``cu_on_host``
     (:meth:`ScheduleTables.flat`: int32 segmentations, int64 positions), derived on the host
@@ -237,12 +222,15 @@ def schedule_tables_op(
     call): on a GPU their sorts, scans and searches cost a dozen small kernels per attention
     call (docs/design.md §5.3). ``sizes``: the rank's sizes as :func:`checked_layout` read
     them, which give the fake outputs their lengths (the prepared batch holds the same)."""
-    prepared = prepare(host_values(cu_on_host), MeshShape(ulysses, ring, placement))
-    return prepared.device_tables(ring_rank, ulysses_rank, steps, causal, windowed, device)
+    prepared = find(cu_on_host, MeshShape(ulysses, ring, placement))
+    _, copies = prepared.device_tables(ring_rank, ulysses_rank, causal, (window_left, window_right), device, steps)
+    return copies
 
 
 @schedule_tables_op.register_fake
-def _(cu_on_host, device, ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal, windowed, sizes):
+def _(cu_on_host, device, ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal, window_left, window_right,
+      sizes):
+    windowed = layout.window_by_position((window_left, window_right), ring)
     tables, positions = ScheduleTables.lengths(layout.rank_sizes(sizes, ulysses_rank, ulysses), steps, windowed)
     return (torch.empty(sum(tables), dtype=torch.int32, device=device),
             torch.empty(sum(positions), dtype=torch.int64, device=device))

@@ -3,8 +3,6 @@ optionally with a leading ``"data"`` dim of data-parallel replicas."""
 
 from __future__ import annotations
 
-import datetime
-import time
 from dataclasses import dataclass
 from typing import Union
 
@@ -12,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hcp_compile.validation import BATCHES_DIFFER, SAME_BATCH
 
 MESH_DIM_NAMES = ("ring", "ulysses")
 DATA_DIM_NAME = "data"  # the data-parallel dim of a 3-D mesh (make_mesh(..., data=D))
@@ -115,107 +112,6 @@ def resolve_groups(mesh: MeshLike) -> CPGroups:
         ring_rank=dist.get_rank(ring_group),
         device_type=device_type,
     )
-
-
-class AgreementTimeout(RuntimeError):
-    """The agreement before an attention call (or ``plan.unshard``) waited longer than its
-    timeout for another rank of the context-parallel mesh: that rank did not make the same
-    call (docs/design.md §9)."""
-
-
-def agree_on_error(
-    groups: CPGroups, error: Exception | None, batch: int | None = None, *,
-    timeout_s: float | None = None, caller: str = "varlen_attention",
-) -> None:
-    """Raise on every rank of the mesh if any rank found its input invalid, or (``batch``: a
-    fingerprint of the batch each rank was given) if the ranks were given different batches.
-
-    Called after local validation and before the first data collective, so that one rank's
-    bad input makes all ranks raise instead of leaving the others waiting in a collective.
-    The values travel as a CPU tensor where the groups' backend takes one (gloo, or a
-    ``"cpu:gloo,cuda:nccl"`` process group), so no GPU work is waited for. Each all-reduce
-    waits at most ``timeout_s`` (None: the process group's own timeout), then raises
-    :class:`AgreementTimeout`: a rank that skipped the call must not leave the others
-    waiting forever.
-    """
-    fingerprint = 0 if batch is None else batch
-    flags = torch.tensor(
-        [error is not None, fingerprint, -fingerprint], dtype=torch.int64,
-        device=agreement_device(groups),
-    )
-    for name, group in agreeing_groups(groups):
-        _all_reduce_max(flags, group, name, timeout_s, caller)
-    if error is not None:
-        raise error
-    rejected, highest, negated_lowest = flags.tolist()
-    if rejected:
-        raise RuntimeError(
-            "another rank of the context-parallel mesh rejected its input (see that rank's "
-            "error); all ranks stop here instead of waiting in a collective"
-        )
-    if highest != -negated_lowest:
-        raise SAME_BATCH.error(BATCHES_DIFFER)
-
-
-def agreeing_groups(groups: CPGroups) -> list[tuple[str, dist.ProcessGroup]]:
-    """The mesh's groups an agreement all-reduces over, by name: those of more than one rank
-    (over one rank the all-reduce would change nothing and still cost a collective)."""
-    named = (("ulysses", groups.ulysses_group, groups.ulysses_size), ("ring", groups.ring_group, groups.ring_size))
-    return [(name, group) for name, group, size in named if size > 1]
-
-
-def _all_reduce_max(
-    flags: torch.Tensor, group: dist.ProcessGroup, name: str, timeout_s: float | None,
-    caller: str,
-) -> None:
-    """``flags`` all-reduced (max) over ``group`` in place, waiting at most ``timeout_s``."""
-    timeout = (
-        datetime.timedelta(seconds=timeout_s) if timeout_s is not None
-        else _group_timeout(group, flags.device)
-    )
-    started = time.monotonic()
-    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    try:
-        # with a timeout, gloo and NCCL block this thread until the all-reduce is done or
-        # raise once the time is up (NCCL also aborts the group's communicator)
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout)
-    except RuntimeError as failure:
-        waited = time.monotonic() - started
-        if timeout is None or waited < timeout.total_seconds():
-            raise  # not a timeout (a peer's connection closed, ...): the backend's own error
-        raise AgreementTimeout(_timeout_message(group, name, waited, timeout_s, caller)) from failure
-
-
-def _timeout_message(
-    group: dist.ProcessGroup, name: str, waited: float, timeout_s: float | None, caller: str
-) -> str:
-    option = (
-        f"agreement_timeout_s={timeout_s:g}" if timeout_s is not None
-        else "agreement_timeout_s=None, the process group's timeout"
-    )
-    return (
-        f"{caller}: the agreement all-reduce before the call (over this rank's {name} group, "
-        f"global ranks {dist.get_process_group_ranks(group)}) timed out after {waited:.1f} s "
-        f"({option}): another rank of the context-parallel mesh did not reach it; it probably "
-        "skipped this call or stopped (for example it caught an exception and went on, or "
-        "crashed: see its output). Every rank of the mesh must make the same calls in the "
-        "same order: re-raise the exception (or stop every rank) instead of letting one rank "
-        "go on. If a rank may legitimately arrive this late (it writes a checkpoint alone, "
-        "...), raise context_parallel(mesh, agreement_timeout_s=...) or the process group's "
-        "timeout. The process group is unusable after a timeout: restart the job"
-    )
-
-
-def _group_timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta | None:
-    """The timeout the group's backend was created with (``init_process_group(timeout=...)``,
-    ``new_group(timeout=...)``), or None where the backend does not tell."""
-    try:
-        return group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def _device_type(group: dist.ProcessGroup) -> str:

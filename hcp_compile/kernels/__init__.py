@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hcp_compile.kernels.contract import BlockRequest, BlockSpec, BoundedCache, Kernel, KeysByValue, new_cache_key
+from hcp_compile.kernels.contract import BlockRequest, BlockSpec, Kernel, new_cache_key
 from hcp_compile.kernels.cudnn import CudnnKernel
 from hcp_compile.kernels.dense import DenseKernel
 from hcp_compile.kernels.flash import FlashKernel

@@ -26,9 +26,9 @@ class BlockSpec:
     values of ``cu_q``, ``cu_k`` and the positions: blocks with the same key (and the same
     causal flag and window) have the same values, so a kernel may cache what it derives from
     them across layers and the backward; -1: derive it per call. The keys come from
-    :func:`new_cache_key` (eager: per schedule, whose tensors live unchanged) or from
-    :class:`KeysByValue` (the values read on the host: a compiled graph's batch, whose buffers
-    Inductor reuses for other values, and single-device calls). ``equal_lengths``: every
+    :func:`new_cache_key`, handed out per batch by the batch cache (``hcp_compile.batch.cache``:
+    the values read on the host name the batch, eager or compiled, whose buffers Inductor
+    reuses for other values, and single-device calls). ``equal_lengths``: every
     segment that has both queries and keys has as many of each (the own ring step, whose
     ``cu_q`` and ``cu_k`` differ only in their pad segments), so the causal diagonal is the same
     aligned top-left or bottom-right; a kernel may use it to take the cheaper one.
@@ -154,64 +154,18 @@ class HostReads:
 HOST_READS = HostReads()
 
 
-class BoundedCache:
-    """A map, safe across threads (a DataLoader's worker threads adopt prepared batches), that
-    keeps the ``capacity`` entries used last."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._entries: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: object) -> object | None:
-        with self._lock:
-            found = self._entries.get(key)
-            if found is not None:
-                self._entries.move_to_end(key)
-            return found
-
-    def put(self, key: object, value: object, *, keep_existing: bool = False) -> object:
-        """Keep ``value`` under ``key`` and return what is kept (with ``keep_existing``, an entry
-        already there stays and is returned)."""
-        with self._lock:
-            if not keep_existing or key not in self._entries:
-                self._entries[key] = value
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-            return self._entries[key]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-
-class KeysByValue:
-    """Cache keys for segmentations given by value on the host: the same values (and
-    ``count``) get the same first key of ``count`` fresh ones, for as long as the last
-    ``capacity`` distinct values are remembered."""
-
-    def __init__(self, capacity: int):
-        self._keys = BoundedCache(capacity)
-
-    def key(self, values: tuple, count: int = 1) -> int:
-        identity = (*values, count)
-        first = self._keys.get(identity)
-        if first is None:
-            first = self._keys.put(identity, new_cache_key(count), keep_existing=True)
-        return first
-
-
 class SpecCache:
     """What a kernel derives from a block's segmentation, kept for the specs that have a
     :attr:`BlockSpec.cache_key` (the layers and the backward of one batch ask for the same
     blocks), the least recently used dropped beyond ``capacity`` entries or, with ``size_of``,
-    beyond ``max_bytes`` (the newest entry always stays); derived per call for the others."""
+    beyond ``max_bytes`` (the newest entry always stays); derived per call for the others. The
+    kernels' instances are :data:`BLOCK_MEMOS`'s, which the batch cache drives."""
 
     def __init__(self, capacity: int, max_bytes: int | None = None, size_of: Callable[[object], int] | None = None):
         self.capacity, self.max_bytes, self.size_of = capacity, max_bytes, size_of
         self._entries: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
         self._bytes = 0
+        self._lock = threading.Lock()  # CUDA's autograd thread runs kernels beside the user's
 
     def get(self, spec: BlockSpec, extra: tuple, build: Callable[[], T]) -> T:
         """``build()``, or its earlier result for the same ``cache_key``, device, mask constants
@@ -221,24 +175,93 @@ class SpecCache:
         # the device too: what is kept holds tensors on the spec's device, and a single-device
         # call's key comes from cu_seqlens' values, which other devices' batches can share
         key = (spec.cache_key, spec.cu_q.device, spec.causal, spec.window_left, spec.window_right, *extra)
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return self._entries[key][0]
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key][0]
         value = build()
         size = self.size_of(value) if self.size_of is not None else 0
-        self._entries[key] = (value, size)
-        self._bytes += size
-        while len(self._entries) > self.capacity or (
-            self.max_bytes is not None and self._bytes > self.max_bytes and len(self._entries) > 1
-        ):
-            _, (_, dropped) = self._entries.popitem(last=False)
-            self._bytes -= dropped
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = (value, size)
+                self._bytes += size
+            while len(self._entries) > self.capacity or (
+                self.max_bytes is not None and self._bytes > self.max_bytes and len(self._entries) > 1
+            ):
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped
         return value
+
+    def drop(self, cache_keys: set[int]) -> None:
+        """Forget what was derived for the blocks of ``cache_keys``."""
+        with self._lock:
+            for key in [key for key in self._entries if key[0] in cache_keys]:
+                self._bytes -= self._entries.pop(key)[1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
 
     @property
     def nbytes(self) -> int:
         """The bytes of the entries kept, as ``size_of`` counts them."""
         return self._bytes
+
+
+class BlockMemos:
+    """The kernels' :class:`SpecCache` memos by name, and the cache keys a kernel derives from
+    a block's (its chunks). Below the batch cache (``hcp_compile.batch.cache``), which owns the
+    one instance, :data:`BLOCK_MEMOS`: it drops a batch's keys, with the keys derived from them,
+    when it forgets the batch (:meth:`drop`), and everything on ``clear_batch_cache``."""
+
+    def __init__(self) -> None:
+        self._memos: dict[str, SpecCache] = {}
+        self._derived_from: dict[int, int] = {}  # a derived cache key -> the key it came from
+        self._lock = threading.Lock()
+
+    def memo(self, name: str, capacity: int, max_bytes: int | None = None,
+             size_of: Callable[[object], int] | None = None) -> SpecCache:
+        """The memo ``name``, made with these bounds on first use."""
+        with self._lock:
+            if name not in self._memos:
+                self._memos[name] = SpecCache(capacity, max_bytes, size_of)
+            return self._memos[name]
+
+    def derived_key(self, cache_key: int) -> int:
+        """A fresh cache key for a block derived from the block ``cache_key``, dropped with it;
+        -1 for -1."""
+        if cache_key < 0:
+            return -1
+        fresh = new_cache_key()
+        with self._lock:
+            self._derived_from[fresh] = cache_key
+        return fresh
+
+    def drop(self, cache_keys: set[int]) -> None:
+        """Forget what was derived for the blocks of ``cache_keys`` and of the keys derived from
+        them."""
+        with self._lock:
+            dropped, grown = set(cache_keys), True
+            while grown:
+                derived = {key for key, source in self._derived_from.items() if source in dropped} - dropped
+                dropped |= derived
+                grown = bool(derived)
+            for key in dropped:
+                self._derived_from.pop(key, None)
+            memos = list(self._memos.values())
+        for memo in memos:
+            memo.drop(dropped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._derived_from.clear()
+            memos = list(self._memos.values())
+        for memo in memos:
+            memo.clear()
+
+
+BLOCK_MEMOS = BlockMemos()
 
 
 @dataclass(frozen=True)

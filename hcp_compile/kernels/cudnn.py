@@ -102,9 +102,8 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from hcp_compile.kernels.contract import (
-    COPIES_KV, FILLS_OUTPUTS, HOST_READS, BlockRequest, BlockSpec, SpecCache, new_cache_key,
-)
+from hcp_compile.kernels.contract import BLOCK_MEMOS
+from hcp_compile.kernels.contract import COPIES_KV, FILLS_OUTPUTS, HOST_READS, BlockRequest, BlockSpec
 from hcp_compile.kernels.merge import accumulate, merge_partials
 from hcp_compile.kernels.window_pieces import PieceKind, reversed_rows, window_pieces
 
@@ -330,8 +329,6 @@ class _Graphs:
 
 
 GRAPHS = _Graphs()
-_CALLS = SpecCache(CACHED_BLOCKS)
-_CHUNKS = SpecCache(CACHED_BLOCKS)
 
 
 class _Graph:
@@ -432,7 +429,8 @@ def _plan(spec: BlockSpec, q: Tensor, k: Tensor) -> tuple[list[tuple[Mask, dict[
             return [(mask, _bound_tensors(q, k, entries)) for mask, entries in block_calls(spec, entries_for(spec))], []
         return _position_plan(spec, q, k)
 
-    return _CALLS.get(spec, (q.shape[1], k.shape[1], q.shape[2], spec.equal_lengths), build)
+    calls = BLOCK_MEMOS.memo("cudnn calls", CACHED_BLOCKS)
+    return calls.get(spec, (q.shape[1], k.shape[1], q.shape[2], spec.equal_lengths), build)
 
 
 def _position_plan(spec: BlockSpec, q: Tensor, k: Tensor) -> tuple[list[tuple[Mask, dict[str, Tensor]]], list[Tail]]:
@@ -461,7 +459,7 @@ def _position_plan(spec: BlockSpec, q: Tensor, k: Tensor) -> tuple[list[tuple[Ma
                 reversed_rows(group.k_start, group.k_rows).to(device),
                 BlockSpec(cumulative(group.q_rows), cumulative(group.k_rows), int(group.q_rows.max()),
                           int(group.k_rows.max()), True, spec.scale,
-                          cache_key=new_cache_key() if spec.cache_key >= 0 else -1,
+                          cache_key=BLOCK_MEMOS.derived_key(spec.cache_key),
                           # a chunk's first W rows against the last W keys of the chunk before
                           equal_lengths=bool((group.q_rows == group.k_rows).all()))))
             continue
@@ -731,7 +729,8 @@ def backward_chunks(spec: BlockSpec, q: Tensor, k: Tensor) -> list[Chunk] | None
     limit = max(int(budget // per_row), MIN_CHUNK_ROWS)
     if limit >= rows:
         return None
-    return _CHUNKS.get(spec, (q.shape[0], k.shape[0], limit), lambda: _chunks(spec, host_q, host_k, limit))
+    chunks = BLOCK_MEMOS.memo("cudnn chunks", CACHED_BLOCKS)
+    return chunks.get(spec, (q.shape[0], k.shape[0], limit), lambda: _chunks(spec, host_q, host_k, limit))
 
 
 _PER_ROW: dict[Shape, float] = {}
@@ -761,7 +760,7 @@ def _chunks(spec: BlockSpec, cu_q: Tensor, cu_k: Tensor, limit: int) -> list[Chu
         segments_k = segments_q if spec.one_segmentation else spec.cu_k[first:stop + 1] - keys.start
         chunk_spec = dataclasses.replace(
             spec, cu_q=segments_q, cu_k=segments_k, covered_rows=length_q,
-            cache_key=new_cache_key() if spec.cache_key >= 0 else -1)
+            cache_key=BLOCK_MEMOS.derived_key(spec.cache_key))
         long = stop - first == 1 and max(length_q, length_k) > limit
         tiles = document_tiles(chunk_spec, length_q, limit) if long and tileable(spec, length_q, length_k) else ()
         chunks.append(Chunk(rows, keys, chunk_spec, limit, tiles))
@@ -795,7 +794,7 @@ def document_tiles(spec: BlockSpec, rows: int, size: int) -> tuple[Tile, ...]:
             specs[rows_q, rows_k, diagonal] = dataclasses.replace(
                 spec, cu_q=cu_q, cu_k=cu_q if diagonal else segmentation(rows_k), causal=spec.causal and diagonal,
                 max_q=rows_q, max_k=rows_k, covered_rows=rows_q, equal_lengths=diagonal,
-                cache_key=new_cache_key() if spec.cache_key >= 0 else -1)
+                cache_key=BLOCK_MEMOS.derived_key(spec.cache_key))
         return specs[rows_q, rows_k, diagonal]
 
     return tuple(Tile(query, key, tile_spec(query.stop - query.start, key.stop - key.start, i == j))

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hcp_compile.kernels.contract import BlockRequest, BlockSpec, SpecCache
+from hcp_compile.kernels.contract import BLOCK_MEMOS
+from hcp_compile.kernels.contract import BlockRequest, BlockSpec
 from hcp_compile.kernels.flash import FlashKernel
 from hcp_compile.kernels.merge import accumulate, merge_partials
 from hcp_compile.kernels.precision import accumulate_dtype
@@ -61,8 +62,8 @@ STRIPE_PARTS = 16
 SHORT_KERNELS = {"cuda": FlashKernel(), "cpu": TorchKernel()}
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-# the cut of each block, kept per BlockSpec.cache_key (the eager schedule's steps, a batch's layers)
-_plans = SpecCache(256)
+# the cuts of blocks kept per BlockSpec.cache_key (the eager schedule's steps, a batch's layers)
+CACHED_PLANS = 256
 
 
 @dataclass(frozen=True)
@@ -382,7 +383,8 @@ def _cached_plan(spec: BlockSpec, q: Tensor, k: Tensor) -> _Plan:
     if spec.windowed:
         raise ValueError("the dense kernel was given a windowed block; kernel resolution refuses that")
     rows = (q.shape[0], k.shape[0])
-    return _plans.get(spec, (*rows, MIN_DENSE_ROWS, DENSE_SIZE_BITS, STRIPE_ROWS), lambda: _plan(spec, *rows))
+    plans = BLOCK_MEMOS.memo("dense plans", CACHED_PLANS)
+    return plans.get(spec, (*rows, MIN_DENSE_ROWS, DENSE_SIZE_BITS, STRIPE_ROWS), lambda: _plan(spec, *rows))
 
 
 def _host_boundaries(spec: BlockSpec) -> tuple[list[int], list[int]]:

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from hcp_compile.kernels.contract import BlockSpec, SpecCache
+from hcp_compile.kernels.contract import BLOCK_MEMOS
+from hcp_compile.kernels.contract import BlockSpec
 
 # the rows of a mask block: what flex's GPU kernels are tiled for
 BLOCK_SIZE = 128
@@ -220,10 +221,8 @@ def mask_bytes(mask: DocumentMask) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-_masks = SpecCache(CACHE_CAPACITY, CACHE_BYTES, mask_bytes)
-
-
 def document_mask(spec: BlockSpec, q_rows: int, k_rows: int, key_extra: tuple = ()) -> DocumentMask:
     """:func:`build_document_mask`, reused for a spec with a ``cache_key`` (and the same rows
     and ``key_extra``)."""
-    return _masks.get(spec, (q_rows, k_rows, *key_extra), lambda: build_document_mask(spec, q_rows, k_rows))
+    masks = BLOCK_MEMOS.memo("flex masks", CACHE_CAPACITY, CACHE_BYTES, mask_bytes)
+    return masks.get(spec, (q_rows, k_rows, *key_extra), lambda: build_document_mask(spec, q_rows, k_rows))

@@ -30,9 +30,9 @@ class AllToAllHeads:
 
     def traffic(self, shape: GroupShape) -> GroupTraffic:
         """Forward: q, then k and v, out (each rank keeps its own ``1/A``), and the lse when
-        the caller uses it (``[stream, h, 1]`` in the accumulation dtype). Backward: dout
-        (with ``recompute_exchange`` also q, out, k and v in the same all-to-all), then dq and
-        dkv back. Without a Ulysses group (``A = 1``) nothing is sent."""
+        the caller uses it (``[stream, h, 1]`` in the accumulation dtype). Backward: dout and
+        out (with ``recompute_exchange`` also q, k and v) in one all-to-all, then dq and dkv
+        back. Without a Ulysses group (``A = 1``) nothing is sent."""
         size = len(shape.counts)
         if size == 1:
             return GroupTraffic()
@@ -48,7 +48,7 @@ class AllToAllHeads:
             return others * width * row * itemsize
 
         lse = gather(q, 1, shape.accumulate_itemsize) if shape.returns_lse else 0
-        sent_in = 3 * q + kv if shape.recompute_exchange else q  # dout [, q, out, k, v]
+        sent_in = 3 * q + kv if shape.recompute_exchange else 2 * q  # dout, out [, q, k, v]
         return GroupTraffic(
             forward_calls=3 + shape.returns_lse, backward_calls=3,
             forward_bytes=scatter(q) + scatter(kv) + gather(q) + lse,

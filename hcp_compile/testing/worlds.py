@@ -1,12 +1,13 @@
-"""Run many test cases inside one multi-process gloo world per context-parallel mesh.
+"""Process worlds: many test cases inside one multi-process gloo world per context-parallel mesh.
 
 The parent (pytest) calls :func:`run_world` once per ``(ulysses, ring)`` mesh and suite: it
-starts the world's ranks, each rank runs every case of the suite (by default
-``cp_cases.suite(mesh)``; ``suite="module:function"`` names another list, e.g.
-``"compile_cases"`` for the compiled path) in order and saves one record per case right after
-running it, and the parent collects the records. A case that raises is recorded (exception type and message),
-not fatal; a world that crashes or hangs is killed at its deadline and the cases it did not
-finish report that. Processes are started once per mesh, never per test.
+starts the world's ranks, each rank runs every case of the suite (``suite="module"``: the
+module's function ``suite(mesh)``; ``"module:function"`` names another list, e.g.
+``"compile_cases"`` for the compiled path of the tests) in order and saves one record per case
+right after running it, and the parent collects the records. A case that raises is recorded
+(exception type and message), not fatal; a world that crashes or hangs is killed at its
+deadline and the cases it did not finish report that. Processes are started once per mesh,
+never per test.
 
 The ranks are forked from one server process per session that has imported torch, hcp_compile
 and the case modules (multiprocessing's "forkserver"): each rank still starts as a fresh
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +38,6 @@ import torch.distributed as dist
 WORLD_DEADLINE_S = 240  # a whole world, process start-up included
 COLLECTIVE_TIMEOUT_S = 60  # gloo's timeout inside the workers: a mismatch errors, not hangs
 FAILED_PEER_GRACE_S = 10  # how long the other ranks may go on after one rank died
-DEFAULT_SUITE = "cp_cases"  # "module" (its function ``suite``) or "module:function"
 WORLD_DIR_ENV = "HCP_TEST_WORLD_DIR"  # a folder every rank of a world shares (removed after it)
 # imported once by the fork server, so no rank imports them again: torch and hcp_compile
 # (seconds), and what a rank's first torch.compile would import (seconds more). Installed
@@ -45,6 +46,16 @@ WORLD_DIR_ENV = "HCP_TEST_WORLD_DIR"  # a folder every rank of a world shares (r
 PRELOADED = ["torch", "torch.distributed", "hcp_compile", "torch._functorch.aot_autograd",
              "torch._functorch.partitioners", "torch._dynamo.backends.debugging",
              "torch._inductor.compile_fx"]
+
+
+@dataclass
+class World:
+    """What a case sees on its rank."""
+
+    mesh: object  # the ("ring", "ulysses") DeviceMesh of this world
+    rank: int
+    ulysses: int
+    ring: int
 
 
 @dataclass
@@ -79,7 +90,7 @@ class WorldResults:
     records: dict[str, dict[int, CaseRecord]]  # case id -> rank -> record
     return_codes: list[int | None]
     log: str
-    suite: str = DEFAULT_SUITE
+    suite: str
 
     @property
     def size(self) -> int:
@@ -113,9 +124,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(
-    ulysses: int, ring: int, deadline_s: float = WORLD_DEADLINE_S, suite: str = DEFAULT_SUITE
-) -> WorldResults:
+def run_world(ulysses: int, ring: int, suite: str, deadline_s: float = WORLD_DEADLINE_S) -> WorldResults:
     """Start ``ulysses * ring`` ranks, run the mesh's ``suite`` in each, collect the records."""
     world = ulysses * ring
     with tempfile.TemporaryDirectory(prefix="hcp_world_") as tmp:
@@ -127,16 +136,16 @@ def run_world(
         log = out / "log.txt"
         log.touch()
         procs = [
-            _fork_server().Process(target=_rank_main, name=f"hcp-rank-{rank}",
-                                   args=(rank, ulysses, ring, out, suite, env, log))
+            fork_server().Process(target=_rank_main, name=f"hcp-rank-{rank}",
+                                  args=(rank, ulysses, ring, out, suite, env, log))
             for rank in range(world)
         ]
         try:
             for proc in procs:
                 proc.start()
-            return_codes = _wait_all(procs, time.monotonic() + deadline_s)
+            return_codes = wait_all(procs, time.monotonic() + deadline_s)
         finally:  # also when the wait is interrupted: no rank outlives the call
-            _kill_running(procs)
+            kill_running(procs)
         records: dict[str, dict[int, CaseRecord]] = {}
         for path in sorted(out.glob("*.pt")):
             saved = torch.load(path, weights_only=False)
@@ -146,7 +155,7 @@ def run_world(
     return WorldResults((ulysses, ring), records, return_codes, log_text, suite)
 
 
-def _fork_server() -> multiprocessing.context.BaseContext:
+def fork_server() -> multiprocessing.context.BaseContext:
     """The start method of the ranks; the server starts (and imports :data:`PRELOADED`) with
     the first world and serves every later one."""
     context = multiprocessing.get_context("forkserver")
@@ -154,7 +163,7 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     return context
 
 
-def _wait_all(procs: list, deadline: float) -> list[int | None]:
+def wait_all(procs: list, deadline: float) -> list[int | None]:
     """Exit codes once every process ended, or at ``deadline``, or a grace period after one of
     them failed (its peers would wait for it in a collective); None for those still running."""
     while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
@@ -164,7 +173,7 @@ def _wait_all(procs: list, deadline: float) -> list[int | None]:
     return [proc.exitcode for proc in procs]
 
 
-def _kill_running(procs: list) -> None:
+def kill_running(procs: list) -> None:
     for proc in procs:  # each by its own handle: only the processes this module started
         if proc.pid is not None:
             if proc.exitcode is None:
@@ -214,7 +223,7 @@ def _rank_main(rank: int, ulysses: int, ring: int, out: Path, suite: str, env: d
     # process, and a suite starts dozens of them on 2 cores)
 
 
-def _record_of(run) -> dict:
+def record_of(run: Callable[[], dict]) -> dict:
     """The fields of a :class:`CaseRecord`, saved as a plain dict (read by the parent)."""
     try:
         value = run()
@@ -229,13 +238,12 @@ def _detached(value: dict) -> dict:
             for k, v in value.items()}
 
 
-def _suite_function(suite: str):
+def suite_function(suite: str) -> Callable:
     module, _, function = suite.partition(":")
     return getattr(importlib.import_module(module), function or "suite")
 
 
-def _worker(rank: int, ulysses: int, ring: int, out: Path, suite: str = DEFAULT_SUITE) -> None:
-    import cp_cases  # importable here: the parent's sys.path holds this file's folder
+def _worker(rank: int, ulysses: int, ring: int, out: Path, suite: str) -> None:
     import hcp_compile as hc
 
     torch.set_num_threads(1)
@@ -243,10 +251,10 @@ def _worker(rank: int, ulysses: int, ring: int, out: Path, suite: str = DEFAULT_
         "gloo", rank=rank, world_size=ulysses * ring,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    world = cp_cases.World(hc.make_mesh(ulysses, ring, "cpu"), rank, ulysses, ring)
-    for index, case in enumerate(_suite_function(suite)((ulysses, ring))):
+    world = World(hc.make_mesh(ulysses, ring, "cpu"), rank, ulysses, ring)
+    for index, case in enumerate(suite_function(suite)((ulysses, ring))):
         started = time.monotonic()
-        record = _record_of(lambda: case.run(world))
+        record = record_of(lambda: case.run(world))
         if rank == 0:  # in the world's log: where a world's time goes
             print(f"case {case.id}: {time.monotonic() - started:.1f} s", flush=True)
         path = out / f"{index:04d}.rank{rank}.pt"

@@ -1,4 +1,4 @@
-"""Independent float64 reference for packed varlen attention.
+"""Independent float64 reference for packed varlen attention, on CPU.
 
 Written from the contract (docs/design.md §1), not from the library's kernels: a plain Python loop over
 documents and heads, an explicit boolean mask per document, and a softmax. Gradients come from
