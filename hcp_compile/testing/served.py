@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -45,8 +46,11 @@ class ServedWorld:
         self.log.touch()
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                WORLD_DIR_ENV: str(self.folder / "shared")}
+        # a CUDA rank starts from a fresh interpreter: a forked one cannot initialize CUDA where
+        # its parent (or the fork server's) already did
+        context = multiprocessing.get_context("spawn") if device_type == "cuda" else fork_server()
         self.procs = [
-            fork_server().Process(target=_served_rank, name=f"hcp-served-{rank}",
+            context.Process(target=_served_rank, name=f"hcp-served-{rank}",
                                   args=(rank, ulysses, ring, device_type, handler, self.folder, env, self.log,
                                         collective_timeout_s))
             for rank in range(ulysses * ring)
