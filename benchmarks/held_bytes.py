@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 from benchmarks.speed_workloads import HEADS, Workload, workloads
 from benchmarks.work_split import parse_selection
-from hcp_compile.batch.layout import RankSizes
+from hcp_compile.batch.layout import RankSizes, known_empty
 from hcp_compile.batch.prepared import MeshShape, host_values, prepare
 from hcp_compile.batch.schedule import exchanged_head_groups, rank_kv_heads, schedule_steps
 
@@ -32,7 +32,8 @@ def held_bytes(sizes: RankSizes, ring: int, heads: tuple[int, int], head_dim: in
                element: int) -> int:
     """Bytes one rank's forward keeps for its backward (the output left out)."""
     heads_q, heads_kv = heads
-    rows = sizes.tokens if sizes.own_exchange == 0 else sizes.local  # whole shards or local rows
+    # whole shards where the exchange region is empty (hierarchical's rule), else the local rows
+    rows = sizes.tokens if known_empty(sizes.own_exchange) else sizes.local
     kept = rows * (heads_q + 2 * heads_kv) * head_dim * element + rows * heads_q * LSE_BYTES
     if not exchanged_head_groups(sizes, schedule_steps(sizes, ring), heads_kv, ulysses):
         return kept

@@ -108,7 +108,9 @@ def measure_mesh(ulysses: int, ring: int, rank: int, kernel: str, args: Namespac
     """Rank ``rank`` of ``ulysses x ring`` alone over the fake group, on every tiny batch."""
     world = ulysses * ring
     with fake_process_group(rank, world):
-        options = Namespace(**{**vars(args), "ulysses": ulysses, "ring": ring, "kernel": kernel})
+        # laid out as its own counts are (batch_layout below, no window)
+        options = Namespace(**{**vars(args), "ulysses": ulysses, "ring": ring, "kernel": kernel,
+                               "layout_window": "off"})
         setup = Setup(options, torch.device(args.device), getattr(torch, args.dtype), rank, world, fake=True)
         heads_q, heads_kv = HEADS[args.heads]
         points = []

@@ -154,7 +154,8 @@ def hcp_mode(
 
 def sharded(batch: Batch, setup: Setup, placement: str) -> list[Tensor]:
     """This rank's shards of q, k and v under ``placement``, leaves that take gradients."""
-    plan = hcp_compile.shard_plan(batch.cu, setup.hcp_mesh(), placement=placement)
+    plan = hcp_compile.shard_plan(batch.cu, setup.hcp_mesh(), placement=placement,
+                                  window=setup.layout_window(batch.workload.window))
     return [plan.shard(t).requires_grad_() for t in batch.qkv]
 
 

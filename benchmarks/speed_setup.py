@@ -39,6 +39,11 @@ class Setup:
             self._hcp_mesh = hcp_compile.make_mesh(self.args.ulysses, self.args.ring, self.device.type)
         return self._hcp_mesh
 
+    def layout_window(self, window: tuple[int, int]) -> tuple[int, int]:
+        """The window hcp's layout balances for: the workload's (``--layout-window on``, what a
+        trainer that knows its model's window passes to ``shard_plan``) or none."""
+        return window if self.args.layout_window == "on" else (-1, -1)
+
     def sequence_mesh(self) -> DeviceMesh:
         """The 1-D mesh of all ranks that torch's native CP shards over."""
         if self._sequence_mesh is None:

@@ -212,7 +212,7 @@ def hcp_cp_stream(setup: Setup, placement: str,
 
     def prepare(step: Step) -> tuple[int, Attend]:
         plan = hcp_compile.shard_plan(step.prepared if step.prepared is not None else step.cu, mesh,
-                                      placement=placement)
+                                      placement=placement, window=setup.layout_window(step.workload.window))
         window = step.workload.window
         if compiled_by_window is None:
             module = eager(window)
@@ -242,8 +242,11 @@ class PlannedSteps(torch.utils.data.Dataset):
     """Each step's batch prepared on the host for one rank (``hcp_compile.prepare_batch``), as a
     trainer's DataLoader worker builds it while the previous steps run (``--plan-ahead``)."""
 
-    def __init__(self, steps: list[Workload], ulysses: int, ring: int, placement: str, rank: int):
-        self.steps, self.ulysses, self.ring, self.placement, self.rank = steps, ulysses, ring, placement, rank
+    def __init__(self, steps: list[Workload], setup: Setup, placement: str):
+        # plain values: the dataset travels to the worker process
+        self.steps, self.placement = steps, placement
+        self.ulysses, self.ring, self.rank = setup.args.ulysses, setup.args.ring, setup.rank
+        self.layout_windows = [setup.layout_window(w.window) for w in steps]
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -252,13 +255,14 @@ class PlannedSteps(torch.utils.data.Dataset):
         workload = self.steps[index]
         return hcp_compile.prepare_batch(
             cu_seqlens(workload.lengths, torch.device("cpu")), ulysses=self.ulysses, ring=self.ring,
-            placement=self.placement, rank=self.rank, window=workload.window)
+            placement=self.placement, rank=self.rank, window=workload.window,
+            layout_window=self.layout_windows[index])
 
 
 def plans_ahead(setup: Setup, steps: list[Workload], placement: str) -> Iterator[PreparedBatch]:
     """The steps' prepared batches from one DataLoader worker process, two steps ahead (the
     worker stops when the iterator is dropped)."""
     loader = torch.utils.data.DataLoader(
-        PlannedSteps(steps, setup.args.ulysses, setup.args.ring, placement, setup.rank),
+        PlannedSteps(steps, setup, placement),
         batch_size=None, num_workers=1, prefetch_factor=2)
     return iter(loader)

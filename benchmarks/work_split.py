@@ -5,13 +5,18 @@ sliding window, as a share of the mean.
     python -m benchmarks.work_split --workloads W4-128K --meshes 1x2 2x1
     python -m benchmarks.work_split --workloads W4-1M,W2-1M --meshes 1x8 2x4
 
+A workload under a window is laid out twice: as for plain causal attention (layout window
+"none") and for its window (``shard_plan(..., window=...)``, layout window "left,0").
+
 A rank computes its LOCAL documents' rows with every head and, after the Ulysses exchange, its
 group's exchange streams with ``1/A`` of the heads: its work is the pairs of its local region's
 queries plus those of its Ulysses group's exchange regions over ``A`` (a query's pairs: the keys
-it sees in its document, wherever they lie). The balanced placement evens causal pairs per
-document; a window changes a query's pairs to ``min(position, left) + 1``, which it does not
-weigh, and a ring document's zigzag chunk 0 (on ring rank 0) then holds fewer of them
-(docs/benchmarks.md, per-rank ceiling).
+it sees in its document, wherever they lie). A window changes a query's pairs to
+``min(position, left) + 1``. Laid out for plain causal attention, the balanced placement evens
+causal pairs per document and every ring document's zigzag chunk 0 (on ring rank 0) holds
+fewer of them (docs/benchmarks.md, per-rank ceiling); laid out for the window, it weighs the
+windowed pairs and turns the ring documents' light chunks round the ring ranks
+(docs/design.md §2.2).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from tabulate import tabulate
 
 from benchmarks.speed_workloads import Workload, workloads
-from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.batch.placements import NO_WINDOW, PLACEMENTS, check_layout_window
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 
 
@@ -50,11 +55,13 @@ def rank_work(prepared: PreparedBatch, window_left: int) -> list[float]:
     return work
 
 
-def shares(workload: Workload, ulysses: int, ring: int, placement: str) -> list[float]:
-    """Each rank's work over the mean."""
+def shares(workload: Workload, ulysses: int, ring: int, placement: str, for_window: bool = False) -> list[float]:
+    """Each rank's work over the mean, the batch laid out for the workload's window
+    (``for_window``) or for plain causal attention."""
     lengths = torch.tensor(workload.lengths)
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-    work = rank_work(prepare(host_values(cu), MeshShape(ulysses, ring, placement)), workload.window_left)
+    window = check_layout_window(workload.window if for_window else NO_WINDOW)
+    work = rank_work(prepare(host_values(cu), MeshShape(ulysses, ring, placement, window)), workload.window_left)
     mean = sum(work) / len(work)
     return [w / mean for w in work]
 
@@ -92,10 +99,13 @@ def main() -> None:
     for name in names:
         for ulysses, ring in meshes:
             for placement in placements:
-                split = shares(known[name], ulysses, ring, placement)
-                rows.append([name, f"{ulysses}x{ring}", placement, round(min(split), 3), round(max(split), 3),
-                             " ".join(f"{s:.3f}" for s in split)])
-    print(tabulate(rows, headers=["workload", "mesh", "placement", "least", "most", "every rank / mean"]))
+                for for_window in (False, True) if known[name].window != NO_WINDOW else (False,):
+                    split = shares(known[name], ulysses, ring, placement, for_window)
+                    laid_for = f"{known[name].window_left},0" if for_window else "none"
+                    rows.append([name, f"{ulysses}x{ring}", placement, laid_for, round(min(split), 3),
+                                 round(max(split), 3), " ".join(f"{s:.3f}" for s in split)])
+    print(tabulate(rows, headers=["workload", "mesh", "placement", "layout window", "least", "most",
+                                  "every rank / mean"]))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ class CPOptions(AttentionOptions):
     """Options of ``context_parallel``: those of :class:`AttentionOptions`, and
 
     skip_outside_window: with a sliding window, skip the ring steps whose blocks lie wholly
-        outside it (costs one small device-to-host read per new ``cu_seqlens``).
+        outside it (decided on the host from the batch's layout; the compiled door empties
+        those steps' tables instead, docs/design.md §3.3).
     """
 
     skip_outside_window: bool = True
@@ -80,7 +81,7 @@ class ContextParallel:
         self.groups: CPGroups = resolve_groups(mesh)
         self.options = options
         self.shape = MeshShape(self.groups.ulysses_size, self.groups.ring_size, options.placement)
-        # (batch digest, call signature) -> schedule, for the latest batch only
+        # (prepared batch, call signature) -> schedule, for the latest batch only
         self._schedules: dict[tuple, RingSchedule] = {}
         self._tokens: list[contextvars.Token] = []
 
@@ -111,14 +112,16 @@ class ContextParallel:
                 )
         except InputError as exc:
             error = exc
-        # the protocol the compiled graph's host op follows too (exchange/agreement.py)
-        verdict = Verdict(
-            tuple(validation.verdict(failures, (groups.ring_rank, groups.ulysses_rank))), error is not None,
-            0 if prepared is None else prepared.fingerprint(self.options.recompute_exchange, self.options.scheme),
-        ).encode()
-        if self.options.agree_across_ranks:
-            verdict = agree(groups, verdict, timeout_s=self.options.agreement_timeout_s, caller="varlen_attention")
-        raise_agreed(verdict.tolist(), error)
+        # the protocol the compiled graph's host op follows too (exchange/agreement.py); without
+        # the agreement a rank raises what its own verdict says, and builds none for a good call
+        if self.options.agree_across_ranks or error is not None or failures:
+            verdict = Verdict(
+                tuple(validation.verdict(failures, (groups.ring_rank, groups.ulysses_rank))), error is not None,
+                0 if prepared is None else prepared.fingerprint(self.options.recompute_exchange, self.options.scheme),
+            ).encode()
+            if self.options.agree_across_ranks:
+                verdict = agree(groups, verdict, timeout_s=self.options.agreement_timeout_s, caller="varlen_attention")
+            raise_agreed(verdict.tolist(), error)
         # max_seqlen only bounds the kernels' segments: the larger one is right for both
         max_seqlen = max(max_seqlen_q, max_seqlen_k)
         sched = self._schedule(q, prepared, max_seqlen, causal, scale, window, kernel)
@@ -134,12 +137,13 @@ class ContextParallel:
         self, q: Tensor, prepared: PreparedBatch, max_seqlen: int, causal: bool, scale: float,
         window: tuple[int, int], kernel: str,
     ) -> RingSchedule:
-        """The ring schedule from the prepared batch's host tables, kept per batch (by value)
-        and call signature: the layers of a model share one (building it runs no collective,
-        so a cache miss on one rank only is harmless)."""
-        key = (prepared.batch.digest, q.device, max_seqlen, causal, scale, window, kernel)
+        """The ring schedule from the prepared batch's host tables, kept per batch and call
+        signature: the layers of a model share one (building it runs no collective, so a cache
+        miss on one rank only is harmless). Per prepared batch, not per value: a batch the
+        batch cache dropped and prepared again has new cache keys and host copies of tables."""
+        key = (prepared, q.device, max_seqlen, causal, scale, window, kernel)
         if key not in self._schedules:
-            for stale in [old for old in self._schedules if old[0] != key[0]]:
+            for stale in [old for old in self._schedules if old[0] is not prepared]:
                 del self._schedules[stale]  # another batch: the old one's layers are done
             groups = self.groups
             ring_rank, ulysses_rank = groups.ring_rank, groups.ulysses_rank
@@ -156,7 +160,8 @@ class ContextParallel:
 
     def _batch_failures(self, q, k, v, cu_q, cu_k, max_q, max_k, prepared: PreparedBatch) -> tuple:
         """The batch rules one call breaks (validation.py; no collective), after the rules of
-        its inputs' shapes, which raise."""
+        its inputs' shapes, which raise. Kept with the batch per call, as the compiled graph's
+        check is: the layers of a model make the same call."""
         groups = self.groups
         validation.check_qkv(q, k, v)
         validation.check_head_split(q.shape[1], k.shape[1], groups.ulysses_size)
@@ -164,8 +169,9 @@ class ContextParallel:
         if cu_k is not cu_q:
             validation.check_cu_seqlens_dtype(cu_k, "cu_seqlens_k")
             keys = host_values(cu_k)
-        return checked_batch(prepared, keys, (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k),
-                             (groups.ring_rank, groups.ulysses_rank))
+        tokens, rank = (q.shape[0], k.shape[0], v.shape[0]), (groups.ring_rank, groups.ulysses_rank)
+        call = ("eager", None if keys is None else keys.digest, tokens, (max_q, max_k), rank)
+        return BATCHES.checked(prepared, call, lambda: checked_batch(prepared, keys, tokens, (max_q, max_k), rank))
 
 
 def context_parallel(mesh: MeshLike, **options) -> ContextParallel:

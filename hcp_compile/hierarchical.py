@@ -127,13 +127,7 @@ def _scatter_stream(
     if size == 1:  # the regions are the stream
         kv = heads.scatter(sent[3:], *ulysses, part, parts, after=carried)
         return Issued(kv.pending, lambda kv_s: (*sent[:3], kv.finish(kv_s)), collective=False)
-    widths = [t.shape[1] // (size * parts) for t in sent]
-    issued = heads.scatter(sent, *ulysses, part, parts)
-
-    def unpack(received: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return issued.finish(received).split([*widths[:3], widths[3] + widths[4]], dim=1)
-
-    return Issued(issued.pending, unpack)
+    return _scatter_together(heads, sent, ulysses, part, parts, joined=2)
 
 
 def _scatter_gradient(
@@ -152,7 +146,16 @@ def _scatter_gradient(
         dout_s = heads.scatter(sent[:1], *ulysses, part, parts)
         out_s = heads.scatter(sent[1:], *ulysses, part, parts, after=carried)
         return Issued(dout_s.pending, lambda dout: (dout_s.finish(dout), out_s.wait()), collective=False)
-    widths = [t.shape[1] // (size * parts) for t in sent]
+    return _scatter_together(heads, sent, ulysses, part, parts)
+
+
+def _scatter_together(heads: HeadExchange, sent: list[Tensor], ulysses: tuple, part: int, parts: int,
+                      joined: int = 1) -> Issued[tuple[Tensor, ...]]:
+    """One all-to-all of head group ``part`` of the exchange regions ``sent``, received as one
+    view per tensor, the last ``joined`` side by side in one view (k and v, as the ring sends
+    them)."""
+    widths = [t.shape[1] // (ulysses[1] * parts) for t in sent]
+    widths[len(widths) - joined:] = [sum(widths[len(widths) - joined:])]
     issued = heads.scatter(sent, *ulysses, part, parts)
     return Issued(issued.pending, lambda received: tuple(issued.finish(received).split(widths, dim=1)))
 

@@ -9,7 +9,7 @@ from torch import Tensor
 from hcp_compile import validation
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.call import checked_batch
-from hcp_compile.batch.prepared import find, host_values
+from hcp_compile.batch.prepared import BatchValues, PreparedBatch, find, host_values
 from hcp_compile.context import active_context
 from hcp_compile.kernels import KERNELS, BlockRequest, BlockSpec, resolve_kernel
 from hcp_compile.kernels.precision import accumulate_dtype
@@ -33,19 +33,20 @@ def varlen_attention_op(
             "hcp_compile.context_parallel, so its attention would ignore the other ranks' "
             "tokens; compile with backend='hcp' (options={'mesh': mesh}) or run eagerly"
         )
-    _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    prepared, keys = _check_single_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k),
+                     window_left, window_right, cache_key=_cache_key(prepared, keys),
                      covered_rows=q.shape[0])
     chosen = _kernel(kernel, q, k, cu_seqlens_q, max(max_seqlen_q, max_seqlen_k), window_left, window_right)
     return KERNELS[chosen].forward(q, k, v, spec)
 
 
-def _cache_key(cu_q: Tensor, cu_k: Tensor) -> int:
+def _cache_key(prepared: PreparedBatch, keys: BatchValues) -> int:
     """The :attr:`BlockSpec.cache_key` of a batch, handed out by the batch cache for its values
-    (read on the host once per tensor version, as the checks read them: prepared.host_values),
-    so that the layers of a model and the backward share what a kernel derives (flex's mask)."""
-    return BATCHES.cache_keys(find(cu_q, None), ("single device", host_values(cu_k).digest))
+    (``prepared``, the mesh-less batch of ``cu_seqlens_q``, and ``keys``, ``cu_seqlens_k``'s:
+    read on the host once per tensor version, as the checks read them), so that the layers of
+    a model and the backward share what a kernel derives (flex's mask)."""
+    return BATCHES.cache_keys(prepared, ("single device", keys.digest))
 
 
 def _kernel(name: str, q: Tensor, k: Tensor, cu_q: Tensor, longest: int, window_left: int,
@@ -99,7 +100,8 @@ def varlen_attention_backward_op(
     resolved it. An op of its own, so that a compiled backward finds the batch's cache key
     and kernel when it runs, not when it is traced."""
     spec = BlockSpec(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     window_left, window_right, cache_key=_cache_key(cu_seqlens_q, cu_seqlens_k),
+                     window_left, window_right,
+                     cache_key=_cache_key(find(cu_seqlens_q, None), host_values(cu_seqlens_k)),
                      covered_rows=q.shape[0])
     chosen = _kernel(kernel, q, k, cu_seqlens_q, max(max_seqlen_q, max_seqlen_k), window_left, window_right)
     return tuple(KERNELS[chosen].backward(grad_out, q, k, v, out, lse, spec))
@@ -146,14 +148,18 @@ def varlen_attention(
     return out
 
 
-def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
+def _check_single_device(q, k, v, cu_q, cu_k, max_q, max_k) -> tuple[PreparedBatch, BatchValues]:
     """Shapes, dtypes, then the batch rules of a single device (``validation.check`` on the
     mesh-less prepared batch): ``cu_seqlens`` against the token counts, ``max_seqlen`` against
     the longest document (the flash kernel sizes its grid by it). ``cu_seqlens`` is read on
-    the host once per tensor version, so the layers of a model that share it wait only once."""
+    the host once per tensor version, so the layers of a model that share it wait only once.
+    Returns the mesh-less prepared batch and ``cu_seqlens_k``'s values, which name the call's
+    blocks (:func:`_cache_key`)."""
     validation.check_qkv(q, k, v)
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         validation.check_cu_seqlens_dtype(cu, name)
+    prepared = find(cu_q, None)
     keys = None if cu_k is cu_q else host_values(cu_k)
-    failures = checked_batch(find(cu_q, None), keys, (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k))
+    failures = checked_batch(prepared, keys, (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k))
     validation.raise_first(failures)
+    return prepared, prepared.batch if keys is None else keys

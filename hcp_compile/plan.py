@@ -11,7 +11,7 @@ from torch import Tensor
 from hcp_compile import validation
 from hcp_compile.batch import layout
 from hcp_compile.batch.layout import Kind
-from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement
+from hcp_compile.batch.placements import DEFAULT_PLACEMENT, NO_WINDOW, check_layout_window, check_placement
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 from hcp_compile.exchange.collectives import gather_tokens
@@ -31,6 +31,8 @@ class ShardPlan:
     Attributes:
         prepared: everything derived from the batch and the mesh shape (picklable).
         placement: the rule that laid the batch out (``"balanced"`` or ``"zigzag"``).
+        window: the sliding window the rule balanced the work for, ``(left, 0)``, or
+            ``(-1, -1)``: none (plain causal work).
         document_placement: one entry per document of ``cu_seqlens``: ``"local"`` (whole on
             one rank), ``"group"`` (inside one Ulysses group) or ``"ring"``.
         num_tokens: global real token count (``cu_seqlens[-1]``).
@@ -43,12 +45,14 @@ class ShardPlan:
     """
 
     def __init__(
-        self, cu_seqlens: Tensor | PreparedBatch, mesh: MeshLike, placement: str = DEFAULT_PLACEMENT
+        self, cu_seqlens: Tensor | PreparedBatch, mesh: MeshLike, placement: str = DEFAULT_PLACEMENT,
+        window: tuple[int, int] = NO_WINDOW,
     ):
         self.groups: CPGroups = resolve_groups(mesh)
         self.placement = check_placement(placement)
+        self.window = check_layout_window(window)
         groups = self.groups
-        shape = MeshShape(groups.ulysses_size, groups.ring_size, placement)
+        shape = MeshShape(groups.ulysses_size, groups.ring_size, placement, self.window)
         self.prepared = _prepared(cu_seqlens, shape)
         BATCHES.record_plan(self.prepared)  # the attention checks that it runs on this shape
         self.layout = self.prepared.layout
@@ -99,11 +103,12 @@ class ShardPlan:
         self, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
         dtype: torch.dtype = torch.bfloat16, scheme: str = DEFAULT_SCHEME,
     ) -> str:
-        """A table per rank: real tokens, pads, causal work (query-key pairs), documents per
-        placement, and the bytes one attention call (forward and backward) sends through the
-        Ulysses all-to-all and the ring under the collective ``scheme`` (its own counts), for
-        attention of ``heads_q``/``heads_kv`` heads of ``head_dim`` in ``dtype``."""
-        work = layout.attention_work(self.layout)
+        """A table per rank: real tokens, pads, causal work (query-key pairs, under the plan's
+        window where it has one), documents per placement, and the bytes one attention call
+        (forward and backward) sends through the Ulysses all-to-all and the ring under the
+        collective ``scheme`` (its own counts), for attention of ``heads_q``/``heads_kv`` heads
+        of ``head_dim`` in ``dtype``."""
+        work = layout.attention_work(self.layout, window=self.window[0])
         sizes_of = self.prepared.rank_sizes
         kind, ring_rank = self.layout.kind, self.layout.ring_rank
         ulysses, ring = self.groups.ulysses_size, self.groups.ring_size
@@ -124,7 +129,8 @@ class ShardPlan:
                     f"{float(work[r, a]):.4g}", f"{local_docs}/{group_docs}/{ring_docs}",
                     format_bytes(all_to_all), format_bytes(ring_bytes),
                 ])
-        headers = ["rank (ring, ulysses)", "real tokens", "pads", "causal work (pairs)",
+        weighed = "causal work (pairs)" if self.window == NO_WINDOW else f"work (pairs, window {self.window})"
+        headers = ["rank (ring, ulysses)", "real tokens", "pads", weighed,
                    "docs local/group/ring", "all-to-all bytes/call", "ring bytes/call"]
         return tabulate(rows, headers=headers, tablefmt="github")
 
@@ -146,8 +152,8 @@ def _prepared(cu_seqlens: Tensor | PreparedBatch, shape: MeshShape) -> PreparedB
             made = "no mesh" if cu_seqlens.mesh is None else cu_seqlens.mesh.describe()
             raise InputError(
                 f"cu_seqlens: a PreparedBatch for {made}, but shard_plan lays out for "
-                f"{shape.describe()}; give prepare_batch the mesh's ulysses and ring sizes and "
-                "the placement of shard_plan"
+                f"{shape.describe()}; give prepare_batch the mesh's ulysses and ring sizes, "
+                "the placement of shard_plan and its window as layout_window"
             )
         return BATCHES.adopt(cu_seqlens)
     validation.check_cu_seqlens_dtype(cu_seqlens, "cu_seqlens")
@@ -177,7 +183,8 @@ class _GatherShards(torch.autograd.Function):
 
 
 def shard_plan(
-    cu_seqlens: Tensor | PreparedBatch, mesh: MeshLike, *, placement: str = DEFAULT_PLACEMENT
+    cu_seqlens: Tensor | PreparedBatch, mesh: MeshLike, *, placement: str = DEFAULT_PLACEMENT,
+    window: tuple[int, int] = NO_WINDOW,
 ) -> ShardPlan:
     """The layout of the packed batch described by ``cu_seqlens`` (global, real document
     boundaries, int32) on ``mesh`` (a ``("ring", "ulysses")`` DeviceMesh or a group pair).
@@ -188,5 +195,12 @@ def shard_plan(
     ``placement``: ``"balanced"`` (default: short documents whole on one rank, long ones split
     over a Ulysses group or the ring) or ``"zigzag"`` (every document round the ring). The
     attention must use the same placement (``context_parallel(mesh, placement=...)`` or the
-    hcp backend's ``placement`` option)."""
-    return ShardPlan(cu_seqlens, mesh, placement)
+    hcp backend's ``placement`` option).
+
+    ``window``: the sliding window ``(left, right)`` of the causal attention the balanced rule
+    evens the work for (as ``varlen_attention``'s ``window_size``; ``right`` changes nothing
+    under causal attention); ``(-1, -1)``: plain causal work. The attention is not told it: it
+    runs on the layout this call recorded for these values and mesh (docs/design.md §2.4), so
+    lay a batch out once per step, as its shards are made, and run the attention before
+    ``hcp_compile.clear_batch_cache()``."""
+    return ShardPlan(cu_seqlens, mesh, placement, window)

@@ -3,24 +3,25 @@
 
 A batch is named one way, by ``(digest of its cu_seqlens values, mesh shape)``; its entry holds
 the :class:`prepared.PreparedBatch` (whose ``key`` that is), the :attr:`BlockSpec.cache_key`
-values handed out for its blocks, the compiled graph's checked calls and whether ``shard_plan``
+values handed out for its blocks, the CP doors' checked calls and whether ``shard_plan``
 laid it out. What a kernel
 derives per block (masks, cuDNN calls, dense plans) sits in the kernels' memos under those keys
-(``kernels.contract.BLOCK_MEMOS``, below this layer, driven from here), so evicting a batch, or
-:func:`clear_batch_cache`, drops everything kept for it. What is kept
-per configuration (compiled kernels, cuDNN graphs by shape) lives in the kernels and stays.
+(``kernels.contract.BLOCK_MEMOS``), and the host copies of its device tensors' values (its
+``cu_seqlens`` read once, its schedules' tables) in ``kernels.contract.HOST_READS``, owned by
+its values' digest and its key: both below this layer, driven from here, so evicting a batch,
+or :func:`clear_batch_cache`, drops everything kept for it. What is kept per configuration
+(compiled kernels, cuDNN graphs by shape) lives in the kernels and stays.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from hcp_compile.kernels.contract import BLOCK_MEMOS, new_cache_key
+from hcp_compile.kernels.contract import BLOCK_MEMOS, HOST_READS, new_cache_key
 
 T = TypeVar("T")
 BatchKey = tuple[bytes, Hashable]  # (digest of the values, mesh shape or None)
@@ -34,7 +35,7 @@ class _Entry:
     prepared: Any  # the batch's PreparedBatch
     keys: dict[Hashable, int] = field(default_factory=dict)  # (purpose, count) -> first cache key
     owned: list[int] = field(default_factory=list)  # every cache key handed out for the batch
-    checked: dict[Hashable, Any] = field(default_factory=dict)  # the compiled check, per call
+    checked: dict[Hashable, Any] = field(default_factory=dict)  # a CP door's check, per call
     planned: int = -1  # when shard_plan last laid the batch out (a stamp), -1: never
 
 
@@ -44,30 +45,26 @@ class BatchCache:
 
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
-        self._entries: OrderedDict[BatchKey, _Entry] = OrderedDict()
+        # in order of use, the least recently used first; a plain dict, which unlike an
+        # OrderedDict iterates its items without hashing each key again (a mesh shape hashes
+        # in Python)
+        self._entries: dict[BatchKey, _Entry] = {}
         self._stamps = itertools.count()
         self._lock = threading.RLock()
 
     def prepared(self, key: BatchKey, build: Callable[[], T]) -> T:
         """The batch's prepared values, built by ``build`` (and kept) where not kept yet."""
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._found(key)
             if entry is not None:
-                self._entries.move_to_end(key)
                 return entry.prepared
         return self.adopt(build())
 
     def adopt(self, prepared: T) -> T:
         """Keep ``prepared`` (built here or unpickled from a worker) under its ``key``; an entry
         already there stays and its batch is returned."""
-        key = prepared.key
         with self._lock:
-            if key not in self._entries:
-                self._entries[key] = _Entry(prepared)
-                while len(self._entries) > self.capacity:
-                    self._drop(*self._entries.popitem(last=False))
-            self._entries.move_to_end(key)
-            return self._entries[key].prepared
+            return self._entry(prepared).prepared
 
     def cache_keys(self, prepared: Any, purpose: Hashable, count: int = 1) -> int:
         """The first of ``count`` cache keys for the blocks of ``purpose`` (a rank's schedule,
@@ -87,9 +84,10 @@ class BatchCache:
         with self._lock:
             kept = self._entry(prepared).checked
             key = (call, self.planned(prepared.batch.digest))
-            if key not in kept:
-                kept[key] = check()
-            return kept[key]
+            found = kept.get(key)
+            if found is None:
+                found = kept[key] = check()
+            return found
 
     def record_plan(self, prepared: Any) -> None:
         """Remember that ``shard_plan`` laid the batch ``prepared`` out (last)."""
@@ -105,21 +103,44 @@ class BatchCache:
         return max(stamped, key=lambda found: found[0])[1] if stamped else None
 
     def clear(self) -> None:
-        """Forget every batch and all that the kernels derived from them."""
+        """Forget every batch and all that the kernels derived or the host read from them."""
         with self._lock:
             self._entries.clear()
         BLOCK_MEMOS.clear()
+        HOST_READS.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def _entry(self, prepared: Any) -> _Entry:
-        """The entry of ``prepared`` (its ``key`` names it), kept again if it was dropped."""
-        self.adopt(prepared)
-        return self._entries[prepared.key]
+        """The entry of ``prepared`` (its ``key`` names it; made for it where there is none:
+        never kept, or dropped since), now the most recently used."""
+        key = prepared.key
+        entry = self._found(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(prepared)
+            while len(self._entries) > self.capacity:
+                oldest = next(iter(self._entries))
+                self._drop(oldest, self._entries.pop(oldest))
+        return entry
+
+    def _found(self, key: BatchKey) -> _Entry | None:
+        """The entry under ``key``, now the most recently used; None where there is none."""
+        entry = self._entries.get(key)
+        # moved only where it is not the newest already (kept under its batch's own key): each
+        # lookup hashes the mesh shape again, and a call of a batch looks it up several times
+        if entry is not None and next(reversed(self._entries)) is not entry.prepared.key:
+            del self._entries[key]
+            self._entries[entry.prepared.key] = entry
+        return entry
 
     def _drop(self, key: BatchKey, entry: _Entry) -> None:
+        """Drop what the kernels keep for the batch ``key``, just evicted as ``entry``: its
+        blocks' memos, its tables' host copies and, unless its values are kept for another mesh
+        shape, the reads of its values."""
         BLOCK_MEMOS.drop(set(entry.owned))
+        digest = key[0]
+        HOST_READS.drop({key} if any(kept == digest for kept, _ in self._entries) else {key, digest})
 
 
 BATCHES = BatchCache()

@@ -8,7 +8,9 @@ placements; everything else follows from that here:
 - ``GROUP``: the whole document inside one ring rank, spread over its Ulysses group by the
   all-to-all over heads, no ring step;
 - ``RING``: padded to ``2R`` chunks of ``c_i = ceil(L_i / 2R)``; ring rank ``r`` holds chunks
-  ``r`` and ``2R-1-r`` (the zigzag pairing that balances causal work).
+  ``q`` and ``2R-1-q`` (the zigzag pairing that balances causal work), ``q = r`` but for a layout
+  balanced for a sliding window, which turns each document's pairs round the ring ranks
+  (``q = (r - t_i) mod R``, :func:`window_turns`).
 
 Rank ``(r, a)`` holds ``T`` tokens, equal on every rank: ``[local | exchange | pads]``. Its
 local region holds its LOCAL documents, whole, in document order. The exchange regions of
@@ -51,7 +53,9 @@ class Assignment:
     ulysses_rank: Tensor  # Ulysses rank holding a LOCAL document (unused otherwise)
 
 
-PlacementRule = Callable[[Tensor, int, int], Assignment]  # (lengths, ulysses, ring)
+# (lengths, ulysses, ring), and the keyword window (keys back) for a layout balanced for a
+# sliding window: a rule that weighs no window needs not take it
+PlacementRule = Callable[..., Assignment]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class BatchLayout:
     ring_rank: Tensor  # [n]
     ulysses_rank: Tensor  # [n]
     chunk: Tensor  # [n] c_i for RING documents, 0 otherwise
+    # [n] t_i: ring rank r holds chunks q and 2R-1-q of a RING document, q = (r - t_i) mod R
+    # (0 but under a window: window_turns)
+    turn: Tensor
     local_extent: Tensor  # [R, A]: tokens of each rank's local region
     exchange_extent: Tensor  # [R, A]: tokens of each rank's exchange region
     local_tokens: Tensor  # 0-d: T, every rank's token count
@@ -85,14 +92,16 @@ class BatchLayout:
         )
 
 
-def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRule) -> BatchLayout:
-    """The layout of the batch ``cu_seqlens`` (global, real boundaries) under ``rule``."""
+def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRule, window: int = -1) -> BatchLayout:
+    """The layout of the batch ``cu_seqlens`` (global, real boundaries) under ``rule``, which
+    weighs the work of a causal ``window`` of that many keys back (-1: none)."""
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
-    assignment = rule(lengths, ulysses, ring)
+    assignment = rule(lengths, ulysses, ring) if window < 0 else rule(lengths, ulysses, ring, window=window)
     kind = assignment.kind
     is_ring, is_local, is_group = kind == Kind.RING, kind == Kind.LOCAL, kind == Kind.GROUP
     chunk = torch.where(is_ring, (lengths + 2 * ring - 1) // (2 * ring), 0)
+    turn = window_turns(lengths, is_ring, ring) if window >= 0 else torch.zeros_like(lengths)
     slot = torch.where(is_local, assignment.ring_rank * ulysses + assignment.ulysses_rank, 0)
     local_extent = lengths.new_zeros(ring * ulysses).scatter_add(
         0, slot, torch.where(is_local, lengths, 0)
@@ -109,8 +118,20 @@ def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRul
     exchange_extent = (stream_extent[:, None] - before).clamp(min=0).minimum(capacity)
     return BatchLayout(
         ulysses, ring, cu[:-1], lengths, kind, assignment.ring_rank, assignment.ulysses_rank,
-        chunk, local_extent, exchange_extent, tokens,
+        chunk, turn, local_extent, exchange_extent, tokens,
     )
+
+
+def window_turns(lengths: Tensor, is_ring: Tensor, ring: int) -> Tensor:
+    """``t_i`` of each RING document under a sliding window (0 for the others): under a window
+    a query sees at most ``left + 1`` keys, so a document's first ``left`` positions hold less
+    work than the rest, and the zigzag would give every document's light first chunks to the
+    same ring ranks (0, 1, ...). Dealt longest first in a serpentine (0, 1, .., R-1, R-1, ..,
+    0), the documents turn their light chunks round every ring rank."""
+    dealt = torch.sort(torch.where(is_ring, lengths, -1), descending=True, stable=True).indices
+    place = torch.empty_like(dealt).scatter_(0, dealt, torch.arange(dealt.numel(), device=dealt.device))
+    lap, seat = place // ring, place % ring
+    return torch.where(is_ring, torch.where(lap % 2 == 0, seat, ring - 1 - seat), 0)
 
 
 @dataclass(frozen=True)
@@ -216,8 +237,13 @@ class StreamTable:
     starts: Tensor  # [2n] global offset of the entry's document
     lengths: Tensor  # [2n] real length of the entry's document
     chunk: Tensor  # [2n] c_i of ring entries, 0 for group entries
+    turn: Tensor  # [2n] t_i of ring entries (BatchLayout.turn), 0 for group entries
     widths: Tensor  # [2n] tokens of the entry in the stream
     is_ring: Tensor  # [2n] bool: the first n entries
+
+    def first_chunk(self, ring_rank: int, ring: int) -> Tensor:
+        """``q`` of each entry: ``ring_rank`` holds its chunks ``q`` and ``2R-1-q``."""
+        return (ring_rank - self.turn) % ring
 
 
 def stream_table(layout: BatchLayout, ring_rank: int, with_group: bool = True) -> StreamTable:
@@ -230,6 +256,7 @@ def stream_table(layout: BatchLayout, ring_rank: int, with_group: bool = True) -
         starts=layout.starts.repeat(2),
         lengths=layout.lengths.repeat(2),
         chunk=torch.cat([layout.chunk, torch.zeros_like(layout.chunk)]),
+        turn=torch.cat([layout.turn, torch.zeros_like(layout.turn)]),
         widths=torch.cat([2 * layout.chunk, torch.where(group, layout.lengths, 0)]),
         is_ring=is_ring,
     )
@@ -256,9 +283,8 @@ def stream_tokens(
     entry_start = torch.cumsum(table.widths, 0) - table.widths
     offset = torch.arange(length, device=device) - entry_start.index_select(0, entry)
     c = table.chunk.index_select(0, entry)
-    zigzag = torch.where(
-        offset < c, ring_rank * c + offset, (2 * ring - 1 - ring_rank) * c + offset - c
-    )
+    first = table.first_chunk(ring_rank, ring).index_select(0, entry)
+    zigzag = torch.where(offset < c, first * c + offset, (2 * ring - 1 - first) * c + offset - c)
     position = torch.where(table.is_ring.index_select(0, entry), zigzag, offset)
     valid = position < table.lengths.index_select(0, entry)
     n = table.widths.numel() // 2
@@ -302,24 +328,40 @@ def rank_tokens(layout: BatchLayout, sizes: RankSizes, ring_rank: int) -> Stream
 # ring steps
 # --------------------------------------------------------------------------------------------
 
-def chunk_real(table: StreamTable, chunk_index: int) -> Tensor:
-    """Real tokens of each entry in its zigzag chunk ``chunk_index`` (padding sits at the end)."""
+def chunk_real(table: StreamTable, chunk_index: int | Tensor) -> Tensor:
+    """Real tokens of each entry in its zigzag chunk ``chunk_index`` (one, or one per entry;
+    padding sits at the end)."""
     return (table.lengths - chunk_index * table.chunk).clamp(min=0).minimum(table.chunk)
 
 
 def real_tokens_held(table: StreamTable, ring_rank: int, ring: int) -> Tensor:
     """Real tokens of each entry in ``ring_rank``'s stream (a prefix of the entry)."""
-    ring_part = chunk_real(table, ring_rank) + chunk_real(table, 2 * ring - 1 - ring_rank)
+    first = table.first_chunk(ring_rank, ring)
+    ring_part = chunk_real(table, first) + chunk_real(table, 2 * ring - 1 - first)
     return torch.where(table.is_ring, ring_part, table.widths)
 
 
 class StepKind(Enum):
-    """Which block of the causal zigzag schedule one ring step computes (docs/design.md §3)."""
+    """Which block of the causal zigzag schedule one ring step computes (docs/design.md §3). A
+    document a window turned (``BatchLayout.turn``) is LOWER or UPPER in a causal ring step by
+    its own chunks (:func:`lower_entries`), whatever the step's kind says."""
 
     DIAGONAL = "diagonal"  # own Q x own KV, causal inside each document
     LOWER = "lower"  # all Q x the first chunk of each KV document (src < r)
     UPPER = "upper"  # the second chunk of each Q document x all KV (src > r)
     FULL = "full"  # non-causal: all Q x all KV
+
+
+def lower_entries(q_table: StreamTable, k_table: StreamTable, ring_rank: int, source: int,
+                  ring: int, kind: StepKind) -> tuple[Tensor, Tensor]:
+    """``(lower, upper)``: the ring entries of a step that are LOWER (the source's chunks of the
+    document come before this rank's first) and UPPER (after it): by the step's kind, unless a
+    window turned the document (``BatchLayout.turn``); neither in the own step nor a FULL one."""
+    if kind not in (StepKind.LOWER, StepKind.UPPER):
+        none = torch.zeros_like(q_table.is_ring)
+        return none, none
+    before = k_table.first_chunk(source, ring) < q_table.first_chunk(ring_rank, ring)
+    return q_table.is_ring & before, q_table.is_ring & ~before
 
 
 def step_sources(ring_rank: int, ring: int, steps: int) -> list[int]:
@@ -364,15 +406,14 @@ def step_segments(
     own = source == ring_rank
     widths_q, widths_k = q_table.widths, k_table.widths
     zero = torch.zeros_like(widths_q)
-    ring_q_skip = q_table.chunk if kind is StepKind.UPPER else zero
-    if kind is StepKind.UPPER:  # only the second chunk of each query document takes part
-        ring_q_real = chunk_real(q_table, 2 * ring - 1 - ring_rank)
-    else:
-        ring_q_real = real_tokens_held(q_table, ring_rank, ring)
-    if kind is StepKind.LOWER:  # only the first chunk of each key document takes part
-        ring_k_real = chunk_real(k_table, source)
-    else:
-        ring_k_real = real_tokens_held(k_table, source, ring)
+    lower, upper = lower_entries(q_table, k_table, ring_rank, source, ring, kind)
+    ring_q_skip = torch.where(upper, q_table.chunk, zero)
+    # an UPPER document: only the second chunk of its queries takes part
+    second = 2 * ring - 1 - q_table.first_chunk(ring_rank, ring)
+    ring_q_real = torch.where(upper, chunk_real(q_table, second), real_tokens_held(q_table, ring_rank, ring))
+    # a LOWER document: only the first chunk of its keys takes part
+    ring_k_real = torch.where(lower, chunk_real(k_table, k_table.first_chunk(source, ring)),
+                              real_tokens_held(k_table, source, ring))
     group_q_real = widths_q if own else zero
     q_skip = torch.where(q_table.is_ring, ring_q_skip, widths_q - group_q_real)
     q_real = torch.where(q_table.is_ring, ring_q_real, group_q_real)
@@ -413,17 +454,19 @@ def step_sees_any_key(
     left = window_left if window_left >= 0 else inf
     right = 0 if kind is not StepKind.FULL else (window_right if window_right >= 0 else inf)
 
-    def intervals(table: StreamTable, chunk_indices: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
-        # real positions [start, stop) of each chunk, per ring entry (empty for group entries)
-        return [(i * table.chunk, i * table.chunk + chunk_real(table, i)) for i in chunk_indices]
+    def intervals(table: StreamTable, rank: int, taking: tuple[Tensor, Tensor]) -> list[tuple[Tensor, Tensor]]:
+        # real positions [start, stop) of the rank's two chunks, per ring entry, empty where an
+        # entry does not take that chunk (and for group entries)
+        first = table.first_chunk(rank, ring)
+        return [(i * table.chunk, i * table.chunk + chunk_real(table, i) * takes)
+                for i, takes in zip((first, 2 * ring - 1 - first), taking)]
 
-    both = (ring_rank, 2 * ring - 1 - ring_rank)
-    q_chunks = (2 * ring - 1 - ring_rank,) if kind is StepKind.UPPER else both
-    k_both = (source, 2 * ring - 1 - source)
-    k_chunks = (source,) if kind is StepKind.LOWER else k_both
+    lower, upper = lower_entries(q_table, k_table, ring_rank, source, ring, kind)
+    every = torch.ones_like(lower)
     seen = torch.zeros((), dtype=torch.bool, device=q_table.lengths.device)
-    for q_start, q_stop in intervals(q_table, q_chunks):
-        for k_start, k_stop in intervals(k_table, k_chunks):
+    # an UPPER document's first query chunk and a LOWER one's second key chunk take no part
+    for q_start, q_stop in intervals(q_table, ring_rank, (~upper, every)):
+        for k_start, k_stop in intervals(k_table, source, (every, ~lower)):
             nonempty = (q_stop > q_start) & (k_stop > k_start)
             # q - k over the pair of intervals spans [q_start - (k_stop - 1), (q_stop - 1) - k_start]
             low = q_start - (k_stop - 1)
@@ -433,16 +476,19 @@ def step_sees_any_key(
     return seen
 
 
-def attention_work(layout: BatchLayout, causal: bool = True) -> Tensor:
+def attention_work(layout: BatchLayout, causal: bool = True, window: int = -1) -> Tensor:
     """``[R, A]`` query-key pairs each rank computes (int64): its LOCAL documents whole, plus
     a ``1/A`` share (by heads) of its ring rank's exchange stream, whose RING documents
-    count the pairs of the queries the ring rank holds."""
+    count the pairs of the queries the ring rank holds. ``window``: causal attention sees that
+    many keys back (-1: every earlier key)."""
     lengths, ring, ulysses = layout.lengths, layout.ring, layout.ulysses
 
-    def pairs_before(stop: Tensor) -> Tensor:  # queries at positions [0, stop): sum of (p + 1)
+    def pairs_before(stop: Tensor) -> Tensor:  # queries at positions [0, stop): their keys
+        if causal and window >= 0:
+            return windowed_pairs(stop, window)
         return stop * (stop + 1) // 2 if causal else stop * lengths
 
-    def held_pairs(chunk_index: int) -> Tensor:
+    def held_pairs(chunk_index: Tensor) -> Tensor:
         low = (chunk_index * layout.chunk).minimum(lengths)
         high = ((chunk_index + 1) * layout.chunk).minimum(lengths)
         return pairs_before(high) - pairs_before(low)
@@ -455,8 +501,15 @@ def attention_work(layout: BatchLayout, causal: bool = True) -> Tensor:
         0, torch.where(is_group, layout.ring_rank, 0), torch.where(is_group, whole, 0)
     )
     is_ring = layout.kind == Kind.RING
+    first = [(r - layout.turn) % ring for r in range(ring)]  # each ring rank's first chunks
     ring_pairs = torch.stack([
-        torch.where(is_ring, held_pairs(r) + held_pairs(2 * ring - 1 - r), 0).sum()
-        for r in range(ring)
+        torch.where(is_ring, held_pairs(q) + held_pairs(2 * ring - 1 - q), 0).sum() for q in first
     ])
     return local.view(ring, ulysses) + ((stream + ring_pairs) / ulysses)[:, None]
+
+
+def windowed_pairs(stop: Tensor, window: int) -> Tensor:
+    """The query-key pairs of the queries at positions ``[0, stop)`` of a document under a
+    causal window of ``window`` keys back: ``sum of min(p, window) + 1``."""
+    ramp = stop.clamp(max=window + 1)
+    return ramp * (ramp + 1) // 2 + (stop - ramp) * (window + 1)

@@ -26,7 +26,9 @@ from hcp_compile import validation
 from hcp_compile.batch import layout, pickling
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.layout import BatchLayout, RankSizes, StreamTokens
-from hcp_compile.batch.placements import DEFAULT_PLACEMENT, check_placement, placement_rule
+from hcp_compile.batch.placements import (
+    DEFAULT_PLACEMENT, NO_WINDOW, check_layout_window, check_placement, placement_rule,
+)
 from hcp_compile.batch.rank_plan import RankPlan, plan_rank
 from hcp_compile.batch.schedule import ScheduleTables, schedule_steps
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME
@@ -74,7 +76,7 @@ def _digest(values: Tensor) -> bytes:
 def host_values(cu_seqlens: Tensor) -> BatchValues:
     """The values of ``cu_seqlens`` (already checked by :func:`validation.check_cu_seqlens_dtype`),
     read to the host once per tensor and version (kept in ``HOST_READS``, where the kernels find
-    them too)."""
+    them too, while the batch cache keeps a batch of these values)."""
     cached = HOST_READS.get(cu_seqlens)
     if cached is not None:
         return cached
@@ -86,7 +88,7 @@ def host_values(cu_seqlens: Tensor) -> BatchValues:
 def remember_values(tensor: Tensor, values: BatchValues) -> None:
     """Let :func:`host_values` answer for ``tensor`` (a host copy of known values) without
     reading and hashing it again."""
-    HOST_READS.put(tensor, values)
+    HOST_READS.put(tensor, values, values.digest)
 
 
 class Exchanges(enum.Enum):
@@ -114,14 +116,18 @@ class Exchanges(enum.Enum):
 
 @dataclass(frozen=True)
 class MeshShape:
-    """What a batch's layout depends on beside its values: the mesh's shape and the rule."""
+    """What a batch's layout depends on beside its values: the mesh's shape, the rule and the
+    window the rule balances for (``placements.check_layout_window``: ``(-1, -1)`` for none),
+    so that a batch laid out for a window is another batch than without (docs/design.md §2.4)."""
 
     ulysses: int
     ring: int
     placement: str = DEFAULT_PLACEMENT
+    window: tuple[int, int] = NO_WINDOW
 
     def describe(self) -> str:
-        return f"ulysses={self.ulysses} x ring={self.ring} with placement={self.placement!r}"
+        windowed = "" if self.window == NO_WINDOW else f" for window={self.window}"
+        return f"ulysses={self.ulysses} x ring={self.ring} with placement={self.placement!r}{windowed}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,8 +152,8 @@ class PreparedBatch:
     _tokens: dict[tuple[int, int], StreamTokens] = field(default_factory=dict, repr=False)
     _plans: dict[tuple[int, int, bool, tuple[int, int], int | None], RankPlan] = field(default_factory=dict, repr=False)
     _fingerprints: dict[tuple[bool, str], int] = field(default_factory=dict, repr=False)
-    # the plans' tables in pinned memory, by the plan's id (the plans are kept as long), this
-    # process's only: a worker's would arrive as plain memory
+    # the plans' tables in pinned memory, by the tables' id (their plans, which hold them, are
+    # kept as long), this process's only: a worker's would arrive as plain memory
     _pinned: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -196,6 +202,8 @@ class PreparedBatch:
         options = (recompute_exchange, scheme)
         if options not in self._fingerprints:
             shape = "single" if self.mesh is None else f"{self.mesh.ulysses}x{self.mesh.ring}:{self.mesh.placement}"
+            if self.mesh is not None and self.mesh.window != NO_WINDOW:  # no window: the same as before windows
+                shape += f":{self.mesh.window}"
             salted = hashlib.sha256(self.batch.digest + f"|{shape}|{int(recompute_exchange)}|{scheme}".encode())
             self._fingerprints[options] = int.from_bytes(salted.digest()[:8], "little") & (2**62 - 1)
         return self._fingerprints[options]
@@ -275,22 +283,26 @@ class PreparedBatch:
 
     def device_tables(
         self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int], device: torch.device,
-        steps: int | None = None,
+        steps: int | None = None, skip_inactive: bool = False,
     ) -> tuple[RankPlan, tuple[Tensor, Tensor]]:
         """The rank's :meth:`rank_plan` and its tables copied to ``device``, the segmentations'
         host copy kept in ``HOST_READS`` (:meth:`HostReads.put_table`), where a kernel finds the
         segmentation of any block of the schedule without reading it back (cudnn's backward in
-        chunks of documents). On CUDA the copy comes from pinned memory (kept in this process
-        only) and waits for nothing: a copy from pageable memory waits for all the work queued
-        before it."""
+        chunks of documents; the rows outside every segment, BlockSpec.segment_ends). With
+        ``skip_inactive`` (a compiled graph, which runs every step) the tables of the steps a
+        window leaves without a visible key are empty (``RankPlan.flat_skipping``). On CUDA
+        the copy comes from pinned memory (kept in this process only) and waits for nothing: a
+        copy from pageable memory waits for all the work queued before it."""
         plan = self.rank_plan(ring_rank, ulysses_rank, causal, window, steps)
-        flat = plan.flat
+        flat = plan.flat_skipping if skip_inactive else plan.flat
         if device.type == "cuda":
-            if id(plan) not in self._pinned:
-                self._pinned[id(plan)] = tuple(t.pin_memory() for t in flat)
-            flat = self._pinned[id(plan)]
+            # by the tables' id (the plan keeps them as long as it is kept): a plan has two
+            # sets where a window skips steps
+            if id(flat) not in self._pinned:
+                self._pinned[id(flat)] = tuple(t.pin_memory() for t in flat)
+            flat = self._pinned[id(flat)]
         copies = tuple(t.to(device, copy=True, non_blocking=device.type == "cuda") for t in flat)
-        HOST_READS.put_table(copies[0], flat[0])
+        HOST_READS.put_table(copies[0], flat[0], self.key)
         return plan, copies
 
     def __reduce__(self) -> tuple:
@@ -319,7 +331,7 @@ def check_rank(rank: int, mesh: MeshShape) -> int:
 def _build(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
     if mesh is None or batch.failures("cu_seqlens"):
         return PreparedBatch(batch, mesh)  # nothing to lay out (or nothing that can be)
-    laid = layout.batch_layout(batch.values, mesh.ulysses, mesh.ring, placement_rule(mesh.placement))
+    laid = layout.batch_layout(batch.values, mesh.ulysses, mesh.ring, placement_rule(mesh.placement), mesh.window[0])
     return PreparedBatch(batch, mesh, laid)
 
 
@@ -330,14 +342,29 @@ def prepare(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
 
 
 def find(cu_seqlens: Tensor, mesh: MeshShape | None) -> PreparedBatch:
-    """The batch of the ``cu_seqlens`` tensor (dtype checked) prepared for ``mesh``: what a door
-    starts from (:func:`host_values`, then :func:`prepare`)."""
-    return prepare(host_values(cu_seqlens), mesh)
+    """The batch of the ``cu_seqlens`` tensor (dtype checked) prepared for ``mesh`` (a door's,
+    :func:`as_planned`): what a door starts from (:func:`host_values`, then :func:`prepare`)."""
+    values = host_values(cu_seqlens)
+    return prepare(values, None if mesh is None else as_planned(values.digest, mesh))
+
+
+def as_planned(digest: bytes, mesh: MeshShape) -> MeshShape:
+    """The shape the attention of these values runs on: its own mesh and placement (``mesh``),
+    laid out for the window ``shard_plan`` laid them out for last on that mesh and placement
+    (docs/design.md §2.4). The attention is not told the layout's window (a model's layers may
+    run other windows than the one balanced for), so it takes the one that sharded its tokens;
+    a plan for another mesh or placement leaves ``mesh`` as it is, which the batch check then
+    refuses on every rank (``validation.PLANNED_FOR_THIS_MESH``)."""
+    planned = BATCHES.planned(digest)
+    if planned is not None and dataclasses.replace(planned, window=mesh.window) == mesh:
+        return planned
+    return mesh
 
 
 def prepare_batch(
     cu_seqlens: Tensor, *, ulysses: int, ring: int, placement: str = DEFAULT_PLACEMENT,
     rank: int | None = None, causal: bool = True, window: tuple[int, int] = (-1, -1),
+    layout_window: tuple[int, int] = NO_WINDOW,
 ) -> PreparedBatch:
     """The batch ``cu_seqlens`` (global, real, int32) prepared on the host for a ``ulysses x
     ring`` mesh, without a process group: for a DataLoader worker to build while the previous
@@ -345,7 +372,9 @@ def prepare_batch(
     place of ``cu_seqlens``; the attention of that batch, eager or compiled, then derives
     nothing again. ``rank`` (``r * ulysses + a``; None: every rank) and the mask (``causal``,
     ``window``) say which ranks' tokens and schedule tables to derive now
-    (:meth:`PreparedBatch.warm`)."""
+    (:meth:`PreparedBatch.warm`). ``layout_window``: the window the layout balances the work
+    for, ``shard_plan``'s ``window`` (docs/design.md §2.2); the mask's ``window`` does not
+    change the layout."""
     validation.check_cu_seqlens_dtype(cu_seqlens, "cu_seqlens")
     for name, size in (("ulysses", ulysses), ("ring", ring)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -355,5 +384,6 @@ def prepare_batch(
         raise validation.InputError(f"causal: expected True or False, got {causal!r}")
     batch = BatchValues.of(cu_seqlens.detach().to("cpu", torch.int64))
     validation.raise_first(batch.failures("cu_seqlens"))
-    prepared = _build(batch, MeshShape(ulysses, ring, check_placement(placement)))
+    shape = MeshShape(ulysses, ring, check_placement(placement), check_layout_window(layout_window, "layout_window"))
+    prepared = _build(batch, shape)
     return prepared.warm(None if rank is None else [rank], causal=causal, window=window)

@@ -25,6 +25,9 @@ class RankPlan:
     windowed: bool  # whether the window masks by position (layout.window_by_position)
     flat: tuple[Tensor, Tensor]  # the tables as ScheduleTables.flat gives them: what goes to the device
     active: tuple[bool, ...]  # per step, whether any query sees any key (the own step always computes)
+    # ``flat`` with the steps not active emptied (ScheduleTables.emptied; ``flat`` itself where
+    # every step is): what a compiled graph gets, which runs every step (docs/design.md §3.3)
+    flat_skipping: tuple[Tensor, Tensor]
 
     @property
     def tables(self) -> ScheduleTables:
@@ -38,7 +41,11 @@ def plan_rank(batch: BatchLayout, sizes: RankSizes, ring_rank: int, causal: bool
     round the ring) for calls with this mask."""
     windowed = window_by_position(window, batch.ring)
     tables = schedule_tables(batch, sizes, ring_rank, steps, causal=causal, windowed=windowed)
-    return RankPlan(sizes, steps, windowed, tables.flat(), steps_seeing_keys(batch, ring_rank, steps, causal, window))
+    active = steps_seeing_keys(batch, ring_rank, steps, causal, window)
+    flat = tables.flat()
+    # the positions stay: the emptied steps' positions are never read
+    skipping = flat if all(active) else (tables.emptied(active).flat()[0], flat[1])
+    return RankPlan(sizes, steps, windowed, flat, active, skipping)
 
 
 def steps_seeing_keys(batch: BatchLayout, ring_rank: int, steps: int, causal: bool,

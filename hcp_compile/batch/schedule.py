@@ -6,6 +6,7 @@ into head groups (docs/design.md §3.2, §3.6)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,15 @@ class ScheduleTables:
         windowed = self.q_positions is not None
         positions = torch.cat([self.q_positions, *self.k_positions]) if windowed else self.local_cu.new_empty(0, dtype=torch.int64)
         return tables, positions
+
+    def emptied(self, active: tuple[bool, ...]) -> "ScheduleTables":
+        """The tables with every segment of the steps not ``active`` empty (their
+        segmentations all 0, their lengths kept): all their rows lie outside every segment,
+        so a kernel computes nothing for them (BlockSpec) where a graph runs every step."""
+        def kept(tables: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+            return tuple(t if on else torch.zeros_like(t) for t, on in zip(tables, active))
+
+        return dataclasses.replace(self, cu_q=kept(self.cu_q), cu_k=kept(self.cu_k))
 
     @staticmethod
     def lengths(sizes: RankSizes, steps: int, windowed: bool) -> tuple[list, list]:

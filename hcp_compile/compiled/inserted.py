@@ -25,7 +25,7 @@ from hcp_compile.batch.call import checked_batch, rank_schedule
 from hcp_compile.batch.layout import RankSizes
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import (
-    BatchValues, Exchanges, MeshShape, PreparedBatch, find, host_values, prepare, remember_values,
+    BatchValues, Exchanges, MeshShape, PreparedBatch, as_planned, find, host_values, prepare, remember_values,
 )
 from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, schedule_steps
 from hcp_compile.exchange import agreement
@@ -109,7 +109,7 @@ def batch_layout_op(
     # graph of a model split by graph breaks, every step of a benchmark), and the check and the
     # layout's sizes cost the host a few hundred microseconds of Python that the GPU waits for
     # at the start of a step (docs/benchmarks.md, "Compiled host work")
-    prepared = prepare(queries, MeshShape(ulysses, ring, placement))
+    prepared = prepare(queries, as_planned(queries.digest, MeshShape(ulysses, ring, placement)))  # shard_plan's window
     call = (None if keys is None else keys.digest, ring_rank, ulysses_rank, tuple(tokens), tuple(max_seqlens),
             recompute_exchange, scheme, graph_for)
     on_host = BATCHES.checked(prepared, call, lambda: _check_call(
@@ -221,9 +221,14 @@ def schedule_tables_op(
     once per batch and mask by its :class:`prepared.PreparedBatch` (one copy to ``device`` per
     call): on a GPU their sorts, scans and searches cost a dozen small kernels per attention
     call (docs/design.md §5.3). ``sizes``: the rank's sizes as :func:`checked_layout` read
-    them, which give the fake outputs their lengths (the prepared batch holds the same)."""
+    them, which give the fake outputs their lengths (the prepared batch holds the same).
+
+    The graph runs every ring step, whichever a window leaves without a visible key (batch
+    data): the tables of those steps come empty (``RankPlan.flat_skipping``), so their block
+    calls compute nothing, as eager CP skips them (``RankPlan.active`` decides for both)."""
     prepared = find(cu_on_host, MeshShape(ulysses, ring, placement))
-    _, copies = prepared.device_tables(ring_rank, ulysses_rank, causal, (window_left, window_right), device, steps)
+    _, copies = prepared.device_tables(ring_rank, ulysses_rank, causal, (window_left, window_right), device, steps,
+                                       skip_inactive=True)
     return copies
 
 

@@ -90,17 +90,30 @@ def block_forward(
     between v and kernel are :meth:`BlockSpec.op_args`."""
     spec = BlockSpec(cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
                      q_positions, k_positions, cache_key, equal_lengths, covered_rows)
+    q_end, k_end = spec.segment_ends()
+    if _nothing_inside(q, k, q_end, k_end):
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype), device=q.device)
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
     out, lse = KERNELS[kernel].forward(q, k, v, spec)
-    rows = _rows_outside_segments(spec, q.shape[0])
+    rows = _rows_outside(q_end, q.shape[0])
     if rows is not None:  # rows without keys, whatever the kernel left there
         out[rows].zero_()
         lse[:, rows].fill_(float("-inf"))
     return out, lse
 
 
-def _rows_outside_segments(spec: BlockSpec, rows: int) -> slice | None:
-    """The rows after ``spec.covered_rows`` (None where there are none or they are not known)."""
-    return slice(spec.covered_rows, None) if 0 <= spec.covered_rows < rows else None
+def _nothing_inside(q: Tensor, k: Tensor, q_end: int | None, k_end: int | None) -> bool:
+    """Whether the host knows that the block has rows but no query or no key inside its
+    segments (a ring step the window skips, in a compiled graph): then no kernel is called,
+    which would still derive its masks or entries and launch. A block without rows is every
+    kernel's own early return."""
+    return (q_end == 0 or k_end == 0) and q.shape[0] > 0 and k.shape[0] > 0
+
+
+def _rows_outside(end: int | None, rows: int) -> slice | None:
+    """The rows from ``end`` on, where the segments end (BlockSpec.segment_ends; None where
+    there are no rows after it or it is not known)."""
+    return slice(end, None) if end is not None and end < rows else None
 
 
 @block_forward.register_fake
@@ -121,13 +134,16 @@ def block_backward(
     """Gradients of one attention block given the (possibly merged) ``out`` and ``lse``."""
     spec = BlockSpec(cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right,
                      q_positions, k_positions, cache_key, equal_lengths, covered_rows)
+    q_end, k_end = spec.segment_ends()
+    if _nothing_inside(q, k, q_end, k_end):
+        return tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     dq, dk, dv = KERNELS[kernel].backward(dout, q, k, v, out, lse, spec)
-    rows = _rows_outside_segments(spec, q.shape[0])
+    rows, keys = _rows_outside(q_end, q.shape[0]), _rows_outside(k_end, k.shape[0])
     if rows is not None:
         dq[rows].zero_()
-        if spec.one_segmentation:  # then k's rows past the segments are the same rows
-            dk[rows].zero_()
-            dv[rows].zero_()
+    if keys is not None:
+        dk[keys].zero_()
+        dv[keys].zero_()
     return dq, dk, dv
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, fields
 from typing import Protocol, TypeVar
 
@@ -34,12 +34,19 @@ class BlockSpec:
     aligned top-left or bottom-right; a kernel may use it to take the cheaper one.
     ``covered_rows``: ``cu_q``'s last entry, known on the host (a single device's checked
     batch, the local region; -1: not known): q's rows from there on lie outside every segment,
-    and so do k's where ``cu_k`` is ``cu_q`` (:meth:`one_segmentation`). The ops
-    (``hcp::block_forward/backward``) give those rows the results of rows without keys (out 0,
-    lse -inf, gradients 0) whatever a kernel leaves there (flash leaves them unwritten, flex
-    attends among them), in place and inside the op, so a compiled graph holds no copy for
-    them. With one segmentation every row before it sees at least itself, so a kernel that
-    writes every row of its segments need initialize only the rows after it."""
+    and so do k's where ``cu_k`` is ``cu_q`` (:meth:`one_segmentation`). With one segmentation
+    every row before it sees at least itself, so a kernel that writes every row of its
+    segments need initialize only the rows after it.
+
+    Rows outside every segment (past ``cu_q``'s or ``cu_k``'s last entry; every row where all
+    segments are empty, a ring step the window skips in a compiled graph) see nothing and are
+    seen by nothing: such a query row gets out 0, lse -inf and no gradient, such a key row no
+    gradient, and it changes no other row's results. Every kernel keeps to that on its own
+    (flash by a pass on the device where the host does not know where the segments end). Where
+    the host knows it (:meth:`segment_ends`), the ops (``hcp::block_forward/backward``) also
+    write those rows' results themselves, in place and inside the op, so a compiled graph holds
+    no copy for them and a kernel may leave them as they are (flash leaves them unwritten), and
+    a block with no query or no key inside its segments calls no kernel at all."""
 
     cu_q: Tensor
     cu_k: Tensor
@@ -69,6 +76,22 @@ class BlockSpec:
     def windowed(self) -> bool:
         return self.window_left >= 0 or self.window_right >= 0
 
+    def segment_ends(self) -> tuple[int | None, int | None]:
+        """``(q_end, k_end)``: ``cu_q``'s and ``cu_k``'s last entries, the first rows of q and
+        k outside every segment, where the host knows them without reading the device:
+        :attr:`covered_rows` (for k too with :attr:`one_segmentation`), else the host copy of a
+        table copied to the device (:data:`HOST_READS`: a schedule's segmentations); None where
+        it does not."""
+        q_end = k_end = None
+        if self.covered_rows >= 0:
+            q_end = int(self.covered_rows)
+            k_end = q_end if self.one_segmentation else None
+        if q_end is None:
+            q_end = _last_value(self.cu_q)
+        if k_end is None:
+            k_end = _last_value(self.cu_k)
+        return q_end, k_end
+
     @property
     def one_segmentation(self) -> bool:
         """Whether ``cu_q`` and ``cu_k`` are one tensor (self-attention of whole documents), so
@@ -76,6 +99,12 @@ class BlockSpec:
         cu_q, cu_k = self.cu_q, self.cu_k
         return (cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape and cu_q.stride() == cu_k.stride()
                 and cu_q.dtype == cu_k.dtype)
+
+
+def _last_value(cu: Tensor) -> int | None:
+    """The last entry of the segmentation ``cu`` where the host knows its values."""
+    values = HOST_READS.values(cu)
+    return None if values is None or values.numel() == 0 else int(values[-1])
 
 
 _next_cache_key = 0
@@ -100,14 +129,18 @@ class HostReads:
     to the device (a schedule's segmentations: prepared.device_tables), kept while the device
     table's storage lives, which a kernel finds for any view of them (:meth:`values`).
 
+    Each is put with its owner, what the batch cache (``hcp_compile.batch.cache``) names a
+    batch by, which owns the one instance, :data:`HOST_READS`: it drops what a batch owns when
+    it forgets the batch (:meth:`drop`), and everything on ``clear_batch_cache``.
+
     A table is found by its storage because the views a kernel gets are other tensors: the
     schedule's split of the flat table eagerly, and in a compiled graph aliases that Inductor
     makes of the tables op's output. The tables are only ever read, so their storage holds the
     copied values for as long as any view of it reaches a kernel."""
 
     def __init__(self) -> None:
-        self._reads = WeakIdKeyDictionary()
-        self._tables = WeakIdKeyDictionary()  # device storage -> (dtype, first element, host values)
+        self._reads = WeakIdKeyDictionary()  # tensor -> (version, read, owner)
+        self._tables = WeakIdKeyDictionary()  # device storage -> (dtype, first element, host values, owner)
         self._lock = threading.Lock()
 
     def get(self, tensor: Tensor) -> object | None:
@@ -117,20 +150,22 @@ class HostReads:
             kept = self._reads.get(tensor)
         return kept[1] if kept is not None and kept[0] == tensor._version else None
 
-    def put(self, tensor: Tensor, read: object) -> None:
-        """Keep ``read`` for ``tensor``: anything whose ``values`` attribute is the host copy
-        of the tensor's values (:meth:`values` answers with them)."""
+    def put(self, tensor: Tensor, read: object, owner: Hashable) -> None:
+        """Keep ``read`` for ``tensor`` as long as ``owner`` is kept: anything whose ``values``
+        attribute is the host copy of the tensor's values (:meth:`values` answers with them)."""
         with self._lock:
-            self._reads[tensor] = (tensor._version, read)
+            self._reads[tensor] = (tensor._version, read, owner)
 
-    def put_table(self, tensor: Tensor, values: Tensor) -> None:
+    def put_table(self, tensor: Tensor, values: Tensor, owner: Hashable = None) -> None:
         """Keep ``values`` (on the host) as the values of the 1-D device table ``tensor``,
-        copied from them and never written, for any view of it."""
+        copied from them and never written, for any view of it, as long as ``owner`` is kept
+        (None: a table no batch owns, a kernel's own in a memo the batch cache drives: kept
+        while the table lives, or until ``clear_batch_cache``)."""
         if tensor.dim() != 1 or tensor.shape != values.shape or not tensor.is_contiguous():
             raise ValueError(f"a table is a contiguous 1-D tensor of its values' length; got {tuple(tensor.shape)} "
                              f"with strides {tensor.stride()} for values of {tuple(values.shape)}")
         with self._lock:
-            self._tables[tensor.untyped_storage()] = (tensor.dtype, tensor.storage_offset(), values)
+            self._tables[tensor.untyped_storage()] = (tensor.dtype, tensor.storage_offset(), values, owner)
 
     def values(self, tensor: Tensor) -> Tensor | None:
         """The host values of the 1-D ``tensor``: the ``values`` of a read kept for it, or the
@@ -144,11 +179,23 @@ class HostReads:
             table = self._tables.get(tensor.untyped_storage())
         if table is None:
             return None
-        dtype, first, values = table
+        dtype, first, values, _ = table
         start = tensor.storage_offset() - first
         if tensor.dtype != dtype or start < 0 or start + tensor.numel() > values.numel():
             return None
         return values[start:start + tensor.numel()]
+
+    def drop(self, owners: Collection[Hashable]) -> None:
+        """Forget every read and table of one of ``owners``."""
+        with self._lock:
+            for kept in (self._reads, self._tables):
+                for key in [key for key, entry in kept.items() if entry[-1] in owners]:
+                    del kept[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._reads.clear()
+            self._tables.clear()
 
 
 HOST_READS = HostReads()

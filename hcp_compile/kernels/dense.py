@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from hcp_compile.kernels.contract import BLOCK_MEMOS
-from hcp_compile.kernels.contract import BlockRequest, BlockSpec
+from hcp_compile.kernels.contract import HOST_READS, BlockRequest, BlockSpec
 from hcp_compile.kernels.flash import FlashKernel
 from hcp_compile.kernels.merge import accumulate, merge_partials
 from hcp_compile.kernels.precision import accumulate_dtype
@@ -260,6 +260,9 @@ def _on_device(boundaries: list[tuple[tuple[int, ...], tuple[int, ...]]],
         return ()
     host = torch.tensor(flat, dtype=torch.int32)
     values = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    # the varlen kernel then knows where the runs' segments end (each run's rows: they cover
+    # them), and needs no pass on the device for rows past them (BlockSpec.segment_ends)
+    HOST_READS.put_table(values, host)
     sizes = [len(cu) for pair in boundaries for cu in pair]
     parts = values.split(sizes)
     return tuple(zip(parts[::2], parts[1::2]))

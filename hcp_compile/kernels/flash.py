@@ -74,7 +74,12 @@ class FlashKernel:
             q, k, v, spec.cu_q, spec.cu_k, *flash_bounds(spec), 0.0, spec.causal, False,
             scale=spec.scale, window_size_left=left, window_size_right=right,
         )
-        return out, lse.masked_fill(lse == float("inf"), float("-inf"))
+        lse = lse.masked_fill(lse == float("inf"), float("-inf"))
+        q_end, _ = spec.segment_ends()
+        if q_end is None:  # else the op writes the rows past the segments
+            outside = _rows_outside(spec.cu_q, q.shape[0])
+            out, lse = out.masked_fill(outside[:, None, None], 0), lse.masked_fill(outside, float("-inf"))
+        return out, lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -85,12 +90,25 @@ class FlashKernel:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
         unused = torch.empty(0, device=q.device)
-        return torch.ops.aten._flash_attention_backward(
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q, k, v, out.contiguous(),
             lse.masked_fill(lse == float("-inf"), float("inf")).contiguous(),
             spec.cu_q, spec.cu_k, *flash_bounds(spec), 0.0, spec.causal, rng_state, unused,
             scale=spec.scale, window_size_left=left, window_size_right=right,
         )
+        q_end, k_end = spec.segment_ends()  # where known, the op writes the rows past the segments
+        if q_end is None:
+            dq = dq.masked_fill(_rows_outside(spec.cu_q, q.shape[0])[:, None, None], 0)
+        if k_end is None:
+            keys = _rows_outside(spec.cu_k, k.shape[0])[:, None, None]
+            dk, dv = dk.masked_fill(keys, 0), dv.masked_fill(keys, 0)
+        return dq, dk, dv
+
+
+def _rows_outside(cu: Tensor, rows: int) -> Tensor:
+    """Per row, whether it lies past the segments ``cu``, compared on the device: flash leaves
+    such rows unwritten (BlockSpec's rows outside every segment)."""
+    return torch.arange(rows, device=cu.device) >= cu[-1]
 
 
 def _window(spec: BlockSpec) -> tuple[int | None, int | None]:

@@ -133,10 +133,10 @@ class FlexKernel:
 
 def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tuple[Tensor, ...], BlockSpec]:
     """``tensors`` = ``(q, k, v, *more with q's rows)`` padded to a multiple of ``BLOCK_SIZE``
-    query and key rows (copies; none where the rows are one already), and ``spec`` with the pad
-    rows in two extra segments (pad keys with no queries, pad queries with no keys), so they
-    see and are seen by nothing. The cache key stays: the padded segmentation follows from the
-    key's and the unpadded row counts, which the mask cache is keyed on too."""
+    query and key rows (copies; none where the rows are one already), and ``spec`` with the
+    positions padded alike. The pad rows lie past the last segment, so they see and are seen
+    by nothing (flex_mask.row_values). The cache key stays: the mask cache is keyed on the
+    padded and the unpadded row counts too."""
     q_rows, k_rows = q.shape[0], tensors[1].shape[0]
     q_pad, k_pad = -q_rows % BLOCK_SIZE, -k_rows % BLOCK_SIZE
     if q_pad == 0 and k_pad == 0:
@@ -145,22 +145,11 @@ def _padded(q: Tensor, tensors: tuple[Tensor, ...], spec: BlockSpec) -> tuple[tu
     def pad(x: Tensor, extra: int) -> Tensor:
         return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) if extra else x
 
-    q_total, k_total = q_rows + q_pad, k_rows + k_pad
     padded = tuple(pad(x, k_pad if i in (1, 2) else q_pad) for i, x in enumerate(tensors))
-    positions = {}
-    if spec.q_positions is not None:
-        positions = dict(q_positions=pad(spec.q_positions, q_pad), k_positions=pad(spec.k_positions, k_pad))
-    return padded, dataclasses.replace(
-        spec, cu_q=_extended(spec.cu_q, q_rows, q_total), cu_k=_extended(spec.cu_k, k_total, k_total),
-        **positions,
-    )
-
-
-def _extended(cu: Tensor, *ends: int) -> Tensor:
-    """``cu`` with ``ends`` appended, written on its device: a tensor made from the host's
-    values would be a copy from pageable memory, which waits for the GPU to finish everything
-    queued (once per block, the GPU then idled while the host caught up: docs/design.md §8.5)."""
-    return torch.cat([cu, *(cu.new_full((1,), end) for end in ends)])
+    if spec.q_positions is None:
+        return padded, spec
+    return padded, dataclasses.replace(spec, q_positions=pad(spec.q_positions, q_pad),
+                                       k_positions=pad(spec.k_positions, k_pad))
 
 
 class _StaticRows:

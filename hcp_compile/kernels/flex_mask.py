@@ -62,19 +62,28 @@ def visible(
 
 
 def _rows(cu: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Segment id, offset inside the segment and segment length of every row (int64)."""
+    """Segment id, offset inside the segment and segment length of every row (int64); a row
+    past the last segment gets the id ``n`` (the segment count) and length 0."""
     cu = cu.to(torch.int64)
     row = torch.arange(rows, device=cu.device)
     seg = torch.searchsorted(cu[1:], row, right=True)
-    return seg, row - cu[seg], (cu[1:] - cu[:-1])[seg]
+    return seg, row - cu[seg], _segment_lengths(cu)[seg]
+
+
+def _segment_lengths(cu: Tensor) -> Tensor:
+    """The segments' lengths (int64) and a 0 after them, the length of the rows past them."""
+    cu = cu.to(torch.int64)
+    return torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])
 
 
 def row_values(spec: BlockSpec, q_rows: int, k_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(seg_q, seg_k, pos_q, pos_k)``, int32."""
+    """``(seg_q, seg_k, pos_q, pos_k)``, int32. Rows outside every segment (BlockSpec) get ids
+    that no row of the other side has: queries ``n``, keys ``n + 1`` (``n`` segments)."""
     seg_q, off_q, len_q = _rows(spec.cu_q, q_rows)
     seg_k, off_k, _ = _rows(spec.cu_k, k_rows)
+    seg_k = torch.where(seg_k < spec.cu_k.shape[0] - 1, seg_k, spec.cu_k.shape[0])
     if spec.q_positions is None:
-        len_k_of_q = (spec.cu_k[1:] - spec.cu_k[:-1]).to(torch.int64)[seg_q]
+        len_k_of_q = _segment_lengths(spec.cu_k)[seg_q]
         pos_q, pos_k = off_q + len_k_of_q - len_q, off_k
     else:
         pos_q, pos_k = spec.q_positions, spec.k_positions
@@ -202,7 +211,8 @@ def build_document_mask(spec: BlockSpec, q_rows: int, k_rows: int, block: int = 
     """The block mask of ``spec`` for ``q_rows`` queries and ``k_rows`` keys (both > 0)."""
     buffers = row_values(spec, q_rows, k_rows)
     variant = (spec.causal, spec.window_left, spec.window_right)
-    partial, full = block_structure(*buffers, *variant, block, spec.cu_q.shape[0] - 1)
+    # the ids of the n segments and of the rows past them, queries' and keys' (row_values)
+    partial, full = block_structure(*buffers, *variant, block, spec.cu_q.shape[0] + 1)
     seg_q, seg_k, pos_q, pos_k = buffers
     mask_mod = functools.partial(mask_function(variant), seg_q=seg_q, seg_k=seg_k, pos_q=pos_q, pos_k=pos_k)
     # the query-major halves (for the backward's dK, dV) are the transposed matrices;

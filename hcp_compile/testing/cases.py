@@ -40,6 +40,7 @@ class PropertyCase:
     kernel: str
     mesh: tuple[int, int]
     data_seed: int
+    layout_window: bool = False  # CP: shard_plan lays the batch out for the case's window
 
     @property
     def tokens(self) -> int:
@@ -55,6 +56,7 @@ class PropertyCase:
 
     def describe(self) -> str:
         mask = ("causal" if self.causal else "full") + (f" window {self.window}" if self.window != (-1, -1) else "")
+        mask += ", laid out for the window" if self.layout_window else ""
         scale = "" if self.scale is None else f" scale {self.scale:.4g}"
         return (f"{self.tokens} tokens in {len(self.lengths)} docs (longest {max(self.lengths)}), heads "
                 f"{self.heads_q}/{self.heads_kv} x {self.head_dim}, {self.dtype}, {mask}{scale}, kernel "

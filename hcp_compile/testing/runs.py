@@ -98,7 +98,8 @@ def context_parallel(batch: PackedBatch, case: PropertyCase, mode: str, placemen
     compiled, backward, and everything unsharded; ``pad_max``: the largest |value| of the local
     output and gradients on pad rows, over all ranks. Collective."""
     cu = batch.cu_seqlens.clone()  # a batch of its own: nothing cached for another run's plan
-    plan = hcp_compile.shard_plan(cu, mesh, placement=placement)
+    plan = hcp_compile.shard_plan(cu, mesh, placement=placement,
+                                  window=case.window if case.layout_window else (-1, -1))
     q, k, v = (plan.shard(t, PAD_FILL).requires_grad_() for t in (batch.q, batch.k, batch.v))
     if mode == "eager":
         with hcp_compile.context_parallel(mesh, kernel=case.kernel, placement=placement):

@@ -138,8 +138,10 @@ def property_cases(draw: st.DrawFn, device: str, mesh: tuple[int, int], kernels:
     causal, window = draw(windows(profile))
     scale = draw(st.sampled_from(SCALES))
     dtype = draw(st.sampled_from(profile.dtypes))
+    # under CP a window's layout (shard_plan's window) turns ring documents' chunks
+    layout_window = mesh != (1, 1) and window[0] >= 0 and draw(st.booleans())
     args = PropertyCase((1,), heads_q, heads_kv, head_dim, dtype, causal, window,
-                        None if scale is None else scale * head_dim ** -0.5, "", mesh, 0)
+                        None if scale is None else scale * head_dim ** -0.5, "", mesh, 0, layout_window)
     claiming = [k for k in kernels if claim(k, args, device) is None]
     assume(claiming)  # a kernel that takes none of the calls: hypothesis says so (Unsatisfiable)
     case = dataclasses.replace(args, kernel=draw(st.sampled_from(claiming)))

@@ -11,7 +11,9 @@ of ring documents, up to ``2R - 1`` tokens each and all on ring rank 0, weigh mo
 
 The rule is tensor ops over the documents (sorts, cumulative sums, scatters, searches; the
 only loops run a fixed number of rounds), so that ``shard_plan`` and a compiled graph's
-host op derive the same placement from ``cu_seqlens``:
+host op derive the same placement from ``cu_seqlens``. Laid out for a sliding ``window``, a
+document's work is the pairs the window leaves (``layout.windowed_pairs``), which every step
+weighs in place of the causal pairs (docs/design.md §2.2):
 
 1. *Heavy* documents are split: those not short that hold more than ``balance_tolerance``
    of a rank's share of the causal work (pairs, ``~L^2``). One goes round the ring when a
@@ -29,11 +31,12 @@ host op derive the same placement from ``cu_seqlens``:
    a. dealt longest first in a serpentine (0, 1, .., R-1, R-1, .., 0, ..), which evens
       out tokens and work together;
    b. work: documents are split, at most one per pile, their work then shared by every
-      pile. Where the lightest pile is more than twice ``work_slack`` of a pile's fair share
-      of the work under the mean, every pile more than the slack above it splits the
-      document closest to that difference, which stands the piles level (a count of heavy
-      documents that the piles do not divide); otherwise a pile more than the slack above
-      the mean splits the document that brings it back to the mean;
+      pile. Where the lightest pile is more than twice ``work_slack`` (``window_work_slack``
+      under a window) of a pile's fair share of the work under the mean, every pile more
+      than the slack above it splits the document closest to that difference, which stands
+      the piles level (a count of heavy documents that the piles do not divide); otherwise a
+      pile more than the slack above the mean splits the document that brings it back to the
+      mean;
    c. tokens: each pile keeps its longest documents up to an equal share of the tokens and
       the rest is poured into the room left, roomiest pile first, each document to the pile
       holding most of it. Those across the end of a room that overflow their pile by more
@@ -58,7 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hcp_compile.batch.layout import Assignment, Kind
+from hcp_compile.batch.layout import Assignment, Kind, windowed_pairs
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class CostModel:
     # how far (a share of its fair work) a pile may stray from the others before one of its
     # documents is split to bring it back
     work_slack: float = 0.025
+    # the same under a sliding window: the turned ring documents (layout.window_turns) leave
+    # the ring ranks' work a little uneven on their own, which adds to the piles' slack
+    window_work_slack: float = 0.0125
     attention_flops_per_s: float = 375e12  # one GPU, fwd+bwd, on long documents
     flops_per_pair: float = 4 * 32 * 128  # q k^T and p v over the query heads, forward
     kv_bytes_per_token: float = 2 * 8 * 128 * 2  # k and v, bf16
@@ -91,9 +97,10 @@ class CostModel:
 DEFAULT_COST = CostModel()
 
 
-def balanced(lengths: Tensor, ulysses: int, ring: int, cost: CostModel = DEFAULT_COST) -> Assignment:
+def balanced(lengths: Tensor, ulysses: int, ring: int, cost: CostModel = DEFAULT_COST, *,
+             window: int = -1) -> Assignment:
     ranks = ulysses * ring
-    docs = _Docs.of(lengths, ranks, cost.short_fraction)
+    docs = _Docs.of(lengths, ranks, cost.short_fraction, window)
     tolerance = round(1 / cost.balance_tolerance)  # in integers: pairs * ranks * 40 > total
     heavy = ~docs.short & (docs.pairs * ranks * tolerance > docs.total_pairs)
     ring_doc = torch.zeros_like(heavy)
@@ -101,7 +108,7 @@ def balanced(lengths: Tensor, ulysses: int, ring: int, cost: CostModel = DEFAULT
         group_cannot_absorb = docs.pairs * ring * tolerance > docs.total_pairs
         ring_doc = heavy & (group_cannot_absorb | (ulysses == 1) | cost.ring_hides_transfers(lengths, ring))
     group_doc = heavy & ~ring_doc
-    slack = round(1 / cost.work_slack)
+    slack = round(1 / (cost.work_slack if window < 0 else cost.window_work_slack))
     ring_rank = torch.zeros_like(lengths)
     if ring > 1:
         ring_rank, ring_doc = _place_on_ring_ranks(docs, ring_doc, ring, slack)
@@ -119,7 +126,7 @@ class _Docs:
     """The documents of a batch as the rule sees them."""
 
     lengths: Tensor
-    pairs: Tensor  # causal query-key pairs, L (L + 1) / 2
+    pairs: Tensor  # causal query-key pairs, L (L + 1) / 2, or those a window leaves
     short: Tensor  # at most short_fraction of a rank's tokens: whole, but for one per rank
     order: Tensor  # longest first, ties by index
     rank: Tensor  # each document's place in ``order``
@@ -127,8 +134,8 @@ class _Docs:
     total_pairs: Tensor
 
     @staticmethod
-    def of(lengths: Tensor, ranks: int, short_fraction: float) -> "_Docs":
-        pairs = lengths * (lengths + 1) // 2
+    def of(lengths: Tensor, ranks: int, short_fraction: float, window: int) -> "_Docs":
+        pairs = lengths * (lengths + 1) // 2 if window < 0 else windowed_pairs(lengths, window)
         total = lengths.sum()
         order = torch.sort(lengths, descending=True, stable=True).indices
         return _Docs(
