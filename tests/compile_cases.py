@@ -262,6 +262,23 @@ class VarlenAttention(nn.Module):
                                    softmax_scale=self.scale, window_size=self.window)
 
 
+def sharded_attention(plan: hc.ShardPlan, world: World, x: dict[str, Tensor], cu: Tensor, max_seqlen: int,
+                      causal: bool, window: tuple[int, int], compiled: bool) -> dict:
+    """Forward and backward of the global batch ``x`` (q, k, v, dout) on this rank's shards
+    under ``plan``, eager or compiled (the hcp backend over aot_eager): the local results."""
+    q, k, v = (plan.shard(x[n]).requires_grad_() for n in "qkv")
+    if compiled:
+        fresh_dynamo()
+        model = VarlenAttention(causal, None, window)
+        out = torch.compile(model, backend=hc.backend(mesh=world.mesh, inner="aot_eager"), fullgraph=True)(
+            q, k, v, cu, max_seqlen)
+    else:
+        with hc.context_parallel(world.mesh):
+            out = hc.varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal, window_size=window)
+    out.backward(plan.shard(x["dout"]))
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
 def run_attention(batch: AttentionCase, world: World, attend: Callable, cu: Tensor | None = None) -> dict:
     """Forward and backward of ``attend(q, k, v, cu, max_seqlen)`` on the batch's shards
     (garbage in the pads, as in ``cp_cases``); local results, where the rows come from, and

@@ -17,7 +17,7 @@ from hcp_advise import Links, Option, host_measured
 from hcp_advise.measurements import CACHE_ENV
 from hcp_compile.batch.traffic import CallShape
 from hcp_compile.kernels import measured
-from test_layout_properties import fake_mesh  # a mesh of torch's fake process group, as rank 0 sees it
+from hcp_compile.testing.worlds import fake_world
 
 H200 = json.loads(measured.MEASURED_FILE.read_text())["devices"]["NVIDIA H200"]
 LENGTHS = (8192, 3000, 1500, 700, 2600)  # hand-made: one long document, a few short ones
@@ -69,7 +69,7 @@ def test_efficiency_is_one_gpus_time_over_n_times_the_slowest_ranks():
                                                       (4, 2, "zigzag")])
 def test_balance_is_the_largest_ranks_tokens_over_the_mean_of_the_shard_plan(ulysses, ring, placement):
     cu = advise.cu_seqlens_of(LENGTHS)
-    with fake_mesh(ulysses, ring) as mesh:
+    with fake_world(ulysses, ring) as mesh:
         plan = hc.shard_plan(cu, mesh, placement=placement)
         largest = max(plan.prepared.rank_tokens(r, a) for r in range(ring) for a in range(ulysses))
     ranks = ulysses * ring

@@ -9,7 +9,6 @@ agreement's text for one that does."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from hcp_compile.testing.worlds import fake_world
 
 import hcp_compile as hc
 from cp_cases import cu_seqlens, seeded
@@ -40,17 +39,6 @@ def no_batch_kept() -> Iterator[None]:
     hc.clear_batch_cache()
     yield
     hc.clear_batch_cache()
-
-
-@contextlib.contextmanager
-def fake_rank_0() -> Iterator[object]:
-    """Rank 0 of the fake 2 x 2 world, its mesh."""
-    assert not dist.is_initialized(), "another test left torch.distributed initialized"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ULYSSES * RING)
-    try:
-        yield hc.make_mesh(ulysses=ULYSSES, ring=RING, device_type="cpu")
-    finally:
-        dist.destroy_process_group()
 
 
 def attend(q, k, v, cu, longest):
@@ -85,7 +73,7 @@ def test_clear_batch_cache_leaves_nothing_of_a_batch_held(monkeypatch):
     build = flex_mask.build_document_mask
     monkeypatch.setattr(flex_mask, "build_document_mask", lambda *a, **kw: masks.append(build(*a, **kw)) or masks[-1])
     cu, single_cu = cu_seqlens(LENGTHS), cu_seqlens((5, 9, 3))
-    with fake_rank_0() as mesh:
+    with fake_world(ULYSSES, RING) as mesh:
         local = local_shards(cu, mesh)
         with hc.context_parallel(mesh, kernel="torch"):
             attend(*local, cu, max(LENGTHS)).sum().backward()
@@ -130,7 +118,7 @@ def test_an_eager_block_after_clear_batch_cache_takes_the_batch_prepared_again(m
     recording = RecordingKernel(KERNELS["torch"])
     monkeypatch.setitem(KERNELS, "torch", recording)
     cu = cu_seqlens(LENGTHS)
-    with fake_rank_0() as mesh:
+    with fake_world(ULYSSES, RING) as mesh:
         local = local_shards(cu, mesh)
         with hc.context_parallel(mesh, kernel="torch"):
             attend(*local, cu, max(LENGTHS))
@@ -150,7 +138,7 @@ def test_without_the_agreement_a_good_call_builds_no_verdict(monkeypatch):
 
     monkeypatch.setattr(validation, "verdict", no_verdict)
     cu = cu_seqlens(LENGTHS)
-    with fake_rank_0() as mesh:
+    with fake_world(ULYSSES, RING) as mesh:
         local = local_shards(cu, mesh)
         with hc.context_parallel(mesh, agree_across_ranks=False):
             attend(*local, cu, max(LENGTHS))
@@ -164,7 +152,7 @@ def test_without_the_agreement_a_bad_call_raises_the_agreements_text(bad):
     cu = cu_seqlens(LENGTHS)
     longest, kernel = (max(LENGTHS) - 1, "auto") if bad == "max_seqlen" else (max(LENGTHS), "flash")
     texts = []
-    with fake_rank_0() as mesh:
+    with fake_world(ULYSSES, RING) as mesh:
         local = local_shards(cu, mesh)
         for agree in (True, False):
             with hc.context_parallel(mesh, agree_across_ranks=agree, kernel=kernel):
@@ -184,7 +172,7 @@ def test_an_eager_call_is_checked_once_per_batch_and_call(monkeypatch):
     check = batch_call.check
     monkeypatch.setattr(batch_call, "check", lambda *args: checks.append(1) or check(*args))
     cu = cu_seqlens(LENGTHS)
-    with fake_rank_0() as mesh:
+    with fake_world(ULYSSES, RING) as mesh:
         local = local_shards(cu, mesh)
         with hc.context_parallel(mesh):
             for _ in range(3):

@@ -2,13 +2,11 @@
 real eager call, the fit of benchmarks/host_times.py, the rule by which the GPU waits for the
 host's launches, the record's loader, and the measuring command on CPU."""
 
-import contextlib
 import json
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from hcp_compile.testing.worlds import fake_world
 
 import hcp_advise as advise
 import hcp_compile as hc
@@ -55,16 +53,6 @@ class CountingKernel:
         return self.inner.backward(dout, q, k, v, out, lse, spec)
 
 
-@contextlib.contextmanager
-def fake_rank(rank, ulysses, ring):
-    assert not dist.is_initialized(), "another test left torch.distributed initialized"
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ulysses * ring)
-    try:
-        yield hc.make_mesh(ulysses=ulysses, ring=ring, device_type="cpu")
-    finally:
-        dist.destroy_process_group()
-
-
 def short(tokens, size):
     return (size,) * (tokens // size)
 
@@ -86,7 +74,7 @@ def test_counts_match_the_kernel_calls_of_a_real_eager_call(monkeypatch, lengths
     real_ring = hierarchical.ring_forward
     monkeypatch.setattr(hierarchical, "ring_forward", lambda *a: rings.append(1) or real_ring(*a))
     cu = cu_seqlens_of(lengths)
-    with fake_rank(rank, ulysses, ring) as mesh:
+    with fake_world(ulysses, ring, rank) as mesh:
         plan = hc.shard_plan(cu, mesh)
         tokens = sum(lengths)
         qkv = [torch.randn(tokens, h, HEAD_DIM) for h in (HEADS_Q, HEADS_KV, HEADS_KV)]

@@ -5,17 +5,14 @@ group (no collective runs, so one process stands for every rank)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from hcp_compile.testing.worlds import fake_world
 
 import hcp_compile as hc
 from cp_cases import cu_seqlens
@@ -160,20 +157,8 @@ def test_placement_is_deterministic(lengths, ulysses, ring, placement):
 # the balanced rule's promise (docs/design.md §2.2), read from shard_plan
 # --------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def fake_mesh(ulysses: int, ring: int) -> Iterator[object]:
-    """A ``ulysses x ring`` mesh of torch's fake process group, as rank 0 sees it: a plan's
-    layout is the same on every rank, and nothing here runs a collective."""
-    assert not dist.is_initialized(), "another test left torch.distributed initialized"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ulysses * ring)
-    try:
-        yield hc.make_mesh(ulysses=ulysses, ring=ring, device_type="cpu")
-    finally:
-        dist.destroy_process_group()
-
-
 def balanced_plan(lengths: tuple[int, ...], ulysses: int, ring: int) -> hc.ShardPlan:
-    with fake_mesh(ulysses, ring) as mesh:
+    with fake_world(ulysses, ring) as mesh:
         return hc.shard_plan(cu_seqlens(lengths), mesh)
 
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 import hcp_compile as hc
 from hcp_compile.testing.reference import reference_with_grads
 from checks import assert_matches, assert_raised, local_rows
-from compile_cases import VarlenAttention, fresh_dynamo
+from compile_cases import sharded_attention
 from cp_cases import World, cu_seqlens, seeded
 from hcp_compile import validation
 from hcp_compile.batch import layout, pickling, prepared, rank_plan, schedule
@@ -88,19 +88,7 @@ def counting_derivations() -> Iterator[dict[str, int]]:
 
 def attend(plan: hc.ShardPlan, world: World, cu: torch.Tensor, compiled: bool) -> dict:
     """Forward and backward of the batch's attention on this rank's shards, eager or compiled."""
-    x = global_inputs()
-    q, k, v = (plan.shard(x[n]).requires_grad_() for n in "qkv")
-    if compiled:
-        fresh_dynamo()
-        model = VarlenAttention(MASK["causal"], None, MASK["window"])
-        out = torch.compile(model, backend=hc.backend(mesh=world.mesh, inner="aot_eager"),
-                            fullgraph=True)(q, k, v, cu, max(DOCS))
-    else:
-        with hc.context_parallel(world.mesh):
-            out = hc.varlen_attention(q, k, v, cu, cu, max(DOCS), max(DOCS), causal=MASK["causal"],
-                                      window_size=MASK["window"])
-    out.backward(plan.shard(x["dout"]))
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return sharded_attention(plan, world, global_inputs(), cu, max(DOCS), MASK["causal"], MASK["window"], compiled)
 
 
 @dataclass(frozen=True)

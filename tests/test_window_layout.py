@@ -18,7 +18,7 @@ import torch
 
 import hcp_compile as hc
 from checks import assert_matches, assert_raised, local_rows
-from compile_cases import VarlenAttention, fresh_dynamo
+from compile_cases import sharded_attention
 from cp_cases import World, cu_seqlens, seeded
 from hcp_compile.batch.prepared import prepare_batch
 from hcp_compile.testing.reference import reference_with_grads
@@ -41,19 +41,8 @@ def global_inputs(docs: tuple[int, ...]) -> dict[str, torch.Tensor]:
 
 def attend(plan: hc.ShardPlan, world: World, docs: tuple[int, ...], window: tuple[int, int], compiled: bool) -> dict:
     """Forward and backward of the batch's causal attention under ``window`` on this rank's
-    shards, eager or compiled (the hcp backend over aot_eager)."""
-    x, cu = global_inputs(docs), cu_seqlens(docs)
-    q, k, v = (plan.shard(x[n]).requires_grad_() for n in "qkv")
-    if compiled:
-        fresh_dynamo()
-        model = VarlenAttention(True, None, window)
-        out = torch.compile(model, backend=hc.backend(mesh=world.mesh, inner="aot_eager"), fullgraph=True)(
-            q, k, v, cu, max(docs))
-    else:
-        with hc.context_parallel(world.mesh):
-            out = hc.varlen_attention(q, k, v, cu, cu, max(docs), max(docs), causal=True, window_size=window)
-    out.backward(plan.shard(x["dout"]))
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    shards, eager or compiled."""
+    return sharded_attention(plan, world, global_inputs(docs), cu_seqlens(docs), max(docs), True, window, compiled)
 
 
 @dataclass(frozen=True)

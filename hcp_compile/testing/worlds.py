@@ -17,6 +17,7 @@ torch costs, for every rank of every world, on the test machine's 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import multiprocessing
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,23 @@ class WorldResults:
             if record.raised:
                 raise AssertionError(f"rank {rank} {record.describe()}\n{record.traceback}")
         return [record.value for record in records]
+
+
+@contextlib.contextmanager
+def fake_world(ulysses: int, ring: int, rank: int = 0) -> Iterator[object]:
+    """Inside the block this process is rank ``rank`` of a ``ulysses x ring`` world over torch's
+    fake process group (collectives return at once and move no data): the rank's mesh, for
+    what a rank derives alone (layouts, plans, host work); destroyed on the way out."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import hcp_compile as hc
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialized"
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ulysses * ring)
+    try:
+        yield hc.make_mesh(ulysses=ulysses, ring=ring, device_type="cpu")
+    finally:
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
