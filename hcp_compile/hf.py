@@ -146,6 +146,21 @@ def _packed_boundaries(kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, int, int
     return tuple(kwargs[name] for name in _PACKED_KEYWORDS)
 
 
+def layout_window(config: Any) -> tuple[int, int]:
+    """The window a batch's layout balances the work for (``shard_plan(..., window=...)``): the
+    model's sliding window where every attention layer applies it (``config.sliding_window``,
+    and every entry of ``config.layer_types`` ``"sliding_attention"`` where the config lists
+    them), as :func:`_window_size` passes it; none where a layer attends to every earlier key,
+    whose work a layout for the window would balance worse. Only the balance depends on it."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(window, int) or window < 1:
+        return (-1, -1)
+    if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
+        return (-1, -1)
+    return (window - 1, 0)
+
+
 def _window_size(sliding_window: int | None, causal: bool, max_length_k: int) -> tuple[int, int]:
     """transformers' ``sliding_window`` w counts the query itself: a query sees the w keys up
     to and including it, ``window_size=(w - 1, 0)`` (``(w - 1, w - 1)`` when not causal), as

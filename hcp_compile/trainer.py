@@ -31,7 +31,7 @@ from hcp_compile.batch.placements import DEFAULT_PLACEMENT
 from hcp_compile.compiled.backend import BackendOptions
 from hcp_compile.context import CPOptions, context_parallel
 from hcp_compile.exchange.mesh import DATA_DIM_NAME, CPGroups, resolve_groups
-from hcp_compile.hf import ATTN_IMPLEMENTATION
+from hcp_compile.hf import ATTN_IMPLEMENTATION, layout_window
 from hcp_compile.plan import ShardPlan, shard_plan
 from hcp_compile.validation import InputError
 
@@ -80,6 +80,7 @@ class ContextParallelMixin:
         self._data_rank = mesh.get_local_rank(DATA_DIM_NAME) if DATA_DIM_NAME in names else 0
         super().__init__(*args, **kwargs)
         self._check_setup()
+        self._layout_window = layout_window(self.model.config)  # the shards' layout balances it
         if self._compiles_with_hcp:
             # in place: accelerate, DDP and save_pretrained keep seeing the model itself
             options = _options_of(BackendOptions, self.hcp_options)
@@ -250,7 +251,7 @@ class ContextParallelMixin:
                 f"shard; leave them out of the batch ({_COLLATOR_FIX})"
             )
         plan = shard_plan(inputs["cu_seq_lens_q"], self.hcp_mesh,
-                          placement=self.hcp_options.get("placement", DEFAULT_PLACEMENT))
+                          placement=self.hcp_options.get("placement", DEFAULT_PLACEMENT), window=self._layout_window)
         targets = inputs.get("shift_labels")
         if targets is None:
             if inputs.get("labels") is None:

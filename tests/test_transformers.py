@@ -229,3 +229,19 @@ def test_import_registers_lazily_when_transformers_is_first_imported(hf_world):
             "mask_registered": True, "loss_guarded": True, "hook_left": False,
             "loader_restored": True,
         }, f"rank {rank}"
+
+
+@pytest.mark.parametrize("config, window", [
+    ("MistralConfig", (4095, 0)),  # every layer windowed, no layer_types
+    ("Gemma2Config", (-1, -1)),  # sliding layers beside full ones
+    ("Qwen2Config", (-1, -1)),  # no window
+    ("LlamaConfig", (-1, -1)),
+])
+def test_layout_window_is_the_models_window_only_where_every_layer_slides(config, window):
+    import transformers
+
+    from hcp_compile.hf import layout_window
+
+    assert layout_window(getattr(transformers, config)()) == window
+    every = transformers.Gemma2Config(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, sliding_window=64)
+    assert layout_window(every) == (63, 0)
