@@ -101,7 +101,8 @@ def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRul
     kind = assignment.kind
     is_ring, is_local, is_group = kind == Kind.RING, kind == Kind.LOCAL, kind == Kind.GROUP
     chunk = torch.where(is_ring, (lengths + 2 * ring - 1) // (2 * ring), 0)
-    turn = window_turns(lengths, is_ring, ring) if window >= 0 else torch.zeros_like(lengths)
+    turn = (window_turns(lengths, kind, assignment.ring_rank, ring, window) if window >= 0
+            else torch.zeros_like(lengths))
     slot = torch.where(is_local, assignment.ring_rank * ulysses + assignment.ulysses_rank, 0)
     local_extent = lengths.new_zeros(ring * ulysses).scatter_add(
         0, slot, torch.where(is_local, lengths, 0)
@@ -122,16 +123,41 @@ def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRul
     )
 
 
-def window_turns(lengths: Tensor, is_ring: Tensor, ring: int) -> Tensor:
-    """``t_i`` of each RING document under a sliding window (0 for the others): under a window
-    a query sees at most ``left + 1`` keys, so a document's first ``left`` positions hold less
-    work than the rest, and the zigzag would give every document's light first chunks to the
-    same ring ranks (0, 1, ...). Dealt longest first in a serpentine (0, 1, .., R-1, R-1, ..,
-    0), the documents turn their light chunks round every ring rank."""
-    dealt = torch.sort(torch.where(is_ring, lengths, -1), descending=True, stable=True).indices
-    place = torch.empty_like(dealt).scatter_(0, dealt, torch.arange(dealt.numel(), device=dealt.device))
-    lap, seat = place // ring, place % ring
-    return torch.where(is_ring, torch.where(lap % 2 == 0, seat, ring - 1 - seat), 0)
+def window_turns(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ring: int, window: int) -> Tensor:
+    """``t_i`` of each RING document under a causal window of ``window`` keys back (0 for the
+    others). A query then sees at most ``window + 1`` keys, so a document's first ``window``
+    positions hold less work than the rest, and the zigzag would give every document's light
+    first chunks to the same ring ranks (0, 1, ...). The turns deal the RING documents longest
+    first, each given the turn that leaves the ring ranks' work most even (the least sum of
+    squares; ties: the smallest turn), starting from the work of the documents placed whole on
+    each ring rank. A loop over the RING documents, which are few (each longer than a rank's
+    share of short ones), on the host as every layout is."""
+    is_ring = kind == Kind.RING
+    turn = torch.zeros_like(lengths)
+    if ring == 1 or not bool(is_ring.any()):
+        return turn
+    whole = windowed_pairs(lengths, window)
+    load = torch.zeros(ring, dtype=torch.float64).scatter_add_(
+        0, torch.where(is_ring, 0, ring_rank), torch.where(is_ring, 0, whole).double())
+    documents = torch.nonzero(is_ring).flatten()
+    documents = documents[torch.sort(lengths[documents], descending=True, stable=True).indices]
+    length, chunk = lengths[documents, None], ((lengths[documents] + 2 * ring - 1) // (2 * ring))[:, None]
+
+    def chunk_pairs(index: Tensor) -> Tensor:  # [docs, R]: windowed pairs of chunk ``index``
+        low, high = (index * chunk).minimum(length), ((index + 1) * chunk).minimum(length)
+        return windowed_pairs(high, window) - windowed_pairs(low, window)
+
+    first = torch.arange(ring)
+    # work[i, q]: the document's pair of chunks q and 2R-1-q; under turn t ring rank r holds
+    # q = (r - t) % R, so its work per turn and ring rank is work[i, held]
+    work = (chunk_pairs(first[None, :]) + chunk_pairs(2 * ring - 1 - first[None, :])).double()
+    held = (first[None, :] - first[:, None]) % ring  # [turn, ring rank]
+    for document, pairs in zip(documents.tolist(), work):
+        candidates = load[None, :] + pairs[held]
+        best = int(torch.argmin(candidates.square().sum(1)))  # the most even (the first of ties)
+        load = candidates[best]
+        turn[document] = best
+    return turn
 
 
 @dataclass(frozen=True)
