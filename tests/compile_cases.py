@@ -73,7 +73,7 @@ COMPILE_DOCS = {
 HEADS_ONLY = "test-heads-only"
 
 
-def heads_only(lengths: Tensor, ulysses: int, ring: int) -> Assignment:
+def heads_only(lengths: Tensor, ulysses: int, ring: int, *, window: int = -1) -> Assignment:
     """Documents of up to 2 tokens whole on one rank, those up to 20 over one Ulysses group,
     longer ones round the ring: batches of documents of 3..20 tokens then exchange heads with
     no ring section, which the balanced placement does only on batches far larger than a test

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -53,9 +53,12 @@ class Assignment:
     ulysses_rank: Tensor  # Ulysses rank holding a LOCAL document (unused otherwise)
 
 
-# (lengths, ulysses, ring), and the keyword window (keys back) for a layout balanced for a
-# sliding window: a rule that weighs no window needs not take it
-PlacementRule = Callable[..., Assignment]
+class PlacementRule(Protocol):
+    """``(lengths, ulysses, ring, *, window)``: the placement of each document; ``window``, the
+    keys back of a sliding window whose work the layout balances (-1: plain causal work), which
+    a rule may weigh or ignore."""
+
+    def __call__(self, lengths: Tensor, ulysses: int, ring: int, *, window: int = -1) -> Assignment: ...
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRul
     weighs the work of a causal ``window`` of that many keys back (-1: none)."""
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
-    assignment = rule(lengths, ulysses, ring) if window < 0 else rule(lengths, ulysses, ring, window=window)
+    assignment = rule(lengths, ulysses, ring, window=window)
     kind = assignment.kind
     is_ring, is_local, is_group = kind == Kind.RING, kind == Kind.LOCAL, kind == Kind.GROUP
     chunk = torch.where(is_ring, (lengths + 2 * ring - 1) // (2 * ring), 0)

@@ -1,8 +1,8 @@
 """Placement rules: which documents of a batch stay whole on one rank, which are spread over a
 Ulysses group and which go round the ring (docs/design.md §2). A rule is one function
-``(lengths, ulysses, ring) -> layout.Assignment`` of tensor ops, given the keyword ``window``
-too (the keys back a causal sliding window sees, whose work it weighs) where the layout is for
-a window; a new rule is one new file registered here."""
+``(lengths, ulysses, ring, *, window) -> layout.Assignment`` of tensor ops (``window``: the keys
+back of the sliding window whose work the layout balances, -1 for none; see
+``layout.PlacementRule``); a new rule is one new file registered here."""
 
 from __future__ import annotations
 
