@@ -245,9 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --stream: the CP modes take each step's prepared batch from a DataLoader "
                              "worker (hcp_compile.prepare_batch), as a trainer can, instead of planning it "
                              "on the step")
-    parser.add_argument("--layout-window", choices=("on", "off"), default="on",
+    parser.add_argument("--layout-window", choices=("on", "off"), default="off",
                         help="on: hcp's layout balances the work of the workload's sliding window "
-                             "(shard_plan's window); off: plain causal work, as before layouts knew it")
+                             "(shard_plan's window, what a trainer that knows its window passes); off: "
+                             "plain causal work, the layout of the results in docs/benchmarks.md")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (exposed comm)")
     parser.add_argument("--share-gpu", action="store_true",
                         help="every rank on cuda:0, collectives over gloo: the CP modes' per-rank peak "

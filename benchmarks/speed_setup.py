@@ -41,7 +41,7 @@ class Setup:
 
     def layout_window(self, window: tuple[int, int]) -> tuple[int, int]:
         """The window hcp's layout balances for: the workload's (``--layout-window on``, what a
-        trainer that knows its model's window passes to ``shard_plan``) or none."""
+        trainer that knows its model's window passes to ``shard_plan``) or none (the default)."""
         return window if self.args.layout_window == "on" else (-1, -1)
 
     def sequence_mesh(self) -> DeviceMesh:
