@@ -28,6 +28,7 @@ from tabulate import tabulate
 
 from benchmarks.speed_workloads import Workload, workloads
 from hcp_compile.batch.placements import NO_WINDOW, PLACEMENTS, check_layout_window
+from hcp_compile.batch.layout import Kind
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 
 
@@ -55,15 +56,33 @@ def rank_work(prepared: PreparedBatch, window_left: int) -> list[float]:
     return work
 
 
-def shares(workload: Workload, ulysses: int, ring: int, placement: str, for_window: bool = False) -> list[float]:
-    """Each rank's work over the mean, the batch laid out for the workload's window
-    (``for_window``) or for plain causal attention."""
+def laid_out(workload: Workload, ulysses: int, ring: int, placement: str, for_window: bool = False) -> PreparedBatch:
+    """The workload's batch laid out for its window (``for_window``) or for plain causal
+    attention."""
     lengths = torch.tensor(workload.lengths)
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
     window = check_layout_window(workload.window if for_window else NO_WINDOW)
-    work = rank_work(prepare(host_values(cu), MeshShape(ulysses, ring, placement, window)), workload.window_left)
+    return prepare(host_values(cu), MeshShape(ulysses, ring, placement, window))
+
+
+def shares(workload: Workload, ulysses: int, ring: int, placement: str, for_window: bool = False) -> list[float]:
+    """Each rank's work over the mean, the batch laid out for the workload's window
+    (``for_window``) or for plain causal attention."""
+    work = rank_work(laid_out(workload, ulysses, ring, placement, for_window), workload.window_left)
     mean = sum(work) / len(work)
     return [w / mean for w in work]
+
+
+def cut_documents(prepared: PreparedBatch) -> str:
+    """``ring / group``: the documents split round the ring and over a Ulysses group."""
+    kind = prepared.layout.kind
+    return f"{int((kind == Kind.RING).sum())} / {int((kind == Kind.GROUP).sum())}"
+
+
+def pads(prepared: PreparedBatch) -> float:
+    """Pad tokens, a share of all the ranks' tokens."""
+    mesh = prepared.mesh
+    return 1 - prepared.batch.num_tokens / (int(prepared.layout.local_tokens) * mesh.ulysses * mesh.ring)
 
 
 def parse_selection(parser: argparse.ArgumentParser, default_workloads: str = "W4-128K"
@@ -101,11 +120,13 @@ def main() -> None:
             for placement in placements:
                 for for_window in (False, True) if known[name].window != NO_WINDOW else (False,):
                     split = shares(known[name], ulysses, ring, placement, for_window)
+                    prepared = laid_out(known[name], ulysses, ring, placement, for_window)
                     laid_for = f"{known[name].window_left},0" if for_window else "none"
                     rows.append([name, f"{ulysses}x{ring}", placement, laid_for, round(min(split), 3),
-                                 round(max(split), 3), " ".join(f"{s:.3f}" for s in split)])
+                                 round(max(split), 3), cut_documents(prepared), f"{100 * pads(prepared):.2f} %",
+                                 " ".join(f"{s:.3f}" for s in split)])
     print(tabulate(rows, headers=["workload", "mesh", "placement", "layout window", "least", "most",
-                                  "every rank / mean"]))
+                                  "cut: ring / group", "pads", "every rank / mean"]))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from cp_cases import World, cu_seqlens, seeded
 from hcp_compile.batch.prepared import prepare_batch
 from hcp_compile.testing.reference import reference_with_grads
 
-DOCS = (3, 2, 4, 1, 2, 3, 5, 2, 1, 3, 2, 4, 6, 2, 3, 44, 1, 2, 5, 3, 2, 4, 1, 3, 30, 37, 26)
+DOCS = (3, 2, 4, 1, 2, 3, 5, 2, 1, 3, 2, 4, 6, 2, 3, 96, 1, 2, 5, 3, 2, 4, 1, 3, 30, 80, 26)
 WINDOW = (6, 0)
 HEADS, HEAD_DIM = (4, 2), 8
 MESHES = ((1, 2), (2, 2))

@@ -510,30 +510,39 @@ def attention_work(layout: BatchLayout, causal: bool = True, window: int = -1) -
     a ``1/A`` share (by heads) of its ring rank's exchange stream, whose RING documents
     count the pairs of the queries the ring rank holds. ``window``: causal attention sees that
     many keys back (-1: every earlier key)."""
-    lengths, ring, ulysses = layout.lengths, layout.ring, layout.ulysses
+    return placed_work(layout.lengths, layout.kind, layout.ring_rank, layout.ulysses_rank, layout.turn,
+                       layout.ulysses, layout.ring, causal, window)
 
-    def pairs_before(stop: Tensor) -> Tensor:  # queries at positions [0, stop): their keys
+
+def placed_work(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ulysses_rank: Tensor, turn: Tensor,
+                ulysses: int, ring: int, causal: bool = True, window: int = -1) -> Tensor:
+    """:func:`attention_work` of documents placed so (an :class:`Assignment`'s fields and the
+    ring documents' turns), before they are laid out: what a placement rule weighs."""
+
+    def pairs_before(stop: Tensor, length: Tensor) -> Tensor:  # queries at [0, stop) of documents this long
         if causal and window >= 0:
             return windowed_pairs(stop, window)
-        return stop * (stop + 1) // 2 if causal else stop * lengths
+        return stop * (stop + 1) // 2 if causal else stop * length
 
-    def held_pairs(chunk_index: Tensor) -> Tensor:
-        low = (chunk_index * layout.chunk).minimum(lengths)
-        high = ((chunk_index + 1) * layout.chunk).minimum(lengths)
-        return pairs_before(high) - pairs_before(low)
-
-    whole = pairs_before(lengths)
-    is_local, is_group = layout.kind == Kind.LOCAL, layout.kind == Kind.GROUP
-    slot = torch.where(is_local, layout.ring_rank * ulysses + layout.ulysses_rank, 0)
+    is_local, is_group = kind == Kind.LOCAL, kind == Kind.GROUP
+    whole = pairs_before(lengths, lengths)
+    slot = torch.where(is_local, ring_rank * ulysses + ulysses_rank, 0)
     local = lengths.new_zeros(ring * ulysses).scatter_add(0, slot, torch.where(is_local, whole, 0))
     stream = lengths.new_zeros(ring).scatter_add(
-        0, torch.where(is_group, layout.ring_rank, 0), torch.where(is_group, whole, 0)
+        0, torch.where(is_group, ring_rank, 0), torch.where(is_group, whole, 0)
     )
-    is_ring = layout.kind == Kind.RING
-    first = [(r - layout.turn) % ring for r in range(ring)]  # each ring rank's first chunks
-    ring_pairs = torch.stack([
-        torch.where(is_ring, held_pairs(q) + held_pairs(2 * ring - 1 - q), 0).sum() for q in first
-    ])
+    # [R, ring documents]: ring rank r holds chunks q and 2R-1-q of each, q = (r - t) mod R
+    documents = torch.nonzero(kind == Kind.RING).flatten()
+    length = lengths[documents]
+    chunk = (length + 2 * ring - 1) // (2 * ring)
+    first = (torch.arange(ring, device=lengths.device)[:, None] - turn[documents]) % ring
+
+    def held_pairs(chunk_index: Tensor) -> Tensor:
+        low = (chunk_index * chunk).minimum(length)
+        high = ((chunk_index + 1) * chunk).minimum(length)
+        return pairs_before(high, length) - pairs_before(low, length)
+
+    ring_pairs = (held_pairs(first) + held_pairs(2 * ring - 1 - first)).sum(1)
     return local.view(ring, ulysses) + ((stream + ring_pairs) / ulysses)[:, None]
 
 

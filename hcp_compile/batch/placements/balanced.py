@@ -16,7 +16,13 @@ document's work is the pairs the window leaves (``layout.windowed_pairs``), whic
 weighs in place of the causal pairs (docs/design.md §2.2):
 
 1. *Heavy* documents are split: those not short that hold more than ``balance_tolerance``
-   of a rank's share of the causal work (pairs, ``~L^2``). One goes round the ring when a
+   of a rank's share of the causal work (pairs, ``~L^2``). Under a window a document's work
+   grows with its length, not its square, and whole documents are the ones that run at one
+   GPU's rate (a ring document's window is cut into pieces, docs/design.md §8.8): heavy are
+   then first only those longer than ``window_whole_shares[0]`` of a rank's tokens, then the
+   next share, and the rule keeps the first placement whose ranks' windowed work, ring
+   documents turned (:func:`_work_strays`), is within ``window_balance`` of the mean; if
+   none is, the heavy documents by work as without a window. One goes round the ring when a
    Ulysses group could not absorb it within the tolerance, when there is no Ulysses group
    to spread it over, or when it is long enough that its ring transfers hide under its own
    attention (:meth:`CostModel.ring_hides_transfers`); otherwise it is spread over one
@@ -61,7 +67,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hcp_compile.batch.layout import Assignment, Kind, windowed_pairs
+from hcp_compile.batch.layout import Assignment, Kind, placed_work, window_turns, windowed_pairs
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,11 @@ class CostModel:
     # the same under a sliding window: the turned ring documents (layout.window_turns) leave
     # the ring ranks' work a little uneven on their own, which adds to the piles' slack
     window_work_slack: float = 0.0125
+    # under a window, the longest a document may be, as a share of a rank's tokens, and still
+    # be placed whole (tried in order: the rule's step 1), and how far a rank's work may then
+    # stray from the mean
+    window_whole_shares: tuple[float, ...] = (1 / 2, 1 / 4)
+    window_balance: float = 0.02
     attention_flops_per_s: float = 375e12  # one GPU, fwd+bwd, on long documents
     flops_per_pair: float = 4 * 32 * 128  # q k^T and p v over the query heads, forward
     kv_bytes_per_token: float = 2 * 8 * 128 * 2  # k and v, bf16
@@ -101,8 +112,21 @@ def balanced(lengths: Tensor, ulysses: int, ring: int, cost: CostModel = DEFAULT
              window: int = -1) -> Assignment:
     ranks = ulysses * ring
     docs = _Docs.of(lengths, ranks, cost.short_fraction, window)
+    if window >= 0:  # whole documents where the work stays even (step 1 of the module's rule)
+        for share in cost.window_whole_shares:
+            heavy = ~docs.short & (lengths * ranks > share * docs.total)
+            assignment = _assign(docs, heavy, ulysses, ring, cost, window)
+            if _work_strays(assignment, lengths, ulysses, ring, window) <= cost.window_balance:
+                return assignment
     tolerance = round(1 / cost.balance_tolerance)  # in integers: pairs * ranks * 40 > total
     heavy = ~docs.short & (docs.pairs * ranks * tolerance > docs.total_pairs)
+    return _assign(docs, heavy, ulysses, ring, cost, window)
+
+
+def _assign(docs: "_Docs", heavy: Tensor, ulysses: int, ring: int, cost: CostModel, window: int) -> Assignment:
+    """Steps 1-3 of the module's rule, the ``heavy`` documents split."""
+    lengths = docs.lengths
+    tolerance = round(1 / cost.balance_tolerance)
     ring_doc = torch.zeros_like(heavy)
     if ring > 1:
         group_cannot_absorb = docs.pairs * ring * tolerance > docs.total_pairs
@@ -119,6 +143,16 @@ def balanced(lengths: Tensor, ulysses: int, ring: int, cost: CostModel = DEFAULT
         )
     kind = torch.where(ring_doc, int(Kind.RING), torch.where(group_doc, int(Kind.GROUP), int(Kind.LOCAL)))
     return Assignment(kind.to(torch.int64), ring_rank, ulysses_rank)
+
+
+def _work_strays(assignment: Assignment, lengths: Tensor, ulysses: int, ring: int, window: int) -> float:
+    """How far the most or least loaded rank's windowed work strays from the mean (a share of
+    it), the ring documents turned as the layout will turn them."""
+    turn = window_turns(lengths, assignment.kind, assignment.ring_rank, ring, window)
+    work = placed_work(lengths, assignment.kind, assignment.ring_rank, assignment.ulysses_rank, turn,
+                       ulysses, ring, window=window).double()
+    mean = work.mean()
+    return float((work - mean).abs().max() / mean) if mean > 0 else 0.0
 
 
 @dataclass(frozen=True)
