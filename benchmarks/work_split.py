@@ -74,9 +74,12 @@ def shares(workload: Workload, ulysses: int, ring: int, placement: str, for_wind
 
 
 def cut_documents(prepared: PreparedBatch) -> str:
-    """``ring / group``: the documents split round the ring and over a Ulysses group."""
-    kind = prepared.layout.kind
-    return f"{int((kind == Kind.RING).sum())} / {int((kind == Kind.GROUP).sum())}"
+    """``ring / group``: the documents split round the ring and over a Ulysses group, and how
+    the ring documents' chunks pair (``BatchLayout.adjacent``)."""
+    laid = prepared.layout
+    ring = int((laid.kind == Kind.RING).sum())
+    pairs = "" if ring == 0 else (", adjacent" if laid.adjacent else ", zigzag")
+    return f"{ring} / {int((laid.kind == Kind.GROUP).sum())}{pairs}"
 
 
 def pads(prepared: PreparedBatch) -> float:
@@ -126,7 +129,7 @@ def main() -> None:
                                  round(max(split), 3), cut_documents(prepared), f"{100 * pads(prepared):.2f} %",
                                  " ".join(f"{s:.3f}" for s in split)])
     print(tabulate(rows, headers=["workload", "mesh", "placement", "layout window", "least", "most",
-                                  "cut: ring / group", "pads", "every rank / mean"]))
+                                  "cut: ring / group, pairs", "pads", "every rank / mean"]))
 
 
 if __name__ == "__main__":

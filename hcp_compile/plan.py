@@ -121,7 +121,8 @@ class ShardPlan:
                 local_docs = int(self.layout.is_local_on(r, a).sum())
                 group_docs = int(((kind == Kind.GROUP) & (ring_rank == r)).sum())
                 ring_docs = int((kind == Kind.RING).sum())
-                moved = call_traffic(scheme, sizes, call, ulysses, ring)
+                moved = call_traffic(scheme, sizes, call, ulysses, ring,
+                                     self.prepared.schedule_steps(sizes, True, self.window))
                 all_to_all = moved.ulysses.forward_bytes + moved.ulysses.backward_bytes
                 ring_bytes = moved.ring.forward_bytes + moved.ring.backward_bytes
                 rows.append([

@@ -7,15 +7,36 @@ placements; everything else follows from that here:
 - ``LOCAL``: the whole document on one rank, all heads: no exchange, no ring transfer;
 - ``GROUP``: the whole document inside one ring rank, spread over its Ulysses group by the
   all-to-all over heads, no ring step;
-- ``RING``: padded to ``2R`` chunks of ``c_i = ceil(L_i / 2R)``; ring rank ``r`` holds chunks
-  ``q`` and ``2R-1-q`` (the zigzag pairing that balances causal work), ``q = r`` but for a layout
-  balanced for a sliding window, which turns each document's pairs round the ring ranks
-  (``q = (r - t_i) mod R``, :func:`window_turns`).
+- ``RING``: padded to ``2R`` chunks of ``c_i = ceil(L_i / 2R)``; ring rank ``r`` holds the
+  *pair* ``q`` of two chunks: ``q`` and ``2R-1-q``, the zigzag that balances causal work, with
+  ``q = r``; or, in a layout balanced for a sliding window, the adjacent chunks ``2q`` and
+  ``2q+1`` (``BatchLayout.adjacent``), with each document's pairs turned round the ring ranks
+  (``q = (r - t_i) mod R``, :func:`window_turns`). A window's work is even along a document
+  but for its start, which the turns spread; and a rank's span of a document then needs only
+  the keys of the ranks just before it, so the ring steps end where the window does
+  (:func:`window_steps`) and every step meets a document's keys in one run (Note [adjacent
+  pairs under a window]).
+
+Note [adjacent pairs under a window]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+One document on a ring of 4, a window of about one pair back (``2c <= left``), turn 0::
+
+    position  ->  |0 1|2 3|4 5|6 7|    chunks; a pair is two adjacent ones
+    ring rank     | 0 | 1 | 2 | 3 |
+    step 0        own pair, causal by offsets (a window by position all the same)
+    step 1        keys of r-1: the pair just before, all of it before every query: one
+                  window band (its tail, docs/design.md §8.8)
+    step 2        keys of r-2: what the window still reaches; nothing once 2c > left
+    step 3        keys of r-3 = r+1 (mod 4): after every query: nothing
+
+The zigzag instead holds chunks ``r`` and ``7-r``, so every step meets some document's keys
+inside the window (chunk ``7-r`` sees chunk ``6-r`` of ring rank ``r+1``, step ``R-1``), and
+every step is cut into several pieces of chunks shorter than the window.
 
 Rank ``(r, a)`` holds ``T`` tokens, equal on every rank: ``[local | exchange | pads]``. Its
 local region holds its LOCAL documents, whole, in document order. The exchange regions of
 the Ulysses ranks of ring rank ``r``, concatenated in Ulysses order, form the *exchange stream*
-of ``r``: first its *ring section* (chunks ``r`` and ``2R-1-r`` of every RING document, in
+of ``r``: first its *ring section* (the pair of chunks it holds of every RING document, in
 document order: ``W`` tokens, the same on every ring rank), then its GROUP documents, whole, in
 document order. So after the all-to-all every Ulysses rank holds the exchange stream in order
 (each document contiguous) for its heads, and ring transfers carry only the ring section.
@@ -29,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -76,12 +97,13 @@ class BatchLayout:
     ring_rank: Tensor  # [n]
     ulysses_rank: Tensor  # [n]
     chunk: Tensor  # [n] c_i for RING documents, 0 otherwise
-    # [n] t_i: ring rank r holds chunks q and 2R-1-q of a RING document, q = (r - t_i) mod R
-    # (0 but under a window: window_turns)
+    # [n] t_i: ring rank r holds pair q of a RING document, q = (r - t_i) mod R (0 but under
+    # a window: window_turns)
     turn: Tensor
     local_extent: Tensor  # [R, A]: tokens of each rank's local region
     exchange_extent: Tensor  # [R, A]: tokens of each rank's exchange region
     local_tokens: Tensor  # 0-d: T, every rank's token count
+    adjacent: bool = False  # pair q is chunks 2q and 2q+1 (laid out for a window), else q and 2R-1-q
 
     @property
     def ring_width(self) -> Tensor:
@@ -104,8 +126,7 @@ def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRul
     kind = assignment.kind
     is_ring, is_local, is_group = kind == Kind.RING, kind == Kind.LOCAL, kind == Kind.GROUP
     chunk = torch.where(is_ring, (lengths + 2 * ring - 1) // (2 * ring), 0)
-    turn = (window_turns(lengths, kind, assignment.ring_rank, ring, window) if window >= 0
-            else torch.zeros_like(lengths))
+    adjacent, turn = _pairing(lengths, assignment, ulysses, ring, window)
     slot = torch.where(is_local, assignment.ring_rank * ulysses + assignment.ulysses_rank, 0)
     local_extent = lengths.new_zeros(ring * ulysses).scatter_add(
         0, slot, torch.where(is_local, lengths, 0)
@@ -122,15 +143,39 @@ def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRul
     exchange_extent = (stream_extent[:, None] - before).clamp(min=0).minimum(capacity)
     return BatchLayout(
         ulysses, ring, cu[:-1], lengths, kind, assignment.ring_rank, assignment.ulysses_rank,
-        chunk, turn, local_extent, exchange_extent, tokens,
+        chunk, turn, local_extent, exchange_extent, tokens, adjacent,
     )
 
 
-def window_turns(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ring: int, window: int) -> Tensor:
+# Adjacent pairs cut a window's ring steps short and into fewer pieces, but they leave a
+# document's light start (its first ``window`` positions) on fewer ring ranks than the zigzag
+# does, which the turns may not even out: past this share of the mean work on any rank, a
+# layout for a window keeps the zigzag (the balance issue 48 asks of a window's layout)
+ADJACENT_WORK_STRAY = 0.03
+
+
+def _pairing(lengths: Tensor, assignment: Assignment, ulysses: int, ring: int, window: int) -> tuple[bool, Tensor]:
+    """``(adjacent, turn)`` of a layout (``BatchLayout.adjacent``, ``BatchLayout.turn``):
+    for a window, adjacent pairs where their turned work stays within
+    :data:`ADJACENT_WORK_STRAY` of the mean, else the turned zigzag; none without a window."""
+    if window < 0:
+        return False, torch.zeros_like(lengths)
+    turn = window_turns(lengths, assignment.kind, assignment.ring_rank, ring, window, adjacent=True)
+    work = placed_work(lengths, assignment.kind, assignment.ring_rank, assignment.ulysses_rank, turn,
+                       ulysses, ring, window=window, adjacent=True).double()
+    mean = work.mean()
+    if mean == 0 or float((work - mean).abs().max() / mean) <= ADJACENT_WORK_STRAY:
+        return True, turn
+    return False, window_turns(lengths, assignment.kind, assignment.ring_rank, ring, window, adjacent=False)
+
+
+def window_turns(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ring: int, window: int,
+                 adjacent: bool) -> Tensor:
     """``t_i`` of each RING document under a causal window of ``window`` keys back (0 for the
     others). A query then sees at most ``window + 1`` keys, so a document's first ``window``
     positions hold less work than the rest, and the zigzag would give every document's light
-    first chunks to the same ring ranks (0, 1, ...). The turns deal the RING documents longest
+    first chunks to the same ring ranks (0, 1, ...), as would adjacent pairs (``adjacent``,
+    ``BatchLayout.adjacent``) their pair 0. The turns deal the RING documents longest
     first, each given the turn that leaves the ring ranks' work most even (the least sum of
     squares; ties: the smallest turn), starting from the work of the documents placed whole on
     each ring rank. A loop over the RING documents, which are few (each longer than a rank's
@@ -151,9 +196,11 @@ def window_turns(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ring: int, wi
         return windowed_pairs(high, window) - windowed_pairs(low, window)
 
     first = torch.arange(ring)
-    # work[i, q]: the document's pair of chunks q and 2R-1-q; under turn t ring rank r holds
-    # q = (r - t) % R, so its work per turn and ring rank is work[i, held]
-    work = (chunk_pairs(first[None, :]) + chunk_pairs(2 * ring - 1 - first[None, :])).double()
+    # work[i, q]: the document's pair q, chunks 2q and 2q+1 (adjacent) or q and 2R-1-q; under
+    # turn t ring rank r holds q = (r - t) % R, so its work per turn and ring rank is work[i, held]
+    pair = first[None, :]
+    chunks = (2 * pair, 2 * pair + 1) if adjacent else (pair, 2 * ring - 1 - pair)
+    work = (chunk_pairs(chunks[0]) + chunk_pairs(chunks[1])).double()
     held = (first[None, :] - first[:, None]) % ring  # [turn, ring rank]
     for document, pairs in zip(documents.tolist(), work):
         candidates = load[None, :] + pairs[held]
@@ -269,10 +316,17 @@ class StreamTable:
     turn: Tensor  # [2n] t_i of ring entries (BatchLayout.turn), 0 for group entries
     widths: Tensor  # [2n] tokens of the entry in the stream
     is_ring: Tensor  # [2n] bool: the first n entries
+    adjacent: bool  # BatchLayout.adjacent
 
-    def first_chunk(self, ring_rank: int, ring: int) -> Tensor:
-        """``q`` of each entry: ``ring_rank`` holds its chunks ``q`` and ``2R-1-q``."""
+    def pair(self, ring_rank: int, ring: int) -> Tensor:
+        """``q`` of each entry: the pair of chunks ``ring_rank`` holds; pairs are in document
+        order either way (each pair's first chunk after the one before's)."""
         return (ring_rank - self.turn) % ring
+
+    def chunks(self, ring_rank: int, ring: int) -> tuple[Tensor, Tensor]:
+        """The two chunks of each entry that ``ring_rank`` holds, in stream order."""
+        q = self.pair(ring_rank, ring)
+        return (2 * q, 2 * q + 1) if self.adjacent else (q, 2 * ring - 1 - q)
 
 
 def stream_table(layout: BatchLayout, ring_rank: int, with_group: bool = True) -> StreamTable:
@@ -288,6 +342,7 @@ def stream_table(layout: BatchLayout, ring_rank: int, with_group: bool = True) -
         turn=torch.cat([layout.turn, torch.zeros_like(layout.turn)]),
         widths=torch.cat([2 * layout.chunk, torch.where(group, layout.lengths, 0)]),
         is_ring=is_ring,
+        adjacent=layout.adjacent,
     )
 
 
@@ -312,9 +367,9 @@ def stream_tokens(
     entry_start = torch.cumsum(table.widths, 0) - table.widths
     offset = torch.arange(length, device=device) - entry_start.index_select(0, entry)
     c = table.chunk.index_select(0, entry)
-    first = table.first_chunk(ring_rank, ring).index_select(0, entry)
-    zigzag = torch.where(offset < c, first * c + offset, (2 * ring - 1 - first) * c + offset - c)
-    position = torch.where(table.is_ring.index_select(0, entry), zigzag, offset)
+    first, second = (chunk.index_select(0, entry) for chunk in table.chunks(ring_rank, ring))
+    paired = torch.where(offset < c, first * c + offset, second * c + offset - c)
+    position = torch.where(table.is_ring.index_select(0, entry), paired, offset)
     valid = position < table.lengths.index_select(0, entry)
     n = table.widths.numel() // 2
     return StreamTokens(
@@ -358,22 +413,23 @@ def rank_tokens(layout: BatchLayout, sizes: RankSizes, ring_rank: int) -> Stream
 # --------------------------------------------------------------------------------------------
 
 def chunk_real(table: StreamTable, chunk_index: int | Tensor) -> Tensor:
-    """Real tokens of each entry in its zigzag chunk ``chunk_index`` (one, or one per entry;
+    """Real tokens of each entry in its chunk ``chunk_index`` (one, or one per entry;
     padding sits at the end)."""
     return (table.lengths - chunk_index * table.chunk).clamp(min=0).minimum(table.chunk)
 
 
 def real_tokens_held(table: StreamTable, ring_rank: int, ring: int) -> Tensor:
     """Real tokens of each entry in ``ring_rank``'s stream (a prefix of the entry)."""
-    first = table.first_chunk(ring_rank, ring)
-    ring_part = chunk_real(table, first) + chunk_real(table, 2 * ring - 1 - first)
+    first, second = table.chunks(ring_rank, ring)
+    ring_part = chunk_real(table, first) + chunk_real(table, second)
     return torch.where(table.is_ring, ring_part, table.widths)
 
 
 class StepKind(Enum):
     """Which block of the causal zigzag schedule one ring step computes (docs/design.md §3). A
     document a window turned (``BatchLayout.turn``) is LOWER or UPPER in a causal ring step by
-    its own chunks (:func:`lower_entries`), whatever the step's kind says."""
+    its own chunks, and one in adjacent pairs all or nothing (:func:`entry_parts`), whatever
+    the step's kind says."""
 
     DIAGONAL = "diagonal"  # own Q x own KV, causal inside each document
     LOWER = "lower"  # all Q x the first chunk of each KV document (src < r)
@@ -381,21 +437,50 @@ class StepKind(Enum):
     FULL = "full"  # non-causal: all Q x all KV
 
 
-def lower_entries(q_table: StreamTable, k_table: StreamTable, ring_rank: int, source: int,
-                  ring: int, kind: StepKind) -> tuple[Tensor, Tensor]:
-    """``(lower, upper)``: the ring entries of a step that are LOWER (the source's chunks of the
-    document come before this rank's first) and UPPER (after it): by the step's kind, unless a
-    window turned the document (``BatchLayout.turn``); neither in the own step nor a FULL one."""
+class EntryParts(NamedTuple):
+    """Which part of each entry a causal ring step computes (``[2n]`` bool each); an entry in
+    none of them computes all its queries against all its keys."""
+
+    lower: Tensor  # every query against the first of the source's chunks
+    upper: Tensor  # the second of the queries' chunks against every key
+    unseen: Tensor  # nothing: the source's keys come after every query (adjacent pairs)
+
+
+def entry_parts(q_table: StreamTable, k_table: StreamTable, ring_rank: int, source: int,
+                ring: int, kind: StepKind) -> EntryParts:
+    """The :class:`EntryParts` of a step's ring entries. A zigzag document is LOWER where the
+    source's pair of it comes before this rank's, else UPPER: by the step's kind, unless a
+    window turned it (``BatchLayout.turn``). Adjacent pairs (``BatchLayout.adjacent``) hold
+    a span each: the source's span before this rank's is seen whole, after it not at all.
+    Nothing is cut in the own step or a FULL one."""
+    none = torch.zeros_like(q_table.is_ring)
     if kind not in (StepKind.LOWER, StepKind.UPPER):
-        none = torch.zeros_like(q_table.is_ring)
-        return none, none
-    before = k_table.first_chunk(source, ring) < q_table.first_chunk(ring_rank, ring)
-    return q_table.is_ring & before, q_table.is_ring & ~before
+        return EntryParts(none, none, none)
+    before = k_table.pair(source, ring) < q_table.pair(ring_rank, ring)
+    if q_table.adjacent:
+        return EntryParts(none, none, q_table.is_ring & ~before)
+    return EntryParts(q_table.is_ring & before, q_table.is_ring & ~before, none)
 
 
 def step_sources(ring_rank: int, ring: int, steps: int) -> list[int]:
     """The ring rank whose keys each step uses: step ``s`` those of ``ring_rank - s``."""
     return [(ring_rank - s) % ring for s in range(steps)]
+
+
+def window_steps(layout: BatchLayout, window_left: int) -> int:
+    """How many ring steps a causal window of ``window_left`` keys back needs on every ring
+    rank: in adjacent pairs (Note [adjacent pairs under a window]) a rank's span of a
+    document of chunks ``c`` sees the spans of the ``(left - 1) // 2c + 1`` ranks before it
+    (the first query reaches ``left`` back; the span ``k`` back ends ``2c (k - 1) + 1``
+    before it), and no later step sees a key; the zigzag meets keys in every step."""
+    ring = layout.ring
+    if not layout.adjacent or window_left < 0:
+        return ring
+    chunk = layout.chunk[layout.kind == Kind.RING]
+    if chunk.numel() == 0:
+        return 1
+    reach = 0 if window_left == 0 else int(((window_left - 1) // (2 * chunk.clamp(min=1)) + 1).max())
+    return min(ring, reach + 1)
 
 
 def window_by_position(window: tuple[int, int], ring: int) -> bool:
@@ -435,14 +520,16 @@ def step_segments(
     own = source == ring_rank
     widths_q, widths_k = q_table.widths, k_table.widths
     zero = torch.zeros_like(widths_q)
-    lower, upper = lower_entries(q_table, k_table, ring_rank, source, ring, kind)
+    lower, upper, unseen = entry_parts(q_table, k_table, ring_rank, source, ring, kind)
     ring_q_skip = torch.where(upper, q_table.chunk, zero)
-    # an UPPER document: only the second chunk of its queries takes part
-    second = 2 * ring - 1 - q_table.first_chunk(ring_rank, ring)
+    # an UPPER document: only the second chunk of its queries takes part; an unseen one: none
+    second = q_table.chunks(ring_rank, ring)[1]
     ring_q_real = torch.where(upper, chunk_real(q_table, second), real_tokens_held(q_table, ring_rank, ring))
+    ring_q_real = torch.where(unseen, zero, ring_q_real)
     # a LOWER document: only the first chunk of its keys takes part
-    ring_k_real = torch.where(lower, chunk_real(k_table, k_table.first_chunk(source, ring)),
+    ring_k_real = torch.where(lower, chunk_real(k_table, k_table.chunks(source, ring)[0]),
                               real_tokens_held(k_table, source, ring))
+    ring_k_real = torch.where(unseen, zero, ring_k_real)
     group_q_real = widths_q if own else zero
     q_skip = torch.where(q_table.is_ring, ring_q_skip, widths_q - group_q_real)
     q_real = torch.where(q_table.is_ring, ring_q_real, group_q_real)
@@ -486,15 +573,15 @@ def step_sees_any_key(
     def intervals(table: StreamTable, rank: int, taking: tuple[Tensor, Tensor]) -> list[tuple[Tensor, Tensor]]:
         # real positions [start, stop) of the rank's two chunks, per ring entry, empty where an
         # entry does not take that chunk (and for group entries)
-        first = table.first_chunk(rank, ring)
         return [(i * table.chunk, i * table.chunk + chunk_real(table, i) * takes)
-                for i, takes in zip((first, 2 * ring - 1 - first), taking)]
+                for i, takes in zip(table.chunks(rank, ring), taking)]
 
-    lower, upper = lower_entries(q_table, k_table, ring_rank, source, ring, kind)
+    lower, upper, unseen = entry_parts(q_table, k_table, ring_rank, source, ring, kind)
     every = torch.ones_like(lower)
     seen = torch.zeros((), dtype=torch.bool, device=q_table.lengths.device)
-    # an UPPER document's first query chunk and a LOWER one's second key chunk take no part
-    for q_start, q_stop in intervals(q_table, ring_rank, (~upper, every)):
+    # an UPPER document's first query chunk and a LOWER one's second key chunk take no part,
+    # nor an unseen one's queries
+    for q_start, q_stop in intervals(q_table, ring_rank, (~upper & ~unseen, ~unseen)):
         for k_start, k_stop in intervals(k_table, source, (every, ~lower)):
             nonempty = (q_stop > q_start) & (k_stop > k_start)
             # q - k over the pair of intervals spans [q_start - (k_stop - 1), (q_stop - 1) - k_start]
@@ -511,13 +598,14 @@ def attention_work(layout: BatchLayout, causal: bool = True, window: int = -1) -
     count the pairs of the queries the ring rank holds. ``window``: causal attention sees that
     many keys back (-1: every earlier key)."""
     return placed_work(layout.lengths, layout.kind, layout.ring_rank, layout.ulysses_rank, layout.turn,
-                       layout.ulysses, layout.ring, causal, window)
+                       layout.ulysses, layout.ring, causal, window, layout.adjacent)
 
 
 def placed_work(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ulysses_rank: Tensor, turn: Tensor,
-                ulysses: int, ring: int, causal: bool = True, window: int = -1) -> Tensor:
-    """:func:`attention_work` of documents placed so (an :class:`Assignment`'s fields and the
-    ring documents' turns), before they are laid out: what a placement rule weighs."""
+                ulysses: int, ring: int, causal: bool = True, window: int = -1, adjacent: bool = False) -> Tensor:
+    """:func:`attention_work` of documents placed so (an :class:`Assignment`'s fields, the
+    ring documents' turns and their pairing, ``BatchLayout.adjacent``), before they are laid
+    out: what a placement rule weighs."""
 
     def pairs_before(stop: Tensor, length: Tensor) -> Tensor:  # queries at [0, stop) of documents this long
         if causal and window >= 0:
@@ -531,18 +619,19 @@ def placed_work(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ulysses_rank: 
     stream = lengths.new_zeros(ring).scatter_add(
         0, torch.where(is_group, ring_rank, 0), torch.where(is_group, whole, 0)
     )
-    # [R, ring documents]: ring rank r holds chunks q and 2R-1-q of each, q = (r - t) mod R
+    # [R, ring documents]: ring rank r holds pair q of each, q = (r - t) mod R
     documents = torch.nonzero(kind == Kind.RING).flatten()
     length = lengths[documents]
     chunk = (length + 2 * ring - 1) // (2 * ring)
-    first = (torch.arange(ring, device=lengths.device)[:, None] - turn[documents]) % ring
+    pair = (torch.arange(ring, device=lengths.device)[:, None] - turn[documents]) % ring
+    first, second = (2 * pair, 2 * pair + 1) if adjacent else (pair, 2 * ring - 1 - pair)
 
     def held_pairs(chunk_index: Tensor) -> Tensor:
         low = (chunk_index * chunk).minimum(length)
         high = ((chunk_index + 1) * chunk).minimum(length)
         return pairs_before(high, length) - pairs_before(low, length)
 
-    ring_pairs = (held_pairs(first) + held_pairs(2 * ring - 1 - first)).sum(1)
+    ring_pairs = (held_pairs(first) + held_pairs(second)).sum(1)
     return local.view(ring, ulysses) + ((stream + ring_pairs) / ulysses)[:, None]
 
 

@@ -251,11 +251,18 @@ class PreparedBatch:
         if asked not in self._plans:
             sizes = self.rank_sizes(ring_rank, ulysses_rank)
             # the rank's own steps asked for with their count (a compiled graph) or without
-            counted = asked[:-1] + (schedule_steps(sizes, self.mesh.ring) if steps is None else steps,)
+            counted = asked[:-1] + (self.schedule_steps(sizes, causal, window) if steps is None else steps,)
             if counted not in self._plans:
                 self._plans[counted] = plan_rank(self.layout, sizes, ring_rank, causal, window, counted[-1])
             self._plans[asked] = self._plans[counted]
         return self._plans[asked]
+
+    def schedule_steps(self, sizes: RankSizes, causal: bool, window: tuple[int, int]) -> int:
+        """The ring steps of a rank's own schedule (:func:`schedule.schedule_steps`) for calls
+        with this mask: a causal window on a layout in adjacent pairs ends them early
+        (:func:`layout.window_steps`), the same on every rank."""
+        ring = self.mesh.ring
+        return schedule_steps(sizes, ring, layout.window_steps(self.layout, window[0]) if causal else ring)
 
     def tables(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
                steps: int | None = None) -> ScheduleTables:

@@ -155,12 +155,15 @@ def schedule_tables(
                           positions[0], tuple(positions))
 
 
-def schedule_steps(sizes: RankSizes, ring: int) -> int:
+def schedule_steps(sizes: RankSizes, ring: int, window_steps: int | None = None) -> int:
     """How many ring steps a schedule has: without a ring section (a batch of short documents)
     nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
     keeps every step (its graphs for batches without a ring section make the width the
-    constant 0: hcp_compile.compiled.graph_variants)."""
-    return 1 if layout.known_empty(sizes.ring_width) else ring
+    constant 0: hcp_compile.compiled.graph_variants); else the ``window_steps`` a causal window
+    needs (:func:`layout.window_steps`; None: every step)."""
+    if layout.known_empty(sizes.ring_width):
+        return 1
+    return ring if window_steps is None else window_steps
 
 
 def assemble_schedule(

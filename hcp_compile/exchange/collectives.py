@@ -149,8 +149,9 @@ def gather_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
-def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Tensor:
-    """Send ``x`` to ring rank ``rank + 1`` and receive the same shape from ``rank - 1``.
+def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int, by: int = 1) -> Tensor:
+    """Send ``x`` to ring rank ``rank + by`` and receive the same shape from ``rank - by``
+    (every rank shifts by the same ``by``, not a multiple of ``size``).
 
     Returns the flat received tensor, not yet waited for: read it through :func:`arrived`.
     An all-to-all with one non-zero split is the point-to-point transfer that both torch 2.11
@@ -158,9 +159,9 @@ def ring_shift(x: Tensor, group: dist.ProcessGroup, rank: int, size: int) -> Ten
     """
     flat = x.reshape(-1)
     splits = [0] * size
-    splits[(rank + 1) % size] = flat.numel()
+    splits[(rank + by) % size] = flat.numel()
     received = [0] * size
-    received[(rank - 1) % size] = flat.numel()
+    received[(rank - by) % size] = flat.numel()
     return _all_to_all(flat, (received, splits), group)
 
 

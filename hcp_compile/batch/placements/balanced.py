@@ -147,10 +147,10 @@ def _assign(docs: "_Docs", heavy: Tensor, ulysses: int, ring: int, cost: CostMod
 
 def _work_strays(assignment: Assignment, lengths: Tensor, ulysses: int, ring: int, window: int) -> float:
     """How far the most or least loaded rank's windowed work strays from the mean (a share of
-    it), the ring documents turned as the layout will turn them."""
-    turn = window_turns(lengths, assignment.kind, assignment.ring_rank, ring, window)
+    it), the ring documents in adjacent pairs turned as the layout will turn them."""
+    turn = window_turns(lengths, assignment.kind, assignment.ring_rank, ring, window, adjacent=True)
     work = placed_work(lengths, assignment.kind, assignment.ring_rank, assignment.ulysses_rank, turn,
-                       ulysses, ring, window=window).double()
+                       ulysses, ring, window=window, adjacent=True).double()
     mean = work.mean()
     return float((work - mean).abs().max() / mean) if mean > 0 else 0.0
 

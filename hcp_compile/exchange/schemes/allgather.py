@@ -54,9 +54,9 @@ class _GatheredWithGrads(_Gathered):
             return own.to(kv.dtype)
         ring, rank = groups.ring_size, groups.ring_rank
         rows = []
-        for j in range(ring):  # ring rank j's section was the keys of step (rank - j) mod R
-            if j != rank:
-                dkv = self._grads[(rank - j) % ring]
+        for j in range(ring):  # ring rank j's section was the keys of step (rank - j) mod R,
+            if j != rank:  # none where a window's schedule stopped before it (layout.window_steps)
+                dkv = self._grads.get((rank - j) % ring)
                 rows.append(torch.zeros(self._section, dtype=kv.dtype, device=kv.device)
                             if dkv is None else dkv.to(kv.dtype).reshape(self._section))
         sent = torch.cat([row.reshape(-1) for row in rows])

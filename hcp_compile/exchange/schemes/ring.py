@@ -43,10 +43,12 @@ class _Hops(SectionSteps):
 
 
 class _HopsWithGrads(_Hops):
-    """Also a dKV accumulator of the section in hand, sent on after each step: after ``S``
-    hops it is back at the owner of the keys, holding every ring rank's share. Sums of several
-    blocks are kept in the accumulation dtype; a block's own gradient and the finished sum
-    travel in the input dtype, which rounds nothing that the result would not."""
+    """Also a dKV accumulator of the section in hand, sent on after each step, the last hop
+    straight home: after ``S`` hops it is back at the owner of the keys, holding every ring
+    rank's share (on a full ring, ``S = R``, the last hop is the next one round; a window's
+    schedule may stop after fewer steps, layout.window_steps). Sums of several blocks are kept
+    in the accumulation dtype; a block's own gradient and the finished sum travel in the input
+    dtype, which rounds nothing that the result would not."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -65,8 +67,9 @@ class _HopsWithGrads(_Hops):
         if self._steps == 1:
             self._travelling = dkv
             return
+        # the accumulator in hand is that of ring rank r - step's section: home is step back
         self._travelling = ring_shift(dkv.to(kv.dtype) if last else dkv, groups.ring_group,
-                                      groups.ring_rank, groups.ring_size)
+                                      groups.ring_rank, groups.ring_size, by=-step if last else 1)
 
     def result(self) -> Tensor:
         if self._steps == 1:
@@ -83,9 +86,9 @@ class ZigzagRing(SectionRing):
 
     def traffic(self, shape: GroupShape) -> GroupTraffic:
         """Forward ``S - 1`` hops of a section; backward ``S - 1`` hops of a section and the
-        carried element, and ``S`` hops of the dKV accumulator: the first a block's own
-        gradient and the last the finished sum in the input dtype, those between sums in
-        the accumulation dtype."""
+        carried element, and ``S`` hops of the dKV accumulator (the last one home): the first
+        a block's own gradient and the last the finished sum in the input dtype, those
+        between sums in the accumulation dtype."""
         steps, section, item = shape.steps, shape.section, shape.itemsize
         if steps == 1:
             return GroupTraffic()
