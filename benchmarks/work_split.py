@@ -28,6 +28,7 @@ from tabulate import tabulate
 
 from benchmarks.speed_workloads import Workload, workloads
 from hcp_compile.batch.placements import NO_WINDOW, PLACEMENTS, check_layout_window
+from hcp_compile.batch import layout
 from hcp_compile.batch.layout import Kind
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 
@@ -82,6 +83,14 @@ def cut_documents(prepared: PreparedBatch) -> str:
     return f"{ring} / {int((laid.kind == Kind.GROUP).sum())}{pairs}"
 
 
+def ring_steps(prepared: PreparedBatch, window_left: int) -> str:
+    """The ring steps of an eager schedule under the workload's window (``layout.window_steps``;
+    the own step alone without ring documents), of the ring's."""
+    laid, ring = prepared.layout, prepared.mesh.ring
+    steps = 1 if not bool((laid.kind == Kind.RING).any()) else layout.window_steps(laid, window_left)
+    return f"{steps} of {ring}"
+
+
 def pads(prepared: PreparedBatch) -> float:
     """Pad tokens, a share of all the ranks' tokens."""
     mesh = prepared.mesh
@@ -126,10 +135,11 @@ def main() -> None:
                     prepared = laid_out(known[name], ulysses, ring, placement, for_window)
                     laid_for = f"{known[name].window_left},0" if for_window else "none"
                     rows.append([name, f"{ulysses}x{ring}", placement, laid_for, round(min(split), 3),
-                                 round(max(split), 3), cut_documents(prepared), f"{100 * pads(prepared):.2f} %",
+                                 round(max(split), 3), cut_documents(prepared),
+                                 ring_steps(prepared, known[name].window_left), f"{100 * pads(prepared):.2f} %",
                                  " ".join(f"{s:.3f}" for s in split)])
     print(tabulate(rows, headers=["workload", "mesh", "placement", "layout window", "least", "most",
-                                  "cut: ring / group, pairs", "pads", "every rank / mean"]))
+                                  "cut: ring / group, pairs", "ring steps", "pads", "every rank / mean"]))
 
 
 if __name__ == "__main__":

@@ -45,9 +45,10 @@ balance (:func:`balance`) a rank's tokens with pads over the mean real tokens pe
 modelled: the host work of a compiled call, contention between an all-to-all and ring hops on one
 NVLink domain; ``benchmarks/advisor_check.py`` measures how far
 the model is from single ranks (docs/benchmarks.md, "Advisor check"). A
-causal sliding window (``window``) limits every block's pairs (:func:`visible_pairs`, exact)
-and times them at the windowed throughput of the kernel CP takes for it; its host part is that
-of calls without a window.
+causal sliding window (``window``) lays each batch out for it (``shard_plan(..., window=)``),
+limits every block's pairs (:func:`visible_pairs`, exact) and the schedule's steps
+(``layout.window_steps``), and times them at the windowed throughput of the kernel CP takes for
+it; its host part is that of calls without a window.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
     balance (:func:`balance`); ``host``: the measured host constants (None: that part not
     modelled)."""
     ulysses, ring = option.ulysses, option.ring
-    batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(option.placement))
+    # laid out for the window, as shard_plan(..., window=) and the trainer lay a windowed model out
+    batch = layout.batch_layout(cu_seqlens, ulysses, ring, placement_rule(option.placement), call.window)
     work = block_work(batch, call.window, cuts_short_segments(kernel))
     groups = head_groups(rank_kv_heads(call.heads_kv, ulysses), ulysses)
     link = ring_link(ulysses, ring, gpus_per_node)
@@ -93,14 +94,15 @@ def predict_batch(cu_seqlens: Tensor, option: Option, gpus_per_node: int, call: 
         moved = [exchange_bytes(s, call, ulysses, ring) for s in sizes]
         slowest = tuple(max(column) for column in zip(*moved))
         exchange = exchange_times(slowest, links, groups)
-        hops = hop_times(sizes[0], call, ulysses, ring, link, links, groups)
-        ring_bytes = call_traffic(SCHEME, sizes[0], call, ulysses, ring).ring
         active = active_steps(work, r, sizes[0], ring)
+        steps = len(active)  # the schedule's: a window may end it early (layout.window_steps)
+        hops = hop_times(sizes[0], call, ulysses, ring, link, links, groups, steps)
+        ring_bytes = call_traffic(SCHEME, sizes[0], call, ulysses, ring, steps).ring
         for a in range(ulysses):
             compute = compute_times(work, r, a, call, kernel, table)
             passes = pass_times(sizes[a], active, call, ulysses, kernel)
-            issued = host_times(host_counts(sizes[a], r, ring, kernel, call.heads_kv), host)
-            lead = host_leads(sizes[a], r, ring, kernel, call.heads_kv, host)
+            issued = host_times(host_counts(sizes[a], r, ring, kernel, call.heads_kv, steps), host)
+            lead = host_leads(sizes[a], r, ring, kernel, call.heads_kv, host, steps)
             step, a2a, exposed_ring, wait = predict_rank(compute, exchange, hops, groups, issued, passes, lead)
             ranks.append(RankPrediction(step, compute.total, a2a, exposed_ring, sum(moved[a]),
                                         ring_bytes.forward_bytes + ring_bytes.backward_bytes,

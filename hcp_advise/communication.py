@@ -66,12 +66,14 @@ def ring_link(ulysses: int, ring: int, gpus_per_node: int) -> str:
 
 
 def hop_times(sizes: RankSizes, call: CallShape, ulysses: int, ring: int, link: str,
-              links: Links, groups: int) -> HopTimes:
+              links: Links, groups: int, steps: int | None = None) -> HopTimes:
     """One head group's ring hops, from ``call_traffic``'s bytes (``S - 1`` forward hops;
     ``S - 1`` KV hops, as large as a forward hop plus the one carried element, and ``S`` dKV
     hops in the backward, the last one the finished sum in the input dtype: a forward hop's
-    size, schemes/ring.py). A hop is a collective of its own: one latency each."""
-    traffic = call_traffic(SCHEME, sizes, call, ulysses, ring).ring
+    size, schemes/ring.py). A hop is a collective of its own: one latency each. ``steps``: the
+    schedule's (``call_traffic``'s default: every step, or only the own one without a ring
+    section)."""
+    traffic = call_traffic(SCHEME, sizes, call, ulysses, ring, steps).ring
     if traffic.forward_calls == 0:
         return HopTimes()
     bandwidth, latency = ((links.network_bytes_per_s, links.network_latency_s) if link == "network"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hcp_compile.batch import layout
 from hcp_compile.batch.layout import BatchLayout, Kind
 from hcp_compile.batch.schedule import head_groups, rank_kv_heads
 from hcp_compile.batch.traffic import CallShape
@@ -64,9 +65,11 @@ def block_work(batch: BatchLayout, window: int = -1, by_chunk: bool = False) -> 
     """The pairs and compositions of every rank's blocks under ``batch``'s layout: the local
     region, the own ring step (the ring rank's own ring section, causal inside each document,
     and its GROUP documents) and the ring steps ``s`` against ring rank ``r - s``'s section
-    (docs/design.md §3.3: ``LOWER`` for an earlier source, ``UPPER`` for a later one). Real
-    tokens only: pads see nothing. ``window``: a causal sliding window of that many keys back
-    (-1: none), which every block masks by position in the document.
+    (docs/design.md §3.3: ``LOWER`` for an earlier source, ``UPPER`` for a later one), as
+    many as the schedule has (``layout.window_steps``: a window on a layout in adjacent pairs
+    ends it early). Real tokens only: pads see nothing. ``window``: a causal sliding window of
+    that many keys back (-1: none), which every block masks by position in the document, each
+    ring document's chunks where the layout put them (its turn and pairing).
 
     A ring document's segment on a step holds its two chunks ``c`` of queries and one of keys,
     or one of queries and two of keys (``UPPER``): ``2 c^2`` pairs with no masked tile, the
@@ -110,8 +113,11 @@ def block_work(batch: BatchLayout, window: int = -1, by_chunk: bool = False) -> 
         steps = torch.where(source < rows, lower[rows, source], upper[rows, source])
         steps[:, 0] = own
     else:
-        steps = torch.stack([_window_step(chunk, ring_lengths, index[:, 0], source[:, s], ring, window)
+        held = _held_chunks(batch, is_ring)
+        steps = torch.stack([_window_step(chunk, ring_lengths, held, source[:, s], window)
                              for s in range(ring)], dim=1)
+    schedule = layout.window_steps(batch, window)
+    steps = steps[:, :schedule]
     steps[:, 0] += group
     n_ring, chunk_max = int(is_ring.sum()), int(chunk.max()) if chunk.numel() else 0
     ring_longest = int(ring_lengths.max()) if n_ring else 0
@@ -122,7 +128,7 @@ def block_work(batch: BatchLayout, window: int = -1, by_chunk: bool = False) -> 
     step_kind = [
         [block_composition(n_ring + int(group_count[r]), max(2 * chunk_max, int(group_longest[r])),
                            masked(max(ring_longest, int(group_longest[r]))))]
-        + [block_composition(n_ring, chunk_max if by_chunk else 2 * chunk_max, masked(ring_longest))] * (ring - 1)
+        + [block_composition(n_ring, chunk_max if by_chunk else 2 * chunk_max, masked(ring_longest))] * (schedule - 1)
         for r in range(ring)
     ]
     local_kind = [[block_composition(int(local_count[r, a]), int(local_longest[r, a]), masked(int(local_longest[r, a])))
@@ -130,14 +136,23 @@ def block_work(batch: BatchLayout, window: int = -1, by_chunk: bool = False) -> 
     return BlockWork(local, steps / ulysses, local_kind, step_kind)
 
 
-def _window_step(chunk: Tensor, lengths: Tensor, rank: Tensor, source: Tensor, ring: int, window: int) -> Tensor:
-    """``[R]`` windowed pairs of one ring step: ring rank ``rank[i]``'s queries (its zigzag
-    chunks ``r`` and ``2R-1-r`` of every RING document) against ring rank ``source[i]``'s keys
-    (its two chunks), each chunk at its place in the document, real tokens only."""
-    total = torch.zeros(rank.shape[0], dtype=torch.int64)
-    for q_chunk in (rank, 2 * ring - 1 - rank):
-        for k_chunk in (source, 2 * ring - 1 - source):
-            q0, k0 = q_chunk[:, None] * chunk, k_chunk[:, None] * chunk  # [R, n_ring]
+def _held_chunks(batch: BatchLayout, is_ring: Tensor) -> tuple[Tensor, Tensor]:
+    """``[R, n_ring]`` twice: the two chunks each ring rank holds of every RING document (its
+    pair, turned and paired as the layout holds it: ``StreamTable.chunks``)."""
+    ring = batch.ring
+    pair = (torch.arange(ring)[:, None] - batch.turn[is_ring][None, :]) % ring
+    return (2 * pair, 2 * pair + 1) if batch.adjacent else (pair, 2 * ring - 1 - pair)
+
+
+def _window_step(chunk: Tensor, lengths: Tensor, held: tuple[Tensor, Tensor], source: Tensor,
+                 window: int) -> Tensor:
+    """``[R]`` windowed pairs of one ring step: ring rank ``r``'s queries (its two chunks of
+    every RING document, ``held``) against ring rank ``source[r]``'s keys (its two chunks),
+    each chunk at its place in the document, real tokens only."""
+    total = torch.zeros(source.shape[0], dtype=torch.int64)
+    for q_chunk in held:
+        for k_chunk in held:
+            q0, k0 = q_chunk * chunk, k_chunk[source] * chunk  # [R, n_ring]
             nq = (lengths - q0).clamp(min=0).minimum(chunk)
             nk = (lengths - k0).clamp(min=0).minimum(chunk)
             total += visible_pairs(q0, nq, k0, nk, window).sum(1)

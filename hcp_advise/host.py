@@ -33,13 +33,14 @@ def kernel_calls(kernel: str, kind: StepKind | None) -> int:
     return count(spec)
 
 
-def host_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int) -> HostCounts:
+def host_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int,
+                steps: int | None = None) -> HostCounts:
     """The counts of rank ``(ring_rank, sizes.ulysses_rank)``'s eager call (causal, no window)
-    with ``heads_kv`` KV heads: the local region, then in each head group the schedule's steps
-    (only the own one without a ring section, ``schedule.schedule_steps``; no head group where
-    nothing is exchanged, ``schedule.exchanged_head_groups``). A block without queries or keys
-    costs its op but calls no kernel (the kernels return at once)."""
-    steps = schedule_steps(sizes, ring)
+    with ``heads_kv`` KV heads: the local region, then in each head group the schedule's
+    ``steps`` (default ``schedule.schedule_steps``: only the own one without a ring section;
+    no head group where nothing is exchanged, ``schedule.exchanged_head_groups``). A block
+    without queries or keys costs its op but calls no kernel (the kernels return at once)."""
+    steps = schedule_steps(sizes, ring) if steps is None else steps
     groups = exchanged_head_groups(sizes, steps, heads_kv, len(sizes.exchange))
     calls = kernel_calls(kernel, None) if sizes.local else 0
     for index, source in enumerate(step_sources(ring_rank, ring, steps)):
@@ -62,13 +63,14 @@ def host_times(counts: HostCounts, record: HostRecord | None) -> PhaseTimes:
     return PhaseTimes(phase_seconds(counts, record.forward), phase_seconds(counts, record.backward))
 
 
-def lead_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int) -> HostCounts:
+def lead_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int,
+                steps: int | None = None) -> HostCounts:
     """What the rank's host issues in each phase before its first attention kernel (the GPU has
     nothing else of the call to run until then): the call's own work (the floor), the first head
     group's exchange (issued first), and the first block's kernel calls: the local region's, or
     where it has none the own ring step's (one ring-step iteration). Counted as
     :func:`host_counts` counts, in a :class:`HostCounts` for :func:`phase_seconds`."""
-    steps = schedule_steps(sizes, ring)
+    steps = schedule_steps(sizes, ring) if steps is None else steps
     groups = min(1, exchanged_head_groups(sizes, steps, heads_kv, len(sizes.exchange)))
     if sizes.local:
         return HostCounts(kernel_calls(kernel, None), 0, groups)
@@ -78,12 +80,12 @@ def lead_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_
 
 
 def host_leads(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_kv: int,
-               record: HostRecord | None) -> PhaseTimes:
+               record: HostRecord | None, steps: int | None = None) -> PhaseTimes:
     """The host seconds of each phase before its first kernel (:func:`lead_counts`); 0 without a
     record."""
     if record is None:
         return PhaseTimes()
-    counts = lead_counts(sizes, ring_rank, ring, kernel, heads_kv)
+    counts = lead_counts(sizes, ring_rank, ring, kernel, heads_kv, steps)
     return PhaseTimes(phase_seconds(counts, record.forward), phase_seconds(counts, record.backward))
 
 

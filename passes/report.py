@@ -44,12 +44,15 @@ def traffic(node: Rewritten, groups: CPGroups) -> Traffic:
     round the ring (``node.local_tokens`` per rank), as far as its graph has them."""
     ulysses, ring = groups.ulysses_size, groups.ring_size
     call = CallShape(node.heads_q, node.heads_kv, node.head_dim, node.dtype, node.returns_lse)
-    sizes = node.graph_for.narrowed(whole_exchange_sizes(node.local_tokens, ulysses, ring))
+    sizes = node.graph_for.exchanges.narrowed(whole_exchange_sizes(node.local_tokens, ulysses, ring))
     return call_traffic(node.scheme, sizes, call, ulysses, ring, steps=ring_steps(node, groups))
 
 
 def ring_steps(node: Rewritten, groups: CPGroups) -> int:
-    return groups.ring_size if node.graph_for is Exchanges.RING else 1
+    if node.graph_for.exchanges is not Exchanges.RING:
+        return 1
+    steps = node.graph_for.steps(node.match.call.causal, node.match.call.window)
+    return groups.ring_size if steps is None else steps
 
 
 def collectives(node: Rewritten, groups: CPGroups, agree: bool, moved: Traffic | None = None) -> Collectives:

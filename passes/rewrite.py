@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from hcp_compile.batch.layout import window_by_position
-from hcp_compile.batch.prepared import Exchanges
+from hcp_compile.batch.prepared import GraphKind
 from hcp_compile.compiled.inserted import checked_layout, hierarchical_varlen_attention
 from hcp_compile.exchange.mesh import CPGroups
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME
@@ -42,7 +42,7 @@ class RewriteConfig:
     placement: str
     recompute_exchange: bool = False
     scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.exchange.schemes.SCHEMES
-    graph_for: Exchanges = Exchanges.RING  # the batches the graph serves (hcp_compile.compiled.graph_variants)
+    graph_for: GraphKind = GraphKind()  # the batches the graph serves (hcp_compile.compiled.graph_variants)
     agreement_timeout_s: float | None = None  # the agreement's wait for the other ranks (None: the groups')
 
 
@@ -61,7 +61,7 @@ class Rewritten:
     checked: bool  # this node carries the batch check and size read of its cu_seqlens
     placement: str
     scheme: str
-    graph_for: Exchanges  # the batches its graph serves (hcp_compile.compiled.graph_variants)
+    graph_for: GraphKind  # the batches its graph serves (hcp_compile.compiled.graph_variants)
 
 
 def rewrite_attention(graph: fx.Graph, matches: list[AttentionMatch], config: RewriteConfig) -> list[Rewritten]:
@@ -165,7 +165,7 @@ def _rewrite_one(
                 checked_layout, (call.cu_seqlens_q, call.cu_seqlens_k, tokens, max_seqlens),
                 {**names, "placement": config.placement, "agree": config.agree_across_ranks,
                  "recompute_exchange": config.recompute_exchange, "scheme": config.scheme,
-                 "graph_for": config.graph_for.value, "agreement_timeout_s": config.agreement_timeout_s},
+                 "graph_for": config.graph_for.text, "agreement_timeout_s": config.agreement_timeout_s},
             )
         if call.max_seqlen_k is not call.max_seqlen_q and call.max_seqlen_k != call.max_seqlen_q:
             # only a bound for the kernels' grids: the larger one is right for both
@@ -176,7 +176,7 @@ def _rewrite_one(
             (call.q, call.k, call.v, max_seqlen, layouts[sizes_key]),
             {"causal": call.causal, "scale": scale, "window": call.window, "kernel": kernel,
              **names, "return_lse": returns_lse, "recompute_exchange": config.recompute_exchange,
-             "scheme": config.scheme, "graph_for": config.graph_for.value},
+             "scheme": config.scheme, "graph_for": config.graph_for.text},
         )
         _copy_provenance(node, attention)
         new_outputs = {call.out_index: attention}

@@ -346,15 +346,16 @@ def test_block_pairs_sum_to_each_ranks_causal_work():
 
 def enumerated_work(batch: layout.BatchLayout, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(local [R, A], steps [R, R])`` by enumerating every visible pair of every document on
-    the ranks the layout gives it (zigzag chunks of RING documents at their positions)."""
+    the ranks the layout gives it (the two chunks of its pair ``(r - turn) mod R`` of a RING
+    document, adjacent or zigzag as the layout holds them, at their positions)."""
     ring, ulysses = batch.ring, batch.ulysses
     local, steps = torch.zeros(ring, ulysses, dtype=torch.float64), torch.zeros(ring, ring, dtype=torch.float64)
 
     def pairs(queries, keys) -> int:
         return sum(1 for q in queries for k in keys if 0 <= q - k and (window < 0 or q - k <= window))
 
-    for kind, length, r, a, chunk in zip(batch.kind.tolist(), batch.lengths.tolist(), batch.ring_rank.tolist(),
-                                         batch.ulysses_rank.tolist(), batch.chunk.tolist()):
+    for kind, length, r, a, chunk, turn in zip(batch.kind.tolist(), batch.lengths.tolist(), batch.ring_rank.tolist(),
+                                               batch.ulysses_rank.tolist(), batch.chunk.tolist(), batch.turn.tolist()):
         if length == 0:
             continue
         if kind == layout.Kind.LOCAL:
@@ -363,22 +364,34 @@ def enumerated_work(batch: layout.BatchLayout, window: int) -> tuple[torch.Tenso
             steps[r, 0] += pairs(range(length), range(length)) / ulysses
         else:
             def held(rank):
-                return [p for c in (rank, 2 * ring - 1 - rank) for p in range(c * chunk, (c + 1) * chunk) if p < length]
+                q = (rank - turn) % ring
+                chunks = (2 * q, 2 * q + 1) if batch.adjacent else (q, 2 * ring - 1 - q)
+                return [p for c in chunks for p in range(c * chunk, (c + 1) * chunk) if p < length]
             for rank in range(ring):
                 for step in range(ring):
                     steps[rank, step] += pairs(held(rank), held((rank - step) % ring)) / ulysses
     return local, steps
 
 
-@pytest.mark.parametrize("window", [-1, 0, 3, 11])
-def test_block_pairs_under_a_window_match_an_enumeration(window):
+@pytest.mark.parametrize("window, laid_out_for_it", [(-1, False), (0, False), (3, False), (11, False),
+                                                    (0, True), (3, True), (11, True)])
+def test_block_pairs_under_a_window_match_an_enumeration(window, laid_out_for_it):
+    """Also for a batch laid out for its window (``shard_plan(..., window=)``: turned pairs,
+    adjacent where even enough), whose schedule ends where the window does: no visible pair
+    in the steps it leaves out."""
     cu = advise.cu_seqlens_of([0, 1, 7, 13, 29, 5, 40, 2, 17])
+    pairings = set()
     for ulysses, ring, placement in [(2, 2, "balanced"), (1, 3, "zigzag"), (2, 1, "balanced"), (1, 4, "zigzag")]:
-        batch = layout.batch_layout(cu, ulysses, ring, placement_rule(placement))
+        batch = layout.batch_layout(cu, ulysses, ring, placement_rule(placement), window if laid_out_for_it else -1)
+        pairings.add(batch.adjacent)
         work = advise.block_work(batch, window)
         local, steps = enumerated_work(batch, window)
+        scheduled = work.steps.shape[1]
+        assert scheduled == layout.window_steps(batch, window)
         torch.testing.assert_close(work.local, local, rtol=0, atol=1e-9)
-        torch.testing.assert_close(work.steps, steps, rtol=0, atol=1e-9)
+        torch.testing.assert_close(work.steps, steps[:, :scheduled], rtol=0, atol=1e-9)
+        assert not steps[:, scheduled:].any()
+    assert (True in pairings) if laid_out_for_it else pairings == {False}
 
 
 def test_visible_pairs_count_every_pair_in_the_window():

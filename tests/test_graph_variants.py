@@ -12,7 +12,7 @@ from torch import fx
 from hcp_compile.batch import layout
 from hcp_compile.batch.layout import Kind
 from hcp_compile.batch.placements import placement_rule
-from hcp_compile.batch.prepared import Exchanges, MeshShape
+from hcp_compile.batch.prepared import Exchanges, GraphKind, MeshShape
 from hcp_compile.compiled.graph_variants import GraphVariants, cu_seqlens_inputs, graph_copy
 
 MESH = MeshShape(ulysses=2, ring=2, placement="balanced")
@@ -40,9 +40,9 @@ def test_premise_of_the_batches():
 class Graphs:
     """Stand-ins for the compiled graphs, recording what ran."""
 
-    def __init__(self, fail: tuple[Exchanges, ...] = (), guards_added: int = 0):
+    def __init__(self, fail: tuple[Exchanges | GraphKind, ...] = (), guards_added: int = 0):
         self.ran: list[str] = []
-        self.compiled: list[Exchanges] = []
+        self.compiled: list[Exchanges | GraphKind] = []  # the exchanges of a graph of every step
         self.guards: list[str] = []
         self.fail, self.guards_added = fail, guards_added
 
@@ -50,20 +50,22 @@ class Graphs:
         self.ran.append("ring")
         return "ring"
 
-    def compile_for(self, exchanges: Exchanges):
-        self.compiled.append(exchanges)
+    def compile_for(self, kind: GraphKind):
+        named = kind if kind.window_steps else kind.exchanges
+        self.compiled.append(named)
         self.guards += [f"Eq(s{len(self.guards)}, 7)"] * self.guards_added
-        if exchanges in self.fail:
+        if named in self.fail:
             raise RuntimeError("no graph today")
 
         def graph(*args):
-            self.ran.append(exchanges.value)
-            return exchanges.value
+            self.ran.append(kind.text)
+            return kind.text
 
         return graph
 
-    def variants(self, mesh: MeshShape = MESH, inputs: tuple[int, ...] = (1,)) -> GraphVariants:
-        return GraphVariants(self.full, self.compile_for, inputs, mesh, guards=lambda: self.guards)
+    def variants(self, mesh: MeshShape = MESH, inputs: tuple[int, ...] = (1,), windows: tuple[int, ...] = ()
+                 ) -> GraphVariants:
+        return GraphVariants(self.full, self.compile_for, inputs, mesh, guards=lambda: self.guards, windows=windows)
 
 
 def test_each_batch_runs_the_narrowest_graph_and_each_compiles_once():
@@ -78,7 +80,7 @@ def test_each_batch_runs_the_narrowest_graph_and_each_compiles_once():
 def test_batches_that_exchange_heads_run_their_own_graph_where_there_is_a_ring():
     graphs = Graphs()
     variants = graphs.variants()
-    assert [variants.graph_for(e)() for e in (Exchanges.HEADS, Exchanges.NOTHING, Exchanges.HEADS)] == [
+    assert [variants.graph_for(GraphKind(e))() for e in (Exchanges.HEADS, Exchanges.NOTHING, Exchanges.HEADS)] == [
         "heads", "nothing", "heads"]
     assert graphs.compiled == [Exchanges.HEADS, Exchanges.NOTHING]
 
@@ -86,7 +88,7 @@ def test_batches_that_exchange_heads_run_their_own_graph_where_there_is_a_ring()
 def test_without_a_ring_the_full_graph_runs_batches_that_exchange_heads():
     graphs = Graphs()
     variants = graphs.variants(MeshShape(2, 1, "balanced"))
-    assert variants.needed(("x", cu(HEADS_NO_RING))) is Exchanges.HEADS
+    assert variants.needed(("x", cu(HEADS_NO_RING))) == GraphKind(Exchanges.HEADS)
     assert variants("x", cu(HEADS_NO_RING)) == "ring"
     assert variants("x", cu(NOTHING)) == "nothing"
     assert graphs.compiled == [Exchanges.NOTHING]
@@ -122,6 +124,45 @@ def test_the_broadest_cu_seqlens_input_decides():
     variants(cu(NOTHING), cu(RING))
     variants(cu(NOTHING), cu(NOTHING))
     assert graphs.ran == ["ring", "nothing"]
+
+
+# laid out for a window of 6 on a ring of 4 in adjacent pairs: ring chunks of 9-13 rows, so a
+# window of 6 back needs 2 steps and one of 30 back 3 (tests/test_window_adjacent.py)
+WINDOWED_MESH = MeshShape(1, 4, "balanced", (6, 0))
+ADJACENT = ((1, 1, 4, 4, 75, 66, 1, 68, 68, 3), (6, 98, 97, 4, 5, 77, 3, 7, 3, 85, 2))
+
+
+def test_a_window_s_batches_run_a_graph_of_the_steps_they_need():
+    """A batch laid out for a window in adjacent pairs runs the graph of the ring steps each of
+    the graph's windows needs, compiled once per count; a window the steps do not shorten (or
+    a batch not in adjacent pairs) keeps the full graph's every step."""
+    graphs = Graphs()
+    variants = graphs.variants(WINDOWED_MESH, windows=(6, 30))
+    for lengths in ADJACENT + ADJACENT:
+        variants("x", cu(lengths))
+    kind = GraphKind(Exchanges.RING, ((6, 2), (30, 3)))
+    assert variants.needed(("x", cu(ADJACENT[0]))) == kind
+    assert graphs.ran == ["ring;6:2,30:3"] * 4 and graphs.compiled == [kind]
+    assert GraphKind.parse(kind.text) == kind and kind.code not in (0, 1, 2)
+    assert kind.steps(True, (6, 0)) == 2 and kind.steps(False, (6, 0)) is None and kind.steps(True, (-1, -1)) is None
+    # the zigzag's batches need every step: the full graph
+    assert graphs.variants(MESH, windows=(6,))("x", cu(RING)) == "ring"
+
+
+def test_a_graph_of_fewer_steps_that_cannot_be_used_leaves_the_full_one():
+    kind = GraphKind(Exchanges.RING, ((6, 2),))
+    graphs = Graphs(fail=(kind,))
+    variants = graphs.variants(WINDOWED_MESH, windows=(6,))
+    with pytest.warns(UserWarning, match=r"need only some ring steps \(2 under a window of 6\)"):
+        assert variants("x", cu(ADJACENT[0])) == "ring"
+    assert variants("x", cu(ADJACENT[1])) == "ring" and graphs.compiled == [kind]
+
+
+def test_the_broadest_kind_runs_every_input_s_batch():
+    ring = Exchanges.RING
+    assert GraphKind.broadest([GraphKind(ring, ((6, 2), (30, 3))), GraphKind(ring, ((6, 3),))]) == GraphKind(ring, ((6, 3),))
+    assert GraphKind.broadest([GraphKind(Exchanges.NOTHING), GraphKind(ring, ((6, 2),))]) == GraphKind(ring)
+    assert GraphKind.broadest([GraphKind(Exchanges.NOTHING), GraphKind(Exchanges.HEADS)]) == GraphKind(Exchanges.HEADS)
 
 
 class _Call:

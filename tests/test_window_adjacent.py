@@ -3,7 +3,8 @@
 schedule stops after the steps the window reaches (``layout.window_steps``: 2 or 3 of 4), so
 the ring's dKV accumulators go home from part of the way round, and every rank still gives
 the float64 reference's rows, eagerly under both collective schemes and compiled, for two
-windows and two batches in turn."""
+windows and two batches in turn. Both doors issue the same ring transfers, those of the
+steps the window needs: the compiled door runs a graph of those steps (``GraphKind``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 import hcp_compile as hc
 from checks import assert_matches, local_rows
-from compile_cases import sharded_attention
+from compile_cases import VarlenAttention, fresh_dynamo
 from cp_cases import World, cu_seqlens, seeded
 from hcp_compile.batch import layout
 from hcp_compile.testing.reference import reference_with_grads
@@ -45,6 +46,41 @@ def eager(plan: hc.ShardPlan, world: World, docs: tuple[int, ...], window: tuple
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+def ring_transfers(attend) -> tuple[dict, int]:
+    """``attend()``'s result and how many all-to-alls it ran (on a mesh of one Ulysses rank
+    every one is a ring transfer: ``ring_shift``, or the all-gather scheme's gradients)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        result = attend()
+    return result, sum(event.count for event in profile.key_averages() if event.key == "_c10d_functional::all_to_all_single")
+
+
+def compiled_and_counted(world: World) -> tuple[list[dict], dict[str, int]]:
+    """One compiled module run on each batch under the first window (its results), then on
+    the first batch again (Dynamo's sizes dynamic by then): the ring transfers of that forward
+    and backward, and of the same batch's eagerly."""
+    window = next(iter(WINDOWS))
+    fresh_dynamo()
+    model = torch.compile(VarlenAttention(True, None, window), backend=hc.backend(mesh=world.mesh, inner="aot_eager"),
+                          fullgraph=True)
+    results, counts = [], {}
+    for index, docs in enumerate(BATCHES + BATCHES[:1]):
+        plan = hc.shard_plan(cu_seqlens(docs), world.mesh, window=window)
+        x, cu = global_inputs(docs), cu_seqlens(docs)
+
+        def compiled() -> dict:
+            q, k, v = (plan.shard(x[name]).requires_grad_() for name in "qkv")
+            out = model(q, k, v, cu, max(docs))
+            out.backward(plan.shard(x["dout"]))
+            return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+        if index < len(BATCHES):
+            results.append(compiled())
+            continue
+        counts["compiled"] = ring_transfers(compiled)[1]
+        counts["eager"] = ring_transfers(lambda: eager(plan, world, docs, window, "ring"))[1]
+    return results, counts
+
+
 @dataclass(frozen=True)
 class AdjacentPairsCase:
     """Each batch laid out for each window (the mask the layers then run), attended eagerly
@@ -54,15 +90,15 @@ class AdjacentPairsCase:
 
     def run(self, world: World) -> dict:
         ring_rank, ulysses_rank = divmod(world.rank, world.ulysses)
-        results = {}
+        compiled, transfers = compiled_and_counted(world)
+        results = {"transfers": transfers}
         for index, docs in enumerate(BATCHES):
             for window in WINDOWS:
                 plan = hc.shard_plan(cu_seqlens(docs), world.mesh, window=window)
                 steps = plan.prepared.rank_plan(ring_rank, ulysses_rank, True, window).steps
                 runs = {scheme: eager(plan, world, docs, window, scheme) for scheme in SCHEMES}
-                if window == (6, 0):
-                    runs["compiled"] = sharded_attention(plan, world, global_inputs(docs), cu_seqlens(docs),
-                                                         max(docs), True, window, compiled=True)
+                if window == next(iter(WINDOWS)):
+                    runs["compiled"] = compiled[index]
                 results[index, window] = {"adjacent": plan.layout.adjacent, "steps": steps,
                                           "global_index": plan.global_index, "runs": runs}
         return results
@@ -91,6 +127,14 @@ def test_adjacent_pairs_stop_where_the_window_does_and_match_the_reference(value
             for name in ("out", "dq", "dk", "dv"):
                 assert_matches(run[name], local_rows(reference[name], result["global_index"]),
                                f"rank {rank} batch {index} window {window} {path} {name}")
+
+
+def test_both_doors_send_the_transfers_of_the_steps_the_window_needs(values):
+    """``S`` steps on the ring scheme: ``S - 1`` KV hops forward, ``S - 1`` KV hops and ``S``
+    dKV hops backward; a schedule of every step would send ``3 R - 2``."""
+    steps = next(iter(WINDOWS.values()))
+    for rank, value in enumerate(values):
+        assert value["transfers"] == {"compiled": 3 * steps - 2, "eager": 3 * steps - 2}, f"rank {rank}"
 
 
 def test_window_steps_is_the_last_step_any_rank_sees_a_key_in_plus_one():

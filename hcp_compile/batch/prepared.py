@@ -115,6 +115,54 @@ class Exchanges(enum.Enum):
 
 
 @dataclass(frozen=True)
+class GraphKind:
+    """The batches one compiled graph serves (docs/compiled-path.md, "Graph variants"): what
+    they exchange and, for batches laid out for a window in adjacent pairs, how many ring steps
+    each causal window of the graph's calls needs (``layout.window_steps``: the schedule ends
+    where the window does, as eagerly); a window not listed runs every step. It travels into
+    the graph's ops as its :attr:`text`."""
+
+    exchanges: Exchanges = Exchanges.RING
+    window_steps: tuple[tuple[int, int], ...] = ()  # (window left, ring steps), by window
+
+    def steps(self, causal: bool, window: tuple[int, int]) -> int | None:
+        """The ring steps of a call with this mask; None: as the exchanges decide."""
+        return dict(self.window_steps).get(window[0]) if causal else None
+
+    @property
+    def text(self) -> str:
+        steps = ",".join(f"{left}:{count}" for left, count in self.window_steps)
+        return self.exchanges.value + (f";{steps}" if steps else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "GraphKind":
+        exchanges, _, steps = text.partition(";")
+        pairs = (tuple(int(v) for v in pair.split(":")) for pair in steps.split(",")) if steps else ()
+        return cls(Exchanges(exchanges), tuple(pairs))
+
+    @property
+    def code(self) -> int:
+        """The graph as the ranks' agreement compares it (``agreement.Verdict.graph``): the
+        exchanges' index for a graph of every step (0: the full graph), else a hash of the text
+        above those, below 2**62 so that its negation fits an int64."""
+        index = list(Exchanges).index(self.exchanges)
+        if not self.window_steps:
+            return index
+        digest = hashlib.sha256(self.text.encode()).digest()
+        return len(Exchanges) + (int.from_bytes(digest[:8], "little") & (2**61 - 1))
+
+    @staticmethod
+    def broadest(kinds: Iterable["GraphKind"]) -> "GraphKind":
+        """The narrowest kind whose graph runs batches of every one of ``kinds``: the broadest
+        exchanges, and for each window the most steps (every step where one lists none)."""
+        kinds = list(kinds)
+        exchanges = min((k.exchanges for k in kinds), key=list(Exchanges).index)
+        steps = [dict(k.window_steps) for k in kinds]
+        lefts = set.intersection(*(set(s) for s in steps)) if steps else set()
+        return GraphKind(exchanges, tuple((left, max(s[left] for s in steps)) for left in sorted(lefts)))
+
+
+@dataclass(frozen=True)
 class MeshShape:
     """What a batch's layout depends on beside its values: the mesh's shape, the rule and the
     window the rule balances for (``placements.check_layout_window``: ``(-1, -1)`` for none),
@@ -191,6 +239,15 @@ class PreparedBatch:
         if self.layout is None or int(self.layout.ring_width) > 0:
             return Exchanges.RING
         return Exchanges.HEADS if int(self.layout.exchange_extent.sum()) else Exchanges.NOTHING
+
+    def graph_kind(self, windows: Iterable[int]) -> GraphKind:
+        """The :class:`GraphKind` of the compiled graph that runs this batch with calls under
+        causal windows of these ``windows`` keys back: the ring steps of each where it ends
+        the schedule early."""
+        if self.exchanges is not Exchanges.RING or self.layout is None:
+            return GraphKind(self.exchanges)
+        steps = ((left, layout.window_steps(self.layout, left)) for left in sorted(set(windows)))
+        return GraphKind(Exchanges.RING, tuple((left, count) for left, count in steps if count < self.mesh.ring))
 
     def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME) -> int:
         """A hash of the values, the mesh shape, the placement, ``recompute_exchange`` and the

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import fx
 from torch._guards import TracingContext, tracing
 
-from hcp_compile.batch.prepared import Exchanges, MeshShape
+from hcp_compile.batch.prepared import GraphKind, MeshShape
 from hcp_compile.compiled.graph_variants import GraphVariants, cu_seqlens_inputs, graph_copy
 from hcp_compile.exchange.mesh import CPGroups, MeshLike, make_mesh, resolve_groups
 from hcp_compile.kernels.cost import estimate_block_runtime_ms
@@ -145,7 +145,8 @@ class HcpBackend:
         example_inputs = list(example_inputs)
         from hcp_compile.passes.match import find_attention  # see _compile
 
-        inputs = cu_seqlens_inputs(gm.graph, find_attention(gm.graph))
+        matches = find_attention(gm.graph)
+        inputs = cu_seqlens_inputs(gm.graph, matches)
         if inputs is None:
             return self._compile(gm, example_inputs, config, groups)
         # compiling rewrites the graph in place: a copy for each narrower graph
@@ -154,14 +155,15 @@ class HcpBackend:
         context = TracingContext.try_get()
         later_inputs = _backend_fakes(example_inputs, context)
 
-        def compile_for(exchanges: Exchanges) -> Callable:
+        def compile_for(kind: GraphKind) -> Callable:
             with tracing(context) if context is not None else contextlib.nullcontext():
-                return self._compile(graph_copy(pristine), later_inputs, replace(config, graph_for=exchanges), groups)
+                return self._compile(graph_copy(pristine), later_inputs, replace(config, graph_for=kind), groups)
 
         shape_env = context.fake_mode.shape_env if context is not None and context.fake_mode is not None else None
         return GraphVariants(
             full, compile_for, inputs, MeshShape(groups.ulysses_size, groups.ring_size, options.placement),
             guards=(lambda: shape_env.guards) if shape_env is not None else None,
+            windows=tuple(sorted({m.call.window[0] for m in matches if m.call.causal and m.call.window[0] >= 0})),
         )
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], config: RewriteConfig,

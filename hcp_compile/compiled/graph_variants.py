@@ -11,8 +11,14 @@ of one Dynamo graph, and the batch's values pick one before any runs::
 
     args ──► cu_seqlens (a graph input) ──► prepared batch ──► what it exchanges
                                                             ├─ RING ────► full graph (compiled by Dynamo's call)
+                                                            │   └─ a window's steps ─► graph of those steps
                                                             ├─ HEADS ───► own-step graph (compiled on first use)
                                                             └─ NOTHING ─► local graph (compiled on first use)
+
+A batch laid out for a window in adjacent pairs needs only the first ring steps of its calls
+under that window (``layout.window_steps``), which eager CP runs alone; a graph of those steps
+(one per count of steps the graph's windows need, :class:`prepared.GraphKind`) sends no KV for
+the others and merges nothing for them.
 
 The host copy of ``cu_seqlens`` made here is the one the graph's batch check reads
 (:func:`prepared.host_values` keeps it per tensor and version), and the prepared batch is the
@@ -38,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 from torch import fx
 
-from hcp_compile.batch.prepared import Exchanges, MeshShape, find
+from hcp_compile.batch.prepared import Exchanges, GraphKind, MeshShape, find
 
 
 def cu_seqlens_inputs(graph: fx.Graph, matches: Sequence[Any]) -> tuple[int, ...] | None:
@@ -67,34 +73,35 @@ class GraphVariants:
     full graph, and the narrower ones ``compile_for`` makes on first use."""
 
     full: Callable
-    compile_for: Callable[[Exchanges], Callable]  # the graph for batches of these exchanges
+    compile_for: Callable[[GraphKind], Callable]  # the graph for batches of this kind
     inputs: tuple[int, ...]  # positions of the graph's cu_seqlens inputs
     mesh: MeshShape
     guards: Callable[[], Sequence[Any]] | None = None  # Dynamo's shape environment's guards
-    graphs: dict[Exchanges, Callable | None] = field(default_factory=dict, init=False)  # None: refused
+    windows: tuple[int, ...] = ()  # the keys back of the causal windows of the graph's calls
+    graphs: dict[GraphKind, Callable | None] = field(default_factory=dict, init=False)  # None: refused
 
     def __call__(self, *args):
         return self.graph_for(self.needed(args))(*args)
 
-    def needed(self, args: Sequence[Any]) -> Exchanges:
-        """What the batch of ``args`` exchanges (the broadest over its cu_seqlens)."""
-        needs = [find(args[i], self.mesh).exchanges for i in self.inputs]
-        return min(needs, key=list(Exchanges).index)
+    def needed(self, args: Sequence[Any]) -> GraphKind:
+        """The kind of graph the batch of ``args`` needs (the broadest over its cu_seqlens)."""
+        return GraphKind.broadest(find(args[i], self.mesh).graph_kind(self.windows) for i in self.inputs)
 
-    def graph_for(self, exchanges: Exchanges) -> Callable:
-        """The narrowest compiled graph that runs batches of ``exchanges``: a narrower graph
-        where it could be built, else the full one. Without a ring the full graph has the own
-        step alone, so no graph is kept for HEADS."""
-        for kind in (Exchanges.NOTHING, Exchanges.HEADS):
-            if not kind.covers(exchanges) or (kind is Exchanges.HEADS and self.mesh.ring == 1):
-                continue
-            if kind not in self.graphs:
-                self.graphs[kind] = self._compiled(kind)
-            if self.graphs[kind] is not None:
-                return self.graphs[kind]
+    def graph_for(self, kind: GraphKind) -> Callable:
+        """The narrowest compiled graph that runs batches of ``kind``: a narrower graph where
+        it could be built, else the full one. Without a ring the full graph has the own step
+        alone, so no graph is kept for HEADS."""
+        exchanges = kind.exchanges
+        narrower = [GraphKind(e) for e in (Exchanges.NOTHING, Exchanges.HEADS)
+                    if e.covers(exchanges) and not (e is Exchanges.HEADS and self.mesh.ring == 1)]
+        for option in narrower + ([kind] if kind.window_steps else []):
+            if option not in self.graphs:
+                self.graphs[option] = self._compiled(option)
+            if self.graphs[option] is not None:
+                return self.graphs[option]
         return self.full
 
-    def _compiled(self, kind: Exchanges) -> Callable | None:
+    def _compiled(self, kind: GraphKind) -> Callable | None:
         before = len(self.guards()) if self.guards is not None else 0
         try:
             compiled = self.compile_for(kind)
@@ -106,13 +113,18 @@ class GraphVariants:
             return self._refuse(kind, f"it would add guards on the inputs that Dynamo does not check ({shown})")
         return compiled
 
-    def _refuse(self, kind: Exchanges, why: str) -> None:
+    def _refuse(self, kind: GraphKind, why: str) -> None:
         warnings.warn(
-            f"hcp backend: the graph for batches that exchange {_SERVES[kind]} is not used: {why}; "
+            f"hcp backend: the graph for batches that {_serves(kind)} is not used: {why}; "
             "a broader graph runs them on this rank (correct, with empty steps). Where other "
             "ranks built it, such batches fail the agreed batch check on every rank", stacklevel=4,
         )
         return None
 
 
-_SERVES = {Exchanges.HEADS: "heads but have no ring section", Exchanges.NOTHING: "nothing (every document whole on one rank)"}
+def _serves(kind: GraphKind) -> str:
+    if kind.window_steps:
+        steps = ", ".join(f"{count} under a window of {left}" for left, count in kind.window_steps)
+        return f"need only some ring steps ({steps})"
+    return {Exchanges.HEADS: "exchange heads but have no ring section",
+            Exchanges.NOTHING: "exchange nothing (every document whole on one rank)"}[kind.exchanges]

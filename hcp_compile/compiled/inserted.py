@@ -25,7 +25,8 @@ from hcp_compile.batch.call import checked_batch, rank_schedule
 from hcp_compile.batch.layout import RankSizes
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import (
-    BatchValues, Exchanges, MeshShape, PreparedBatch, as_planned, find, host_values, prepare, remember_values,
+    BatchValues, Exchanges, GraphKind, MeshShape, PreparedBatch, as_planned, find, host_values, prepare,
+    remember_values,
 )
 from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, schedule_steps
 from hcp_compile.exchange import agreement
@@ -39,7 +40,7 @@ def checked_layout(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tokens: tuple[int | torch.SymInt, ...],
     max_seqlens: tuple[int | torch.SymInt, ...], *, ulysses_group: str, ring_group: str,
     placement: str, agree: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
-    graph_for: str = Exchanges.RING.value, agreement_timeout_s: float | None = None,
+    graph_for: str = GraphKind().text, agreement_timeout_s: float | None = None,
 ) -> "CheckedBatch":
     """Check the batch and return what every attention call of it in the graph reuses: this
     rank's sizes (the values of :func:`layout.rank_size_values`) and the first cache key of
@@ -54,7 +55,7 @@ def checked_layout(
     payload, timeout and errors), so every rank raises together (also when the ranks were
     given different batches, or differ in ``placement``, ``recompute_exchange`` or ``scheme``,
     or run graphs built for different batches beside each other (``graph_for``, a
-    :class:`prepared.Exchanges` value)) instead of some ranks waiting in the next collective."""
+    :class:`prepared.GraphKind`'s text)) instead of some ranks waiting in the next collective."""
     groups = groups_from_names(ulysses_group, ring_group)
     on_host, cu_on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
@@ -130,7 +131,7 @@ def _check_call(
     failures = checked_batch(prepared, keys, tokens, max_seqlens, rank)
     failed = validation.verdict(failures, rank)
     fingerprint = prepared.fingerprint(recompute_exchange, scheme)
-    graph = list(Exchanges).index(Exchanges(graph_for))
+    graph = GraphKind.parse(graph_for).code
     if prepared.laid_out:
         sizes = torch.tensor(layout.size_values(prepared.rank_sizes(*rank)))
     else:
@@ -177,28 +178,29 @@ def hierarchical_varlen_attention(
     batch: CheckedBatch, *, causal: bool, scale: float,
     window: tuple[int, int], kernel: str, ulysses_group: str, ring_group: str,
     return_lse: bool, recompute_exchange: bool = False, scheme: str = DEFAULT_SCHEME,
-    graph_for: str = Exchanges.RING.value,
+    graph_for: str = GraphKind().text,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """This rank's shard of varlen attention over a packed batch, q/k/v being the local shards
     laid out by ``shard_plan``; ``batch`` comes from :func:`checked_layout`. The groups are
     given by name so that the call prints as readable code in a dumped graph.
 
     A graph cannot tell from its symbolic sizes what a batch exchanges, so it keeps every ring
-    step and every all-to-all; ``graph_for`` (a :class:`prepared.Exchanges` value) builds the
+    step and every all-to-all; ``graph_for`` (a :class:`prepared.GraphKind`'s text) builds the
     graph for batches that exchange less, as eager runs them: the sizes such batches leave
-    empty become the constant 0, checked when the graph runs (docs/compiled-path.md, "Graph
-    variants")."""
+    empty become the constant 0, checked when the graph runs, and a window's calls run the ring
+    steps the kind gives them (docs/compiled-path.md, "Graph variants")."""
     groups = groups_from_names(ulysses_group, ring_group)
     values, first_cache_key = batch.sizes, batch.first_cache_key
     for size in values[1:]:
         _check_is_size(size)
+    kind = GraphKind.parse(graph_for)
     rank_sizes = _sizes_for_graph(layout.rank_sizes(values, groups.ulysses_rank, groups.ulysses_size),
-                                  Exchanges(graph_for))
+                                  kind.exchanges)
     values = layout.size_values(rank_sizes)
     rank_sizes = dataclasses.replace(rank_sizes, tokens=q.shape[0])
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
-    steps = schedule_steps(rank_sizes, groups.ring_size)
+    steps = schedule_steps(rank_sizes, groups.ring_size, kind.steps(causal, window))
     flat = torch.ops.hcp.schedule_tables(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
         groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values,
@@ -227,6 +229,9 @@ def schedule_tables_op(
     data): the tables of those steps come empty (``RankPlan.flat_skipping``), so their block
     calls compute nothing, as eager CP skips them (``RankPlan.active`` decides for both)."""
     prepared = find(cu_on_host, MeshShape(ulysses, ring, placement))
+    needed = prepared.schedule_steps(prepared.rank_sizes(ring_rank, ulysses_rank), causal, (window_left, window_right))
+    if steps < needed:  # the graph's choice (GraphKind) and this come from the same layout: never, but not silently
+        raise RuntimeError(f"hcp backend: a graph of {steps} ring steps ran a batch whose schedule needs {needed}")
     _, copies = prepared.device_tables(ring_rank, ulysses_rank, causal, (window_left, window_right), device, steps,
                                        skip_inactive=True)
     return copies
