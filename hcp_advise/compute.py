@@ -140,8 +140,7 @@ def _held_chunks(batch: BatchLayout, is_ring: Tensor) -> tuple[Tensor, Tensor]:
     """``[R, n_ring]`` twice: the two chunks each ring rank holds of every RING document (its
     pair, turned and paired as the layout holds it: ``StreamTable.chunks``)."""
     ring = batch.ring
-    pair = (torch.arange(ring)[:, None] - batch.turn[is_ring][None, :]) % ring
-    return (2 * pair, 2 * pair + 1) if batch.adjacent else (pair, 2 * ring - 1 - pair)
+    return layout.paired_chunks((torch.arange(ring)[:, None] - batch.turn[is_ring][None, :]) % ring, ring, batch.adjacent)
 
 
 def _window_step(chunk: Tensor, lengths: Tensor, held: tuple[Tensor, Tensor], source: Tensor,

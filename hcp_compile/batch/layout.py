@@ -147,6 +147,12 @@ def batch_layout(cu_seqlens: Tensor, ulysses: int, ring: int, rule: PlacementRul
     )
 
 
+def paired_chunks(pair: Tensor, ring: int, adjacent: bool) -> tuple[Tensor, Tensor]:
+    """The two chunks of pair ``pair`` (elementwise), in document order: ``2q`` and ``2q+1``
+    in adjacent pairs (``BatchLayout.adjacent``), else the zigzag's ``q`` and ``2R-1-q``."""
+    return (2 * pair, 2 * pair + 1) if adjacent else (pair, 2 * ring - 1 - pair)
+
+
 # Adjacent pairs cut a window's ring steps short and into fewer pieces, but they leave a
 # document's light start (its first ``window`` positions) on fewer ring ranks than the zigzag
 # does, which the turns may not even out: past this share of the mean work on any rank, a
@@ -198,9 +204,7 @@ def window_turns(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ring: int, wi
     first = torch.arange(ring)
     # work[i, q]: the document's pair q, chunks 2q and 2q+1 (adjacent) or q and 2R-1-q; under
     # turn t ring rank r holds q = (r - t) % R, so its work per turn and ring rank is work[i, held]
-    pair = first[None, :]
-    chunks = (2 * pair, 2 * pair + 1) if adjacent else (pair, 2 * ring - 1 - pair)
-    work = (chunk_pairs(chunks[0]) + chunk_pairs(chunks[1])).double()
+    work = sum(chunk_pairs(chunk) for chunk in paired_chunks(first[None, :], ring, adjacent)).double()
     held = (first[None, :] - first[:, None]) % ring  # [turn, ring rank]
     for document, pairs in zip(documents.tolist(), work):
         candidates = load[None, :] + pairs[held]
@@ -325,8 +329,7 @@ class StreamTable:
 
     def chunks(self, ring_rank: int, ring: int) -> tuple[Tensor, Tensor]:
         """The two chunks of each entry that ``ring_rank`` holds, in stream order."""
-        q = self.pair(ring_rank, ring)
-        return (2 * q, 2 * q + 1) if self.adjacent else (q, 2 * ring - 1 - q)
+        return paired_chunks(self.pair(ring_rank, ring), ring, self.adjacent)
 
 
 def stream_table(layout: BatchLayout, ring_rank: int, with_group: bool = True) -> StreamTable:
@@ -624,7 +627,7 @@ def placed_work(lengths: Tensor, kind: Tensor, ring_rank: Tensor, ulysses_rank: 
     length = lengths[documents]
     chunk = (length + 2 * ring - 1) // (2 * ring)
     pair = (torch.arange(ring, device=lengths.device)[:, None] - turn[documents]) % ring
-    first, second = (2 * pair, 2 * pair + 1) if adjacent else (pair, 2 * ring - 1 - pair)
+    first, second = paired_chunks(pair, ring, adjacent)
 
     def held_pairs(chunk_index: Tensor) -> Tensor:
         low = (chunk_index * chunk).minimum(length)
