@@ -200,6 +200,7 @@ class PreparedBatch:
     _tokens: dict[tuple[int, int], StreamTokens] = field(default_factory=dict, repr=False)
     _plans: dict[tuple[int, int, bool, tuple[int, int], int | None], RankPlan] = field(default_factory=dict, repr=False)
     _fingerprints: dict[tuple[bool, str], int] = field(default_factory=dict, repr=False)
+    _graph_kinds: dict[tuple[int, ...], GraphKind] = field(default_factory=dict, repr=False)
     # the plans' tables in pinned memory, by the tables' id (their plans, which hold them, are
     # kept as long), this process's only: a worker's would arrive as plain memory
     _pinned: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
@@ -243,10 +244,16 @@ class PreparedBatch:
     def graph_kind(self, windows: Iterable[int]) -> GraphKind:
         """The :class:`GraphKind` of the compiled graph that runs this batch with calls under
         causal windows of these ``windows`` keys back: the ring steps of each where it ends
-        the schedule early."""
+        the schedule early. Kept per ``windows``: a compiled graph asks on every call."""
+        windows = tuple(sorted(set(windows)))
+        if windows not in self._graph_kinds:
+            self._graph_kinds[windows] = self._graph_kind(windows)
+        return self._graph_kinds[windows]
+
+    def _graph_kind(self, windows: tuple[int, ...]) -> GraphKind:
         if self.exchanges is not Exchanges.RING or self.layout is None:
             return GraphKind(self.exchanges)
-        steps = ((left, layout.window_steps(self.layout, left)) for left in sorted(set(windows)))
+        steps = ((left, layout.window_steps(self.layout, left)) for left in windows)
         return GraphKind(Exchanges.RING, tuple((left, count) for left, count in steps if count < self.mesh.ring))
 
     def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME) -> int:
