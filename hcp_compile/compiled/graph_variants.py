@@ -79,18 +79,25 @@ class GraphVariants:
     guards: Callable[[], Sequence[Any]] | None = None  # Dynamo's shape environment's guards
     windows: tuple[int, ...] = ()  # the keys back of the causal windows of the graph's calls
     graphs: dict[GraphKind, Callable | None] = field(default_factory=dict, init=False)  # None: refused
+    chosen: dict[GraphKind, Callable] = field(default_factory=dict, init=False)  # graph_for's answers
 
     def __call__(self, *args):
         return self.graph_for(self.needed(args))(*args)
 
     def needed(self, args: Sequence[Any]) -> GraphKind:
         """The kind of graph the batch of ``args`` needs (the broadest over its cu_seqlens)."""
-        return GraphKind.broadest(find(args[i], self.mesh).graph_kind(self.windows) for i in self.inputs)
+        kinds = [find(args[i], self.mesh).graph_kind(self.windows) for i in self.inputs]
+        return kinds[0] if len(kinds) == 1 else GraphKind.broadest(kinds)
 
     def graph_for(self, kind: GraphKind) -> Callable:
         """The narrowest compiled graph that runs batches of ``kind``: a narrower graph where
         it could be built, else the full one. Without a ring the full graph has the own step
         alone, so no graph is kept for HEADS."""
+        if kind not in self.chosen:
+            self.chosen[kind] = self._narrowest(kind)
+        return self.chosen[kind]
+
+    def _narrowest(self, kind: GraphKind) -> Callable:
         exchanges = kind.exchanges
         narrower = [GraphKind(e) for e in (Exchanges.NOTHING, Exchanges.HEADS)
                     if e.covers(exchanges) and not (e is Exchanges.HEADS and self.mesh.ring == 1)]
