@@ -28,7 +28,6 @@ from tabulate import tabulate
 
 from benchmarks.speed_workloads import Workload, workloads
 from hcp_compile.batch.placements import NO_WINDOW, PLACEMENTS, check_layout_window
-from hcp_compile.batch import layout
 from hcp_compile.batch.layout import Kind
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 
@@ -84,11 +83,10 @@ def cut_documents(prepared: PreparedBatch) -> str:
 
 
 def ring_steps(prepared: PreparedBatch, window_left: int) -> str:
-    """The ring steps of an eager schedule under the workload's window (``layout.window_steps``;
-    the own step alone without ring documents), of the ring's."""
-    laid, ring = prepared.layout, prepared.mesh.ring
-    steps = 1 if not bool((laid.kind == Kind.RING).any()) else layout.window_steps(laid, window_left)
-    return f"{steps} of {ring}"
+    """The ring steps of an eager schedule under the workload's window
+    (``PreparedBatch.schedule_steps``: the same on every rank), of the ring's."""
+    steps = prepared.schedule_steps(prepared.rank_sizes(0, 0), True, (window_left, 0))
+    return f"{steps} of {prepared.mesh.ring}"
 
 
 def pads(prepared: PreparedBatch) -> float:

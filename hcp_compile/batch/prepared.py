@@ -310,12 +310,17 @@ class PreparedBatch:
                   steps: int | None = None) -> RankPlan:
         """Rank ``(ring_rank, ulysses_rank)``'s :class:`RankPlan` for calls with this mask, kept
         under the mask as given (warm() and both doors ask alike): of its own ring steps, or of
-        ``steps`` (a compiled graph keeps every step)."""
+        ``steps`` (a compiled graph's: every step, or those of its ``GraphKind``), which must
+        be at least its own."""
         asked = (ring_rank, ulysses_rank, causal, window, steps)
         if asked not in self._plans:
             sizes = self.rank_sizes(ring_rank, ulysses_rank)
+            own = self.schedule_steps(sizes, causal, window)
+            if steps is not None and steps < own:
+                # a graph's kind and the schedule come from the same layout: never, but not silently
+                raise RuntimeError(f"hcp: a schedule of {steps} ring steps asked for a batch whose calls need {own}")
             # the rank's own steps asked for with their count (a compiled graph) or without
-            counted = asked[:-1] + (self.schedule_steps(sizes, causal, window) if steps is None else steps,)
+            counted = asked[:-1] + (own if steps is None else steps,)
             if counted not in self._plans:
                 self._plans[counted] = plan_rank(self.layout, sizes, ring_rank, causal, window, counted[-1])
             self._plans[asked] = self._plans[counted]

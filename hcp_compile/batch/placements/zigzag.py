@@ -2,7 +2,7 @@
 ring rank ``r`` holds chunks ``r`` and ``2R-1-r``, and through the Ulysses exchange inside each
 ring rank. Balances causal work for any batch, at the price of ring steps and exchanges for
 documents one GPU would finish alone. It weighs nothing, so a window changes nothing here
-(the layout turns a window's chunk pairs, ``layout.window_turns``)."""
+(a layout for a window turns the chunk pairs and may hold them adjacent: ``layout.batch_layout``)."""
 
 from __future__ import annotations
 
