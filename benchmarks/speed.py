@@ -189,6 +189,7 @@ from benchmarks.speed_rows import MODES, ONE_GPU_MODES, Row, relate
 from benchmarks.speed_run import run_benchmark
 from benchmarks.speed_setup import Setup, init_fake
 from benchmarks.speed_workloads import HEADS, ONLY_WHEN_NAMED, parse_size, workloads
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME, SCHEMES
 from hcp_compile.kernels import KERNEL_CHOICES
 
 SCALE_MODES = ("one-gpu-hcp", "one-gpu-flex", "one-gpu-flash")  # --scale: hcp against torch's two kernels
@@ -221,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernel", default="auto", choices=KERNEL_CHOICES, help="hcp's attention kernel")
     parser.add_argument("--recompute-exchange", default="off", choices=("off", "on", "both"),
                         help="the hcp modes' recompute_exchange option; both: a row with each")
+    parser.add_argument("--scheme", default=DEFAULT_SCHEME, choices=sorted(SCHEMES),
+                        help="the hcp modes' collective scheme")
     parser.add_argument("--inner", help="the hcp backend's inner compiler (default: inductor on CUDA, "
                                         "aot_eager on CPU)")
     parser.add_argument("--warmup", type=int, default=1)

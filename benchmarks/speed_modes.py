@@ -167,7 +167,7 @@ def hcp_eager(batch: Batch, setup: Setup, placement: str,
     local = sharded(batch, setup, placement)
     attend = PackedAttention(batch.workload.window)
     with hcp_compile.context_parallel(setup.hcp_mesh(), kernel=setup.args.kernel, placement=placement,
-                                      recompute_exchange=recompute_exchange):
+                                      recompute_exchange=recompute_exchange, scheme=setup.args.scheme):
         yield (lambda q, k, v: attend(q, k, v, batch.cu, batch.longest)), local
 
 
@@ -186,7 +186,7 @@ def compile_hcp(
 ) -> Callable[..., Tensor]:
     args = setup.args
     backend = hcp_compile.backend(mesh=setup.hcp_mesh(), placement=placement, kernel=args.kernel,
-                                  inner=args.inner, recompute_exchange=recompute_exchange)
+                                  inner=args.inner, recompute_exchange=recompute_exchange, scheme=args.scheme)
     return torch.compile(PackedAttention(window), backend=backend, fullgraph=True)
 
 

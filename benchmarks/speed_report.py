@@ -33,10 +33,11 @@ def table(rows: list[Row]) -> str:
     streams, scaled = [r for r in rows if r.stream_steps], [r for r in rows if r.scale]
     tables = []
     if repeated or not (streams or scaled):
-        headers = ["workload", "heads", "mode", "placement", "recompute", "kernel", "mesh", "ms", "TF/s/GPU",
-                   "eff", "peak GiB", "peak/1GPU", "saved GiB", "saved/1GPU", "exposed ms", "exposed %", "error"]
+        headers = ["workload", "heads", "mode", "placement", "recompute", "scheme", "kernel", "mesh", "ms",
+                   "TF/s/GPU", "eff", "peak GiB", "peak/1GPU", "saved GiB", "saved/1GPU", "exposed ms", "exposed %",
+                   "error"]
         body = [[r.workload, r.heads, r.mode, r.placement, "yes" if r.recompute_exchange else "",
-                 r.kernel, r.mesh, r.ms, r.tflops_per_gpu,
+                 _scheme(r).strip(), r.kernel, r.mesh, r.ms, r.tflops_per_gpu,
                  r.efficiency, r.peak_gib, r.peak_vs_one_gpu, r.saved_gib, r.saved_vs_one_gpu,
                  r.exposed_comm_ms, r.exposed_comm_pct,
                  (r.error or "")[:60]] for r in repeated]
@@ -178,7 +179,7 @@ def _label(row: Row) -> str:
     if row.mode in ONE_GPU_MODES:
         return row.mode
     placement = "" if row.mode == "torch-native-cp" else f" {row.placement}"
-    return f"{row.mode}{placement} {row.mesh}" + " recompute" * row.recompute_exchange
+    return f"{row.mode}{placement} {row.mesh}" + " recompute" * row.recompute_exchange + _scheme(row)
 
 
 def metadata(setup: Setup) -> dict:
@@ -223,4 +224,8 @@ def progress(row: Row) -> str:
         result = (f"{row.ms} ms, {row.tflops_per_gpu} TF/s per GPU, efficiency {row.efficiency}, "
                   f"peak {row.peak_gib} GiB, saved {row.saved_gib} GiB, exposed comm {row.exposed_comm_ms} ms"
                   + (f", first call {row.first_call_s} s" if row.first_call_s is not None else ""))
-    return f"  {row.mode} {row.placement}{' recompute' * row.recompute_exchange} ({row.kernel}): {result}"
+    return f"  {row.mode} {row.placement}{' recompute' * row.recompute_exchange}{_scheme(row)} ({row.kernel}): {result}"
+
+
+def _scheme(row: Row) -> str:
+    return "" if row.scheme == "ring" else f" {row.scheme}"

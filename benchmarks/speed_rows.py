@@ -39,6 +39,7 @@ class Row:
     first_call_s: float | None = None
     error: str | None = None
     recompute_exchange: bool = False  # hcp's option of that name
+    scheme: str = "ring"  # hcp's collective scheme (--scheme; the CP modes')
     # a stream (--stream): its steps and attention calls per step; None: one batch repeated
     stream_steps: int | None = None
     stream_layers: int | None = None
@@ -70,7 +71,7 @@ class Row:
     token_peak_vs_smallest: float | None = None  # peak_gib per token over the smallest size's (heads, mode)
 
     def key(self) -> tuple[str | bool | int | None, ...]:
-        return (self.workload, self.heads, self.mode, self.placement, self.mesh, self.recompute_exchange,
+        return (self.workload, self.heads, self.mode, self.placement, self.mesh, self.recompute_exchange, self.scheme,
                 self.stream_steps, self.stream_layers, self.plan_ahead, self.mixed_reset, self.scale)
 
 
@@ -98,6 +99,11 @@ class Measurement:
     prepare_ms: float | None = None
     graphs: int | None = None
     traced: TracedStep | None = None  # --trace with --stream
+
+
+def row_scheme(args, mode: str) -> str:
+    """The collective scheme a row of ``mode`` ran (--scheme for hcp's CP modes)."""
+    return args.scheme if mode in ("hcp-eager", "hcp-compiled") else "ring"
 
 
 def significant(value: float) -> float:

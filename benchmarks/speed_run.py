@@ -20,7 +20,7 @@ from benchmarks.speed_modes import (
     one_gpu_sdpa, torch_native_cp,
 )
 from benchmarks.speed_rows import (
-    ONE_GPU_MODES, Measurement, Row, scale_figures, significant, summarize_compositions, summarize_stream,
+    ONE_GPU_MODES, Measurement, Row, row_scheme, scale_figures, significant, summarize_compositions, summarize_stream,
 )
 from benchmarks.speed_setup import Batch, Setup
 from benchmarks.speed_streams import (
@@ -68,7 +68,7 @@ def run_workload(
     def measured(mode: str, placement: str, kernel: str, mesh: str, gpus: int,
                  run: Callable[[], Measurement], *, together: bool, recompute: bool = False) -> None:
         row = Row(workload.name, heads, mode, placement, kernel, mesh_label(setup, mesh, gpus), gpus,
-                  recompute_exchange=recompute)
+                  recompute_exchange=recompute, scheme=row_scheme(args, mode))
         row = record(row, run, setup, together=together)
         if gpus > 1 and args.share_gpu:  # the ranks took turns on one GPU: the time is no speed
             row.ms = row.first_call_s = None
@@ -172,7 +172,8 @@ def stream_modes(
                  context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         plan_ahead = args.plan_ahead and mode in ("hcp-eager", "hcp-compiled")
         row = Row(name, heads, mode, placement, kernel, mesh_label(setup, mesh, gpus), gpus,
-                  recompute_exchange=recompute, stream_steps=args.stream, stream_layers=args.layers,
+                  recompute_exchange=recompute, scheme=row_scheme(args, mode), stream_steps=args.stream,
+                  stream_layers=args.layers,
                   plan_ahead=plan_ahead, step_workloads=[w.name for w in steps] if mixed else None,
                   mixed_reset=args.mixed_reset if mixed else None)
 

@@ -220,7 +220,7 @@ PAD_FILL = 7.0
 
 def context_parallel(
     batch: PackedBatch, mesh, plan: hcp_compile.ShardPlan, causal: bool, kernel: str = "auto",
-    window: tuple[int, int] = (-1, -1), recompute_exchange: bool = False,
+    window: tuple[int, int] = (-1, -1), recompute_exchange: bool = False, scheme: str = "ring",
 ) -> Result:
     """Hierarchical CP attention on this rank's shards, backward, then unshard everything.
 
@@ -231,7 +231,7 @@ def context_parallel(
     Collective: every rank of ``mesh`` must call it."""
     q, k, v = (plan.shard(t, PAD_FILL).requires_grad_() for t in (batch.q, batch.k, batch.v))
     with hcp_compile.context_parallel(mesh, kernel=kernel, placement=plan.placement,
-                                      recompute_exchange=recompute_exchange):
+                                      recompute_exchange=recompute_exchange, scheme=scheme):
         out = hcp_compile.varlen_attention(
             q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
             causal=causal, window_size=window,

@@ -3,7 +3,9 @@ its ring hops, from the schemes' own counts, over the links."""
 
 from __future__ import annotations
 
-from hcp_compile.batch.layout import BatchLayout, Kind, RankSizes
+import dataclasses
+
+from hcp_compile.batch.layout import BatchLayout, Kind, RankSizes, gathered_chunk_keys, stream_table
 from hcp_compile.batch.traffic import CallShape, call_traffic
 
 from .records import ExchangeTimes, HopTimes, Links, SCHEME
@@ -13,7 +15,8 @@ def rank_sizes(batch: BatchLayout, ring_rank: int, ulysses_rank: int) -> RankSiz
     """The rank's :class:`RankSizes` read off the layout, equal to
     ``PreparedBatch.rank_sizes`` (tested) without its per-step tables, which cost seconds
     per rank on 512 ranks: every step has the ring documents and the ring rank's GROUP
-    documents as entries (the own stream holds the queries of both)."""
+    documents as entries (the own stream holds the queries of both); the gathered step's keys
+    are a sum over the ring documents' chunks."""
     is_ring = (batch.kind == Kind.RING) & (batch.lengths > 0)
     group = (batch.kind == Kind.GROUP) & (batch.ring_rank == ring_rank) & (batch.lengths > 0)
     entries = int(is_ring.sum() + group.sum())
@@ -21,7 +24,7 @@ def rank_sizes(batch: BatchLayout, ring_rank: int, ulysses_rank: int) -> RankSiz
         int(batch.local_tokens), int(batch.local_extent[ring_rank, ulysses_rank]),
         tuple(batch.exchange_extent[ring_rank].tolist()), int(batch.ring_width), ulysses_rank,
         int(batch.is_local_on(ring_rank, ulysses_rank).sum()),
-        (entries,) * batch.ring,
+        (entries,) * batch.ring, int(gathered_chunk_keys(stream_table(batch, ring_rank), ring_rank, batch.ring).sum()),
     )
 
 
@@ -39,8 +42,7 @@ def exchange_bytes(sizes: RankSizes, call: CallShape, ulysses: int, ring: int) -
 
 
 def _with_exchange(sizes: RankSizes, exchange: tuple[int, ...]) -> RankSizes:
-    return RankSizes(sizes.tokens, sizes.local, exchange, sizes.ring_width, sizes.ulysses_rank,
-                     sizes.local_entries, sizes.step_entries)
+    return dataclasses.replace(sizes, exchange=exchange)
 
 
 def exchange_times(group_bytes: tuple[int, int, int, int], links: Links, groups: int) -> ExchangeTimes:

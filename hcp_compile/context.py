@@ -147,7 +147,8 @@ class ContextParallel:
                 del self._schedules[stale]  # another batch: the old one's layers are done
             groups = self.groups
             ring_rank, ulysses_rank = groups.ring_rank, groups.ulysses_rank
-            plan, flat = prepared.device_tables(ring_rank, ulysses_rank, causal, window, q.device)
+            plan, flat = prepared.device_tables(ring_rank, ulysses_rank, causal, window, q.device,
+                                                scheme=self.options.scheme)
             # the batch's keys for this rank, as the compiled graph's: eager and compiled calls of
             # one batch share what the kernels derive
             first_key = BATCHES.cache_keys(prepared, (ring_rank, ulysses_rank), cache_keys_needed(groups.ring_size))

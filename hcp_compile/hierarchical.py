@@ -50,7 +50,7 @@ def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups,
     kv_heads = kv.shape[1] // 2
     out = lse = None
     last = _last_active(sched)
-    steps = ring.forward(kv, sched.sizes.ring_width, len(sched.steps), groups)
+    steps = ring.forward(kv, sched.sizes.ring_width, len(sched.steps), groups, sched.gather_rows)
     for index, step in enumerate(sched.steps):
         current = steps.kv(index)
         if step.active:
@@ -82,7 +82,7 @@ def ring_backward(
     # that dependency on the backward's input, a compiler merges these transfers with the
     # forward's identical ones (or moves them into the forward) and keeps every rank's KV
     # alive until the backward
-    steps = ring.backward(kv, width, len(sched.steps), groups, carried)
+    steps = ring.backward(kv, width, len(sched.steps), groups, carried, sched.gather_rows)
     for index, step in enumerate(sched.steps):
         current = steps.kv(index)
         dkv = None

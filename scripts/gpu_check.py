@@ -31,6 +31,7 @@ from tabulate import tabulate
 
 import hcp_compile
 from hcp_compile.batch.placements import PLACEMENTS
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME, SCHEMES
 from hcp_compile.kernels import KERNEL_CHOICES
 from examples._common import (
     DTYPES, GRADIENTS, PackedBatch, Result, Worker, add_launch_args, compare, context_parallel,
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
                         help="CP kernel (default: flash on cuda, torch on cpu); the single-device "
                              "reference runs kernel='auto'")
+    parser.add_argument("--scheme", choices=sorted(SCHEMES), default=DEFAULT_SCHEME,
+                        help="the collective scheme of context_parallel")
     parser.add_argument("--recompute-exchange", action="store_true",
                         help="also run every configuration with context_parallel(recompute_exchange=True)")
     parser.add_argument("--fp32-ref-max-tokens", type=int, default=QUICK_TOKENS,
@@ -103,7 +106,7 @@ def check(
     elsewhere."""
     window = tuple(args.window)
     result = context_parallel(batch, mesh, plan, cfg.causal, kernel=args.kernel, window=window,
-                              recompute_exchange=cfg.recompute_exchange)
+                              recompute_exchange=cfg.recompute_exchange, scheme=args.scheme)
     if me.rank != 0:
         return None
     reference = single_device(batch, cfg.causal, window=window)

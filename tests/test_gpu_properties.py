@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
+from hcp_compile.batch import schedule
 from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.testing import bounds, runs
 from hcp_compile.testing.cases import PropertyCase, Result, claim, make_batch
@@ -328,13 +329,15 @@ REACHES = {  # what the GPU cases must cover (issue 50), each found within a few
     "causal sliding window": lambda c: c.causal and c.window[0] >= 0,
     "window without causal": lambda c: not c.causal and c.window != (-1, -1),
     "a layout for the window on a ring": lambda c: c.layout_window and c.mesh[1] > 1,
+    "a gathered step": lambda c: c.mesh[1] > 1 and schedule.gathers(c.scheme, c.causal, c.window, c.mesh[1]),
     "an explicit scale": lambda c: c.scale is not None,
 }
 
 
 @pytest.mark.parametrize("what", sorted(REACHES))
 def test_gpu_cases_reach(what):
-    mesh = {"Hkv below ulysses": (2, 2), "a layout for the window on a ring": (1, 2)}.get(what, (2, 1))
+    mesh = {"Hkv below ulysses": (2, 2), "a layout for the window on a ring": (1, 2),
+            "a gathered step": (1, 2)}.get(what, (2, 1))
     find(property_cases("cuda", mesh, every_kernel()), REACHES[what],
          settings=settings(max_examples=2000, database=None, phases=(Phase.generate,),
                            suppress_health_check=list(HealthCheck)))

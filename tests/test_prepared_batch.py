@@ -447,7 +447,8 @@ def test_compiled_tables_op_keeps_the_host_copy_for_the_graphs_aliases():
     sizes = batch.rank_sizes(ring_rank, ulysses_rank)
     steps = schedule.schedule_steps(sizes, mesh.ring)
     tables, _ = torch.ops.hcp.schedule_tables(cu.long(), torch.device("cpu"), mesh.ulysses, mesh.ring, mesh.placement,
-                                              ring_rank, ulysses_rank, steps, True, -1, -1, layout.size_values(sizes))
+                                              ring_rank, ulysses_rank, steps, True, -1, -1, layout.size_values(sizes),
+                                              "ring")
     expected = batch.tables(ring_rank, ulysses_rank, True, (-1, -1), steps).flat()[0]
     start, length = sizes.local_entries + 1, 4 * sizes.step_entries[0] + 1  # the own step's cu_q
     alias = torch._C._dynamo.guards._reinterpret_tensor(tables, (length,), (1,), start)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from hcp_compile.batch.layout import RankSizes, window_by_position
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import BatchValues, PreparedBatch
-from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule
+from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule, gathers
 from hcp_compile.validation import BatchCall, Failure, check
 
 
@@ -45,7 +45,8 @@ def rank_schedule(
 ) -> RingSchedule:
     """This rank's ring schedule from its flat tables (:meth:`PreparedBatch.device_tables`,
     eagerly or through the graph's tables op) and its sizes (host ints, or a graph's symbols)."""
-    tables = ScheduleTables.unflat(*flat, sizes, steps, window_by_position(window, ring))
+    gathered = steps > 1 and gathers(scheme, causal, window, ring)
+    tables = ScheduleTables.unflat(*flat, sizes, steps, window_by_position(window, ring), gathered)
     return assemble_schedule(
         tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window, kernel=kernel,
         active=active, first_cache_key=first_cache_key, scheme=scheme,

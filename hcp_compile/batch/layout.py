@@ -229,6 +229,8 @@ class RankSizes:
     # the segment tables keep these and drop the empty rest (docs/design.md §3.3)
     local_entries: int
     step_entries: tuple[int, ...]
+    # keys of the gathered step (Note [one gathered step]) of a causal call: the rows it copies
+    gathered_keys: int = 0
 
     @property
     def own_exchange(self) -> int:
@@ -245,8 +247,8 @@ class RankSizes:
 
 
 def rank_size_values(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> Tensor:
-    """``[T, local, W, exchange_0..exchange_{A-1}, local_entries, step_entries_0..R-1]`` of
-    rank ``(ring_rank, ulysses_rank)``."""
+    """``[T, local, W, exchange_0..exchange_{A-1}, local_entries, step_entries_0..R-1,
+    gathered_keys]`` of rank ``(ring_rank, ulysses_rank)``."""
     own = stream_table(layout, ring_rank)
     sources = step_sources(ring_rank, layout.ring, layout.ring)[1:]
     step_entries = [step_active(own, None).sum()] + [
@@ -257,7 +259,8 @@ def rank_size_values(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> 
             layout.local_tokens, layout.local_extent[ring_rank, ulysses_rank], layout.ring_width,
         ]),
         layout.exchange_extent[ring_rank],
-        torch.stack([layout.is_local_on(ring_rank, ulysses_rank).sum(), *step_entries]),
+        torch.stack([layout.is_local_on(ring_rank, ulysses_rank).sum(), *step_entries,
+                     gathered_chunk_keys(own, ring_rank, layout.ring).sum()]),
     ])
 
 
@@ -271,16 +274,17 @@ def known_empty(size: int | torch.SymInt) -> bool:
 
 def size_values(sizes: RankSizes) -> list:
     """Inverse of :func:`rank_sizes`: the values in :func:`rank_size_values`' order."""
-    return [sizes.tokens, sizes.local, sizes.ring_width, *sizes.exchange, sizes.local_entries, *sizes.step_entries]
+    return [sizes.tokens, sizes.local, sizes.ring_width, *sizes.exchange, sizes.local_entries, *sizes.step_entries,
+            sizes.gathered_keys]
 
 
 def rank_sizes(values: list, ulysses_rank: int, ulysses: int) -> RankSizes:
     """:class:`RankSizes` from the values of :func:`rank_size_values` (read to the host)."""
-    tokens, local, ring_width, *rest = values
+    tokens, local, ring_width, *rest, gathered_keys = values
     exchange, (local_entries, *step_entries) = rest[:ulysses], rest[ulysses:]
     return RankSizes(
         tokens, local, tuple(exchange), ring_width, ulysses_rank, local_entries,
-        tuple(step_entries),
+        tuple(step_entries), gathered_keys,
     )
 
 
@@ -438,6 +442,9 @@ class StepKind(Enum):
     LOWER = "lower"  # all Q x the first chunk of each KV document (src < r)
     UPPER = "upper"  # the second chunk of each Q document x all KV (src > r)
     FULL = "full"  # non-causal: all Q x all KV
+    # each query chunk x every key of its document before it that another ring rank holds,
+    # gathered from all ring ranks' sections (Note [one gathered step])
+    GATHERED = "gathered"
 
 
 class EntryParts(NamedTuple):
@@ -553,6 +560,91 @@ def step_active(q_table: StreamTable, k_table: StreamTable | None) -> Tensor:
 def _cumulative(parts: tuple[Tensor, ...], order: Tensor) -> Tensor:
     lengths = torch.stack(parts, dim=1)[order].reshape(-1)
     return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# the gathered step
+# --------------------------------------------------------------------------------------------
+#
+# Note [one gathered step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Where one collective brings every ring rank's section at once (``scheme="allgather"``), the
+# steps after the own one need not be separate kernel calls, each with its own backward
+# helpers, lse merge and fp32 gradient sum. One call computes them all: every query chunk of a
+# RING document against every key before it that another ring rank holds, copied out of the
+# gathered sections into one buffer, a segment per query chunk. The keys of a query chunk all
+# come before it, so the block has no mask; the own chunks stay with the own step (causal).
+# Ring rank 1 of 4, a document of chunks 0..7 (zigzag: rank 1 holds 1 and 6)::
+#
+#     own step      [1 6] x [1 6]               causal, as always
+#     gathered      [1]   x [0]                 keys of rank 0
+#                   [6]   x [0 2 3 4 5]         keys of ranks 0, 2, 3, 3, 2
+#
+# Chunk 0 is copied twice, once per query chunk that sees it (its gradient sums both). The
+# copy costs ``(2R - 1) / 2R`` of a document's keys per ring rank, beside the gathered
+# sections; the calls, merges and sums fall from ``R - 1`` to one. Causal calls without a
+# window by position only: a window keeps the steps, which skip what it does not reach.
+
+@dataclass(frozen=True)
+class GatheredStep:
+    """A rank's gathered step (Note [one gathered step]): its segmentations over the exchange
+    stream (queries) and over the gathered keys, four segments per entry of the stream that
+    holds tokens, and where each gathered key comes from."""
+
+    cu_q: Tensor  # int32
+    cu_k: Tensor  # int32
+    rows: Tensor  # [K] int64: ring rank * W + row of the key in that ring rank's ring section
+
+
+def gathered_chunk_keys(table: StreamTable, ring_rank: int, ring: int) -> Tensor:
+    """``[n, 2, 2R]`` int64: for each document's RING entry of ``ring_rank``'s exchange stream
+    ``table`` and each of the two query chunks it holds (in stream order), the real keys of
+    every chunk of the document that the gathered step gives it: those before the query chunk
+    that other ring ranks hold (the own chunks are the own step's), none for a chunk without a
+    real query. 0 for documents that do not go round the ring (their chunk is 0)."""
+    n = table.widths.numel() // 2
+    chunk, lengths = table.chunk[:n, None], table.lengths[:n, None]
+    index = torch.arange(2 * ring, device=chunk.device)
+    real = (lengths - index * chunk).clamp(min=0).minimum(chunk)  # [n, 2R]
+    first, second = (c[:n, None] for c in table.chunks(ring_rank, ring))
+    queries = torch.cat([first, second], 1)  # [n, 2]
+    own = (index == first) | (index == second)  # [n, 2R]
+    seen = (index < queries[:, :, None]) & ~own[:, None, :] & (real.gather(1, queries) > 0)[:, :, None]
+    return torch.where(seen, real[:, None, :], 0)
+
+
+def gathered_step(layout: BatchLayout, ring_rank: int) -> GatheredStep:
+    """Rank ``ring_rank``'s gathered step (:class:`GatheredStep`): the entries of its exchange
+    stream as in the own step (:func:`active_first`), a RING entry's segments its first chunk's
+    real queries against their keys, its pad rows against none, and the same for its second
+    chunk; a GROUP entry's rows against no key (they are the own step's). The keys follow the
+    segments, each query chunk's in document order (:func:`gathered_chunk_keys`)."""
+    ring = layout.ring
+    own = stream_table(layout, ring_rank)
+    keys = gathered_chunk_keys(own, ring_rank, ring)  # [n, 2, 2R]
+    # the ring rank and the row in its section of each document's chunks
+    index = torch.arange(2 * ring, device=keys.device)
+    pair = torch.where(index < ring, index, 2 * ring - 1 - index) if not layout.adjacent else index // 2
+    slot = (index >= ring).long() if not layout.adjacent else index % 2
+    holder = (pair + layout.turn[:, None]) % ring  # [n, 2R]
+    section_start = torch.cumsum(2 * layout.chunk, 0) - 2 * layout.chunk  # [n]
+    first_row = holder * layout.ring_width + section_start[:, None] + slot * layout.chunk[:, None]
+    counts = keys.reshape(-1)
+    starts = first_row[:, None, :].expand_as(keys).reshape(-1)
+    total = int(counts.sum())
+    owner = torch.repeat_interleave(torch.arange(counts.numel(), device=keys.device), counts, output_size=total)
+    offset = torch.arange(total, device=keys.device) - (torch.cumsum(counts, 0) - counts)[owner]
+    rows = starts[owner] + offset
+    # segments: a ring entry's (real, pad) rows of each query chunk, a group entry's rows alone
+    real_q = torch.stack([chunk_real(own, c) for c in own.chunks(ring_rank, ring)], 1)  # [2n, 2]
+    ring_keys = torch.cat([keys.sum(2), torch.zeros_like(keys[:, :, 0])])  # [2n, 2]
+    zero = torch.zeros_like(own.widths)
+    ring_entry = own.is_ring
+    q_parts = (torch.where(ring_entry, real_q[:, 0], own.widths), torch.where(ring_entry, own.chunk - real_q[:, 0], zero),
+               torch.where(ring_entry, real_q[:, 1], zero), torch.where(ring_entry, own.chunk - real_q[:, 1], zero))
+    k_parts = (ring_keys[:, 0], zero, ring_keys[:, 1], zero)
+    order = active_first(step_active(own, None))
+    return GatheredStep(_cumulative(q_parts, order), _cumulative(k_parts, order), rows)
 
 
 def step_max_seqlen(max_seqlen: int | torch.SymInt, ring: int) -> int | torch.SymInt:

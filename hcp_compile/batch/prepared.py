@@ -30,8 +30,8 @@ from hcp_compile.batch.placements import (
     DEFAULT_PLACEMENT, NO_WINDOW, check_layout_window, check_placement, placement_rule,
 )
 from hcp_compile.batch.rank_plan import RankPlan, plan_rank
-from hcp_compile.batch.schedule import ScheduleTables, schedule_steps
-from hcp_compile.exchange.schemes import DEFAULT_SCHEME
+from hcp_compile.batch.schedule import ScheduleTables, gathers, schedule_steps
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME, check_scheme
 from hcp_compile.kernels.contract import HOST_READS
 from hcp_compile.validation import Failure
 
@@ -198,7 +198,8 @@ class PreparedBatch:
     layout: BatchLayout | None = None
     _sizes: dict[tuple[int, int], RankSizes] = field(default_factory=dict, repr=False)
     _tokens: dict[tuple[int, int], StreamTokens] = field(default_factory=dict, repr=False)
-    _plans: dict[tuple[int, int, bool, tuple[int, int], int | None], RankPlan] = field(default_factory=dict, repr=False)
+    _plans: dict[tuple[int, int, bool, tuple[int, int], int | None, bool], RankPlan] = field(default_factory=dict,
+                                                                                             repr=False)
     _fingerprints: dict[tuple[bool, str], int] = field(default_factory=dict, repr=False)
     _graph_kinds: dict[tuple[int, ...], GraphKind] = field(default_factory=dict, repr=False)
     # the plans' tables in pinned memory, by the tables' id (their plans, which hold them, are
@@ -307,42 +308,45 @@ class PreparedBatch:
         return rows[:-1]
 
     def rank_plan(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
-                  steps: int | None = None) -> RankPlan:
-        """Rank ``(ring_rank, ulysses_rank)``'s :class:`RankPlan` for calls with this mask, kept
-        under the mask as given (warm() and both doors ask alike): of its own ring steps, or of
-        ``steps`` (a compiled graph's: every step, or those of its ``GraphKind``), which must
-        be at least its own."""
-        asked = (ring_rank, ulysses_rank, causal, window, steps)
+                  steps: int | None = None, scheme: str = DEFAULT_SCHEME) -> RankPlan:
+        """Rank ``(ring_rank, ulysses_rank)``'s :class:`RankPlan` for calls with this mask under
+        the collective ``scheme``, kept under the mask as given (warm() and both doors ask
+        alike): of its own ring steps, or of ``steps`` (a compiled graph's: every step, or those
+        of its ``GraphKind``), which must be at least its own."""
+        gathered = gathers(scheme, causal, window, self.mesh.ring)
+        asked = (ring_rank, ulysses_rank, causal, window, steps, gathered)
         if asked not in self._plans:
             sizes = self.rank_sizes(ring_rank, ulysses_rank)
-            own = self.schedule_steps(sizes, causal, window)
+            own = self.schedule_steps(sizes, causal, window, scheme)
             if steps is not None and steps < own:
                 # a graph's kind and the schedule come from the same layout: never, but not silently
                 raise RuntimeError(f"hcp: a schedule of {steps} ring steps asked for a batch whose calls need {own}")
             # the rank's own steps asked for with their count (a compiled graph) or without
-            counted = asked[:-1] + (own if steps is None else steps,)
+            counted = (*asked[:4], own if steps is None else steps, gathered)
             if counted not in self._plans:
-                self._plans[counted] = plan_rank(self.layout, sizes, ring_rank, causal, window, counted[-1])
+                self._plans[counted] = plan_rank(self.layout, sizes, ring_rank, causal, window, counted[4], gathered)
             self._plans[asked] = self._plans[counted]
         return self._plans[asked]
 
-    def schedule_steps(self, sizes: RankSizes, causal: bool, window: tuple[int, int]) -> int:
+    def schedule_steps(self, sizes: RankSizes, causal: bool, window: tuple[int, int],
+                       scheme: str = DEFAULT_SCHEME) -> int:
         """The ring steps of a rank's own schedule (:func:`schedule.schedule_steps`) for calls
-        with this mask: a causal window on a layout in adjacent pairs ends them early
-        (:func:`layout.window_steps`), the same on every rank."""
+        with this mask under ``scheme``: a causal window on a layout in adjacent pairs ends them
+        early (:func:`layout.window_steps`), the same on every rank; a gathered call has two."""
         ring = self.mesh.ring
-        return schedule_steps(sizes, ring, layout.window_steps(self.layout, window[0]) if causal else ring)
+        return schedule_steps(sizes, ring, layout.window_steps(self.layout, window[0]) if causal else ring,
+                              gathers(scheme, causal, window, ring))
 
     def tables(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
-               steps: int | None = None) -> ScheduleTables:
+               steps: int | None = None, scheme: str = DEFAULT_SCHEME) -> ScheduleTables:
         """The host tables of the rank's schedule for this mask (:meth:`rank_plan`)."""
-        return self.rank_plan(ring_rank, ulysses_rank, causal, window, steps).tables
+        return self.rank_plan(ring_rank, ulysses_rank, causal, window, steps, scheme).tables
 
     def warm(self, ranks: Iterable[int] | None = None, *, causal: bool = True,
-             window: tuple[int, int] = (-1, -1)) -> "PreparedBatch":
+             window: tuple[int, int] = (-1, -1), scheme: str = DEFAULT_SCHEME) -> "PreparedBatch":
         """Derive now what the attention and ``shard_plan`` of the CP ``ranks`` (``r * A + a``;
         None: every rank) would derive on first use, for calls with this mask: their tokens,
-        their schedule tables, the steps a window skips and, for every rank, the unshard rows
+        their schedule tables under ``scheme``, the steps a window skips and, for every rank, the unshard rows
         (``ShardPlan.unshard``: every rank's tokens; a worker preparing one rank's batch leaves
         them out, which halves what it sends). For a DataLoader worker, so that the training
         step finds it all done; returns ``self``."""
@@ -352,14 +356,14 @@ class PreparedBatch:
         for rank in range(mesh.ulysses * mesh.ring) if ranks is None else ranks:
             ring_rank, ulysses_rank = divmod(check_rank(rank, mesh), mesh.ulysses)
             self.tokens(ring_rank, ulysses_rank)  # and the rank's sizes
-            self.rank_plan(ring_rank, ulysses_rank, causal, window)
+            self.rank_plan(ring_rank, ulysses_rank, causal, window, scheme=scheme)
         if ranks is None:
             self.unshard_rows()
         return self
 
     def device_tables(
         self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int], device: torch.device,
-        steps: int | None = None, skip_inactive: bool = False,
+        steps: int | None = None, skip_inactive: bool = False, scheme: str = DEFAULT_SCHEME,
     ) -> tuple[RankPlan, tuple[Tensor, Tensor]]:
         """The rank's :meth:`rank_plan` and its tables copied to ``device``, the segmentations'
         host copy kept in ``HOST_READS`` (:meth:`HostReads.put_table`), where a kernel finds the
@@ -369,7 +373,7 @@ class PreparedBatch:
         window leaves without a visible key are empty (``RankPlan.flat_skipping``). On CUDA
         the copy comes from pinned memory (kept in this process only) and waits for nothing: a
         copy from pageable memory waits for all the work queued before it."""
-        plan = self.rank_plan(ring_rank, ulysses_rank, causal, window, steps)
+        plan = self.rank_plan(ring_rank, ulysses_rank, causal, window, steps, scheme)
         flat = plan.flat_skipping if skip_inactive else plan.flat
         if device.type == "cuda":
             # by the tables' id (the plan keeps them as long as it is kept): a plan has two
@@ -440,14 +444,14 @@ def as_planned(digest: bytes, mesh: MeshShape) -> MeshShape:
 def prepare_batch(
     cu_seqlens: Tensor, *, ulysses: int, ring: int, placement: str = DEFAULT_PLACEMENT,
     rank: int | None = None, causal: bool = True, window: tuple[int, int] = (-1, -1),
-    layout_window: tuple[int, int] = NO_WINDOW,
+    layout_window: tuple[int, int] = NO_WINDOW, scheme: str = DEFAULT_SCHEME,
 ) -> PreparedBatch:
     """The batch ``cu_seqlens`` (global, real, int32) prepared on the host for a ``ulysses x
     ring`` mesh, without a process group: for a DataLoader worker to build while the previous
     step runs. Pass it (pickled across the worker boundary as it is) to ``shard_plan`` in
     place of ``cu_seqlens``; the attention of that batch, eager or compiled, then derives
-    nothing again. ``rank`` (``r * ulysses + a``; None: every rank) and the mask (``causal``,
-    ``window``) say which ranks' tokens and schedule tables to derive now
+    nothing again. ``rank`` (``r * ulysses + a``; None: every rank), the mask (``causal``,
+    ``window``) and the collective ``scheme`` say which ranks' tokens and schedule tables to derive now
     (:meth:`PreparedBatch.warm`). ``layout_window``: the window the layout balances the work
     for, ``shard_plan``'s ``window`` (docs/design.md §2.2); the mask's ``window`` does not
     change the layout."""
@@ -462,4 +466,5 @@ def prepare_batch(
     validation.raise_first(batch.failures("cu_seqlens"))
     shape = MeshShape(ulysses, ring, check_placement(placement), check_layout_window(layout_window, "layout_window"))
     prepared = _build(batch, shape)
-    return prepared.warm(None if rank is None else [rank], causal=causal, window=window)
+    return prepared.warm(None if rank is None else [rank], causal=causal, window=window,
+                         scheme=check_scheme(scheme))

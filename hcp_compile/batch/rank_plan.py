@@ -23,6 +23,7 @@ class RankPlan:
     sizes: RankSizes
     steps: int  # the schedule's ring steps
     windowed: bool  # whether the window masks by position (layout.window_by_position)
+    gathered: bool  # whether its second step is a gathered one (schedule.gathers)
     flat: tuple[Tensor, Tensor]  # the tables as ScheduleTables.flat gives them: what goes to the device
     active: tuple[bool, ...]  # per step, whether any query sees any key (the own step always computes)
     # ``flat`` with the steps not active emptied (ScheduleTables.emptied; ``flat`` itself where
@@ -31,21 +32,23 @@ class RankPlan:
 
     @property
     def tables(self) -> ScheduleTables:
-        return ScheduleTables.unflat(*self.flat, self.sizes, self.steps, self.windowed)
+        return ScheduleTables.unflat(*self.flat, self.sizes, self.steps, self.windowed, self.gathered)
 
 
 def plan_rank(batch: BatchLayout, sizes: RankSizes, ring_rank: int, causal: bool, window: tuple[int, int],
-              steps: int) -> RankPlan:
+              steps: int, gathered: bool = False) -> RankPlan:
     """Rank ``(ring_rank, sizes.ulysses_rank)``'s plan of ``steps`` ring steps (its own,
     :func:`schedule.schedule_steps`, or every step: a compiled graph built for batches that go
-    round the ring) for calls with this mask."""
+    round the ring) for calls with this mask; ``gathered``: the own step and a gathered one
+    (``steps`` 2)."""
     windowed = window_by_position(window, batch.ring)
-    tables = schedule_tables(batch, sizes, ring_rank, steps, causal=causal, windowed=windowed)
-    active = steps_seeing_keys(batch, ring_rank, steps, causal, window)
+    gathered = gathered and steps > 1
+    tables = schedule_tables(batch, sizes, ring_rank, steps, causal=causal, windowed=windowed, gathered=gathered)
+    active = (True,) * steps if gathered else steps_seeing_keys(batch, ring_rank, steps, causal, window)
     flat = tables.flat()
     # the positions stay: the emptied steps' positions are never read
     skipping = flat if all(active) else (tables.emptied(active).flat()[0], flat[1])
-    return RankPlan(sizes, steps, windowed, flat, active, skipping)
+    return RankPlan(sizes, steps, windowed, gathered, flat, active, skipping)
 
 
 def steps_seeing_keys(batch: BatchLayout, ring_rank: int, steps: int, causal: bool,

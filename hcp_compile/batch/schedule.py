@@ -14,7 +14,7 @@ from torch import Tensor
 
 from hcp_compile.batch import layout
 from hcp_compile.batch.layout import BatchLayout, RankSizes, StepKind
-from hcp_compile.exchange.schemes import DEFAULT_SCHEME
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME, scheme_named
 
 
 # Head groups the exchange is pipelined over when the heads allow it (docs/design.md §3.6):
@@ -55,9 +55,16 @@ def exchanged_head_groups(sizes: RankSizes, steps: int, kv_heads: int, ulysses: 
     return head_groups(rank_kv_heads(kv_heads, ulysses), ulysses)
 
 
+def gathers(scheme: str, causal: bool, window: tuple[int, int], ring: int) -> bool:
+    """Whether a call's steps after the own one are one gathered step (Note [one gathered
+    step] in layout.py): on a ring of several ranks, the scheme brings every section at once,
+    the call is causal and its window (if any) needs no positions."""
+    return ring > 1 and scheme_named(scheme).ring.gathers and causal and not layout.window_by_position(window, ring)
+
+
 @dataclass(frozen=True)
 class RingStep:
-    source: int  # ring rank whose KV this step uses
+    source: int  # ring rank whose KV this step uses (-1: every other one, a gathered step)
     kind: StepKind
     cu_q: Tensor  # int32 segmentation of this ring rank's exchange stream (queries)
     cu_k: Tensor  # int32 segmentation of the keys: the own stream, or the source's ring section
@@ -80,28 +87,34 @@ class RingSchedule:
     window_right: int
     kernel: str
     scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.exchange.schemes.SCHEMES
+    # the gathered step's keys: their rows in the gathered sections (GatheredStep.rows), or None
+    gather_rows: Tensor | None = None
 
 
 @dataclass(frozen=True)
 class ScheduleTables:
     """The tensors of one rank's schedule, per ring step: the segmentations (int32) and, under
     a window, the positions of the keys (int64); and the local region's segmentation and the
-    exchange stream's positions. A compiled graph gets them from the host (docs/design.md §5),
-    flattened into one tensor of each dtype (:meth:`flat`, :meth:`lengths`, :meth:`unflat`)."""
+    exchange stream's positions; or, for a gathered step, the rows of its keys (int64). A
+    compiled graph gets them from the host (docs/design.md §5), flattened into one tensor of
+    each dtype (:meth:`flat`, :meth:`lengths`, :meth:`unflat`)."""
 
     local_cu: Tensor
     cu_q: tuple[Tensor, ...]
     cu_k: tuple[Tensor, ...]
     q_positions: Tensor | None
     k_positions: tuple[Tensor | None, ...]
+    gather_rows: Tensor | None = None
 
     def flat(self) -> tuple[Tensor, Tensor]:
-        """``(segmentations, positions)``: the int32 tables in the order of :meth:`lengths`, and
-        the int64 positions (empty without a window)."""
+        """``(segmentations, rows)``: the int32 tables in the order of :meth:`lengths`, and the
+        int64 positions (empty without a window) and gathered rows (empty without them)."""
         tables = torch.cat([self.local_cu, *(t for pair in zip(self.cu_q, self.cu_k) for t in pair)])
         windowed = self.q_positions is not None
-        positions = torch.cat([self.q_positions, *self.k_positions]) if windowed else self.local_cu.new_empty(0, dtype=torch.int64)
-        return tables, positions
+        positions = [self.q_positions, *self.k_positions] if windowed else []
+        if self.gather_rows is not None:
+            positions.append(self.gather_rows)
+        return tables, torch.cat(positions) if positions else self.local_cu.new_empty(0, dtype=torch.int64)
 
     def emptied(self, active: tuple[bool, ...]) -> "ScheduleTables":
         """The tables with every segment of the steps not ``active`` empty (their
@@ -113,30 +126,47 @@ class ScheduleTables:
         return dataclasses.replace(self, cu_q=kept(self.cu_q), cu_k=kept(self.cu_k))
 
     @staticmethod
-    def lengths(sizes: RankSizes, steps: int, windowed: bool) -> tuple[list, list]:
-        """The lengths of :meth:`flat`'s parts for a schedule of ``steps`` steps."""
+    def lengths(sizes: RankSizes, steps: int, windowed: bool, gathered: bool = False) -> tuple[list, list]:
+        """The lengths of :meth:`flat`'s parts for a schedule of ``steps`` steps (``gathered``:
+        the own step and a gathered one, segmented over the own stream's entries alike)."""
         tables = [sizes.local_entries + 1]
-        for entries in sizes.step_entries[:steps]:
-            tables += [4 * entries + 1] * 2
+        entries = sizes.step_entries[:1] * steps if gathered else sizes.step_entries[:steps]
+        for count in entries:
+            tables += [4 * count + 1] * 2
         positions = [sizes.stream] * 2 + [sizes.ring_width] * (steps - 1) if windowed else []
+        if gathered:
+            positions.append(sizes.gathered_keys)
         return tables, positions
 
     @classmethod
-    def unflat(cls, tables: Tensor, positions: Tensor, sizes: RankSizes, steps: int, windowed: bool) -> "ScheduleTables":
+    def unflat(cls, tables: Tensor, positions: Tensor, sizes: RankSizes, steps: int, windowed: bool,
+               gathered: bool = False) -> "ScheduleTables":
         """The inverse of :meth:`flat` (views)."""
-        table_lengths, position_lengths = cls.lengths(sizes, steps, windowed)
+        table_lengths, position_lengths = cls.lengths(sizes, steps, windowed, gathered)
         local_cu, *pairs = tables.split(table_lengths)
-        q_positions, *k_positions = positions.split(position_lengths) if windowed else [None] * (steps + 1)
-        return cls(local_cu, tuple(pairs[0::2]), tuple(pairs[1::2]), q_positions, tuple(k_positions))
+        parts = list(positions.split(position_lengths))
+        gather_rows = parts.pop() if gathered else None
+        q_positions, *k_positions = parts if windowed else [None] * (steps + 1)
+        return cls(local_cu, tuple(pairs[0::2]), tuple(pairs[1::2]), q_positions, tuple(k_positions), gather_rows)
 
 
 def schedule_tables(
     batch: BatchLayout, sizes: RankSizes, ring_rank: int, steps: int, *, causal: bool,
-    windowed: bool,
+    windowed: bool, gathered: bool = False,
 ) -> ScheduleTables:
-    """The tables of rank ``(ring_rank, sizes.ulysses_rank)``'s first ``steps`` ring steps."""
+    """The tables of rank ``(ring_rank, sizes.ulysses_rank)``'s first ``steps`` ring steps, or
+    (``gathered``, two steps) of its own step and its gathered step."""
     ring = batch.ring
     own = layout.stream_table(batch, ring_rank)
+    local_cu = layout.leading_segments(
+        layout.local_segments(batch, ring_rank, sizes.ulysses_rank), sizes.local_entries
+    )
+    if gathered:
+        own_cu = _step_tables(own, own, ring_rank, ring_rank, ring, StepKind.DIAGONAL, sizes.step_entries[0])
+        step = layout.gathered_step(batch, ring_rank)
+        segments = 4 * sizes.step_entries[0]
+        cu = (layout.leading_segments(step.cu_q, segments), layout.leading_segments(step.cu_k, segments))
+        return ScheduleTables(local_cu, (own_cu[0], cu[0]), (own_cu[1], cu[1]), None, (None, None), step.rows)
     sources = layout.step_sources(ring_rank, ring, steps)
     tables = [own] + [layout.stream_table(batch, src, with_group=False) for src in sources[1:]]
     lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
@@ -148,21 +178,21 @@ def schedule_tables(
         _step_tables(own, table, ring_rank, src, ring, layout.step_kind(ring_rank, src, causal), entries)
         for table, src, entries in zip(tables, sources, sizes.step_entries)
     ]
-    local_cu = layout.leading_segments(
-        layout.local_segments(batch, ring_rank, sizes.ulysses_rank), sizes.local_entries
-    )
     return ScheduleTables(local_cu, tuple(q for q, _ in step_cu), tuple(k for _, k in step_cu),
                           positions[0], tuple(positions))
 
 
-def schedule_steps(sizes: RankSizes, ring: int, window_steps: int | None = None) -> int:
+def schedule_steps(sizes: RankSizes, ring: int, window_steps: int | None = None, gathered: bool = False) -> int:
     """How many ring steps a schedule has: without a ring section (a batch of short documents)
     nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
     keeps every step (its graphs for batches without a ring section make the width the
-    constant 0: hcp_compile.compiled.graph_variants); else the ``window_steps`` a causal window
-    needs (:func:`layout.window_steps`; None: every step)."""
+    constant 0: hcp_compile.compiled.graph_variants); else two where the call ``gathered``
+    (:func:`gathers`), or the ``window_steps`` a causal window needs (:func:`layout.window_steps`;
+    None: every step)."""
     if layout.known_empty(sizes.ring_width):
         return 1
+    if gathered:
+        return 2
     return ring if window_steps is None else window_steps
 
 
@@ -173,26 +203,33 @@ def assemble_schedule(
     scheme: str = DEFAULT_SCHEME,
 ) -> RingSchedule:
     """The schedule with the given tables (the prepared batch's, from the host), one ring step
-    per step of ``tables``; ``active`` (default: all) says which steps compute; ``scheme``: the
-    collective scheme."""
+    per step of ``tables`` (the second a gathered one where they have its rows); ``active``
+    (default: all) says which steps compute; ``scheme``: the collective scheme."""
     steps = len(tables.cu_q)
+    gathered = tables.gather_rows is not None
     sources = layout.step_sources(ring_rank, ring, steps)
+    kinds = [layout.step_kind(ring_rank, src, causal) for src in sources]
+    if gathered:
+        sources, kinds = [ring_rank, -1], [StepKind.DIAGONAL, StepKind.GATHERED]
     active = [True] * steps if active is None else active
     # a causal schedule's ring steps are segmented otherwise than a full one's under the same
     # spec flags (only the own step is causal): each takes its own half of the keys
     first = None if first_cache_key is None else first_cache_key + (0 if causal else ring + 1)
 
     def key(slot: int) -> int | torch.SymInt:
-        return -1 if first is None else first + slot
+        if first is None:
+            return -1
+        # a gathered step's tables are another segmentation than step 1's of the ring
+        return first_cache_key + 2 * (ring + 1) if gathered and slot == 1 else first + slot
 
     return RingSchedule(
         sizes=sizes,
         local_cu=tables.local_cu,
         local_cache_key=key(ring),
         steps=tuple(
-            RingStep(src, layout.step_kind(ring_rank, src, causal), cu_q, cu_k, positions, bool(on), key(index))
-            for index, (src, cu_q, cu_k, positions, on) in enumerate(zip(
-                sources, tables.cu_q, tables.cu_k, tables.k_positions, active
+            RingStep(src, kind, cu_q, cu_k, positions, bool(on), key(index))
+            for index, (src, kind, cu_q, cu_k, positions, on) in enumerate(zip(
+                sources, kinds, tables.cu_q, tables.cu_k, tables.k_positions, active
             ))
         ),
         q_positions=tables.q_positions,
@@ -203,13 +240,15 @@ def assemble_schedule(
         window_right=window[1],
         kernel=kernel,
         scheme=scheme,
+        gather_rows=tables.gather_rows,
     )
 
 
 def cache_keys_needed(ring: int) -> int:
     """How many cache keys a rank's schedules of one batch take: one per ring step and one for
-    the local region, for a causal schedule and for a full one."""
-    return 2 * (ring + 1)
+    the local region, for a causal schedule and for a full one, and one for a gathered step
+    (causal only)."""
+    return 2 * (ring + 1) + 1
 
 
 def _step_tables(

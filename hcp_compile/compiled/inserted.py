@@ -28,7 +28,7 @@ from hcp_compile.batch.prepared import (
     BatchValues, Exchanges, GraphKind, MeshShape, PreparedBatch, as_planned, find, host_values, prepare,
     remember_values,
 )
-from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, schedule_steps
+from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, gathers, schedule_steps
 from hcp_compile.exchange import agreement
 from hcp_compile.exchange.agreement import Verdict
 from hcp_compile.exchange.mesh import CPGroups, resolve_groups
@@ -144,7 +144,7 @@ def _check_call(
 
 
 def _sizes_length(ulysses: int, ring: int) -> int:
-    return 3 + ulysses + 1 + ring  # layout.rank_size_values
+    return 3 + ulysses + 1 + ring + 1  # layout.rank_size_values
 
 
 @batch_layout_op.register_fake
@@ -200,10 +200,11 @@ def hierarchical_varlen_attention(
     rank_sizes = dataclasses.replace(rank_sizes, tokens=q.shape[0])
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
-    steps = schedule_steps(rank_sizes, groups.ring_size, kind.steps(causal, window))
+    steps = schedule_steps(rank_sizes, groups.ring_size, kind.steps(causal, window),
+                           gathers(scheme, causal, window, groups.ring_size))
     flat = torch.ops.hcp.schedule_tables(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
-        groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values,
+        groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values, scheme,
     )
     sched = rank_schedule(
         flat, rank_sizes, steps, groups.ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=float(scale),
@@ -216,29 +217,32 @@ def hierarchical_varlen_attention(
 def schedule_tables_op(
     cu_on_host: Tensor, device: torch.device, ulysses: int, ring: int, placement: str,
     ring_rank: int, ulysses_rank: int, steps: int, causal: bool, window_left: int, window_right: int,
-    sizes: list[int],
+    sizes: list[int], scheme: str,
 ) -> tuple[Tensor, Tensor]:
     """The tables of rank ``(ring_rank, ulysses_rank)``'s schedule of the batch ``cu_on_host``
     (:meth:`ScheduleTables.flat`: int32 segmentations, int64 positions), derived on the host
     once per batch and mask by its :class:`prepared.PreparedBatch` (one copy to ``device`` per
     call): on a GPU their sorts, scans and searches cost a dozen small kernels per attention
     call (docs/design.md §5.3). ``sizes``: the rank's sizes as :func:`checked_layout` read
-    them, which give the fake outputs their lengths (the prepared batch holds the same).
+    them, which give the fake outputs their lengths (the prepared batch holds the same);
+    ``scheme``, the collective scheme (a gathered step's tables where it gathers).
 
     The graph runs every ring step, whichever a window leaves without a visible key (batch
     data): the tables of those steps come empty (``RankPlan.flat_skipping``), so their block
     calls compute nothing, as eager CP skips them (``RankPlan.active`` decides for both)."""
     prepared = find(cu_on_host, MeshShape(ulysses, ring, placement))
     _, copies = prepared.device_tables(ring_rank, ulysses_rank, causal, (window_left, window_right), device, steps,
-                                       skip_inactive=True)
+                                       skip_inactive=True, scheme=scheme)
     return copies
 
 
 @schedule_tables_op.register_fake
 def _(cu_on_host, device, ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal, window_left, window_right,
-      sizes):
-    windowed = layout.window_by_position((window_left, window_right), ring)
-    tables, positions = ScheduleTables.lengths(layout.rank_sizes(sizes, ulysses_rank, ulysses), steps, windowed)
+      sizes, scheme):
+    window = (window_left, window_right)
+    gathered = steps > 1 and gathers(scheme, causal, window, ring)
+    tables, positions = ScheduleTables.lengths(layout.rank_sizes(sizes, ulysses_rank, ulysses), steps,
+                                               layout.window_by_position(window, ring), gathered)
     return (torch.empty(sum(tables), dtype=torch.int32, device=device),
             torch.empty(sum(positions), dtype=torch.int64, device=device))
 

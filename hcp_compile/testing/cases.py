@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from hcp_compile.batch.layout import window_by_position
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 from hcp_compile.kernels import KERNELS, BlockRequest
 
 DTYPES: dict[str, torch.dtype] = {
@@ -27,7 +28,8 @@ GRADIENTS = ("out", "dq", "dk", "dv")
 @dataclass(frozen=True)
 class PropertyCase:
     """One random batch, its attention arguments, and where it runs: ``mesh`` (ulysses, ring),
-    (1, 1) for one device; ``kernel`` the kernel under test ("auto" included)."""
+    (1, 1) for one device; ``kernel`` the kernel under test ("auto" included); ``scheme`` the
+    collective scheme under CP."""
 
     lengths: tuple[int, ...]
     heads_q: int
@@ -41,6 +43,7 @@ class PropertyCase:
     mesh: tuple[int, int]
     data_seed: int
     layout_window: bool = False  # CP: shard_plan lays the batch out for the case's window
+    scheme: str = DEFAULT_SCHEME  # CP: a key of hcp_compile.exchange.schemes.SCHEMES
 
     @property
     def tokens(self) -> int:
@@ -58,9 +61,10 @@ class PropertyCase:
         mask = ("causal" if self.causal else "full") + (f" window {self.window}" if self.window != (-1, -1) else "")
         mask += ", laid out for the window" if self.layout_window else ""
         scale = "" if self.scale is None else f" scale {self.scale:.4g}"
+        scheme = "" if self.scheme == DEFAULT_SCHEME else f" scheme {self.scheme}"
         return (f"{self.tokens} tokens in {len(self.lengths)} docs (longest {max(self.lengths)}), heads "
                 f"{self.heads_q}/{self.heads_kv} x {self.head_dim}, {self.dtype}, {mask}{scale}, kernel "
-                f"{self.kernel}, mesh {self.mesh[0]}x{self.mesh[1]}")
+                f"{self.kernel}, mesh {self.mesh[0]}x{self.mesh[1]}{scheme}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

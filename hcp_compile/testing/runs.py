@@ -85,9 +85,10 @@ class CompiledModules:
         self._modules: dict[tuple, nn.Module] = {}
 
     def get(self, case: PropertyCase, placement: str) -> nn.Module:
-        key = (case.causal, case.scale, case.window, case.kernel, placement)
+        key = (case.causal, case.scale, case.window, case.kernel, case.scheme, placement)
         if key not in self._modules:
-            backend = hcp_compile.backend(mesh=self.mesh, inner=self.inner, kernel=case.kernel, placement=placement)
+            backend = hcp_compile.backend(mesh=self.mesh, inner=self.inner, kernel=case.kernel, placement=placement,
+                                          scheme=case.scheme)
             self._modules[key] = torch.compile(Attention(case), backend=backend, fullgraph=True)
         return self._modules[key]
 
@@ -102,7 +103,7 @@ def context_parallel(batch: PackedBatch, case: PropertyCase, mode: str, placemen
                                   window=case.window if case.layout_window else (-1, -1))
     q, k, v = (plan.shard(t, PAD_FILL).requires_grad_() for t in (batch.q, batch.k, batch.v))
     if mode == "eager":
-        with hcp_compile.context_parallel(mesh, kernel=case.kernel, placement=placement):
+        with hcp_compile.context_parallel(mesh, kernel=case.kernel, placement=placement, scheme=case.scheme):
             out = Attention(case)(q, k, v, cu, batch.max_seqlen)
     else:
         for t in (q, k, v, cu):

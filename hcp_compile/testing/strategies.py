@@ -23,6 +23,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from hcp_compile.batch.placements.balanced import DEFAULT_COST
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME, SCHEMES
 from hcp_compile.kernels import KERNELS, dense, flex_mask
 
 from .cases import PropertyCase, claim
@@ -140,8 +141,9 @@ def property_cases(draw: st.DrawFn, device: str, mesh: tuple[int, int], kernels:
     dtype = draw(st.sampled_from(profile.dtypes))
     # under CP a window's layout (shard_plan's window) turns ring documents' chunks
     layout_window = mesh != (1, 1) and window[0] >= 0 and draw(st.booleans())
+    scheme = draw(st.sampled_from(sorted(SCHEMES))) if mesh[1] > 1 else DEFAULT_SCHEME  # schemes differ on a ring
     args = PropertyCase((1,), heads_q, heads_kv, head_dim, dtype, causal, window,
-                        None if scale is None else scale * head_dim ** -0.5, "", mesh, 0, layout_window)
+                        None if scale is None else scale * head_dim ** -0.5, "", mesh, 0, layout_window, scheme)
     claiming = [k for k in kernels if claim(k, args, device) is None]
     assume(claiming)  # a kernel that takes none of the calls: hypothesis says so (Unsatisfiable)
     case = dataclasses.replace(args, kernel=draw(st.sampled_from(claiming)))

@@ -136,15 +136,21 @@ class KVRing(Protocol):
     the exchange stream's ``[stream, 2h, D]`` keys and values (the first ``width`` rows: the
     ring section), ``steps`` the schedule's. Every rank must issue the same collectives in the
     same order whatever its batch; ``backward``'s must carry ``carried`` (one element of the
-    backward's input), or a compiler merges them with the forward's (docs/design.md §4)."""
+    backward's input), or a compiler merges them with the forward's (docs/design.md §4).
+
+    A scheme that ``gathers`` (every section arrives at once) also runs schedules of one
+    gathered step (Note [one gathered step] in batch/layout.py): given ``gather_rows`` (rank
+    ``j``'s section row ``i`` is ``j * width + i``), step 1's keys are those rows of the
+    gathered sections, and its gradient, added at step 1, goes back to them."""
 
     name: str
+    gathers: bool
 
     def forward(self, kv: Tensor, width: int | torch.SymInt, steps: int,
-                groups: CPGroups) -> KVSteps: ...
+                groups: CPGroups, gather_rows: Tensor | None = None) -> KVSteps: ...
 
     def backward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
-                 carried: Tensor) -> KVGradSteps: ...
+                 carried: Tensor, gather_rows: Tensor | None = None) -> KVGradSteps: ...
 
     def traffic(self, shape: GroupShape) -> GroupTraffic:
         """The collectives and bytes of one head group on the ring group."""

@@ -17,8 +17,9 @@ class SectionSteps:
     (``steps > 1``), the own section's message goes to :meth:`_start`."""
 
     def __init__(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
-                 carried: Tensor | None):
+                 carried: Tensor | None, gather_rows: Tensor | None = None):
         self._kv, self._steps, self._groups, self._carried = kv, steps, groups, carried
+        self._gather_rows = gather_rows
         self._section = (width, *kv.shape[1:])
         if steps > 1:
             own = kv.split([width, kv.shape[0] - width])[0]
@@ -43,10 +44,12 @@ class SectionRing:
 
     forward_steps: type[SectionSteps]
     backward_steps: type[SectionSteps]
+    gathers: bool = False
 
-    def forward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups) -> KVSteps:
-        return self.forward_steps(kv, width, steps, groups, carried=None)
+    def forward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
+                gather_rows: Tensor | None = None) -> KVSteps:
+        return self.forward_steps(kv, width, steps, groups, carried=None, gather_rows=gather_rows)
 
     def backward(self, kv: Tensor, width: int | torch.SymInt, steps: int, groups: CPGroups,
-                 carried: Tensor) -> KVGradSteps:
-        return self.backward_steps(kv, width, steps, groups, carried)
+                 carried: Tensor, gather_rows: Tensor | None = None) -> KVGradSteps:
+        return self.backward_steps(kv, width, steps, groups, carried, gather_rows)
