@@ -39,7 +39,7 @@ from hcp_advise import cu_seqlens_of, host_counts, rank_sizes
 from hcp_advise.host_measured import (
     COEFFICIENTS, HOST_FILE, PHASES, HostConstants, parse_devices, recorded,
 )
-from hcp_advise.records import HostCounts
+from hcp_advise.records import SCHEME, HostCounts
 from hcp_compile import InputError
 from hcp_compile.batch import layout
 from hcp_compile.batch.placements import placement_rule
@@ -108,9 +108,9 @@ def measure_mesh(ulysses: int, ring: int, rank: int, kernel: str, args: Namespac
     """Rank ``rank`` of ``ulysses x ring`` alone over the fake group, on every tiny batch."""
     world = ulysses * ring
     with fake_process_group(rank, world):
-        # laid out as its own counts are (batch_layout below, no window)
+        # laid out as its own counts are (batch_layout below, no window), under the advisor's scheme
         options = Namespace(**{**vars(args), "ulysses": ulysses, "ring": ring, "kernel": kernel,
-                               "layout_window": "off"})
+                               "layout_window": "off", "scheme": SCHEME})
         setup = Setup(options, torch.device(args.device), getattr(torch, args.dtype), rank, world, fake=True)
         heads_q, heads_kv = HEADS[args.heads]
         points = []
