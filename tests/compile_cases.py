@@ -429,9 +429,10 @@ def attention_cases(mesh: tuple[int, int]) -> list[CompiledAttentionCase]:
     # two head groups on 2 x 2
     schemes = [CompiledAttentionCase(f"gqa-{scheme}", ("mixed", "four"), 8, 4, True, (4, 0), scheme=scheme)
                for scheme in SCHEMES if scheme != DEFAULT_SCHEME and mesh[1] > 1]
-    # a scheme that gathers runs its ring as one gathered step where no window asks for positions
+    # a scheme that gathers runs its ring as one gathered step where no window asks for positions:
+    # here with two head groups (tests/test_gathered_step.py: a ring of 4)
     schemes += [CompiledAttentionCase(f"gqa-{scheme}-gathered", ("mixed", "four"), 8, 4, True, scheme=scheme)
-                for scheme in SCHEMES if SCHEMES[scheme].ring.gathers and mesh[1] > 1]
+                for scheme in SCHEMES if SCHEMES[scheme].ring.gathers and mesh == (2, 2)]
     # batches that exchange nothing, heads and keys round the ring, then the first two again:
     # one Dynamo graph, and each narrower graph compiled once, on first use
     variants = [CompiledAttentionCase("gqa-graph-variants", ("no-ring", "mixed", "three", "no-ring", "three"),
