@@ -13,7 +13,7 @@ from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.call import checked_batch, rank_schedule
 from hcp_compile.batch.layout import window_by_position
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, find, host_values
-from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed
+from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed, gathers
 from hcp_compile.exchange.agreement import Verdict, agree, raise_agreed
 from hcp_compile.exchange.mesh import CPGroups, MeshLike, resolve_groups
 from hcp_compile.hierarchical import HierarchicalAttention
@@ -147,15 +147,15 @@ class ContextParallel:
                 del self._schedules[stale]  # another batch: the old one's layers are done
             groups = self.groups
             ring_rank, ulysses_rank = groups.ring_rank, groups.ulysses_rank
-            plan, flat = prepared.device_tables(ring_rank, ulysses_rank, causal, window, q.device,
-                                                scheme=self.options.scheme)
+            gathered = gathers(self.options.scheme, causal, window, groups.ring_size, kernel)
+            plan, flat = prepared.device_tables(ring_rank, ulysses_rank, causal, window, q.device, gathered=gathered)
             # the batch's keys for this rank, as the compiled graph's: eager and compiled calls of
             # one batch share what the kernels derive
             first_key = BATCHES.cache_keys(prepared, (ring_rank, ulysses_rank), cache_keys_needed(groups.ring_size))
             self._schedules[key] = rank_schedule(
                 flat, plan.sizes, plan.steps, ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=scale,
                 window=window, kernel=kernel, active=list(plan.active) if self.options.skip_outside_window else None,
-                first_cache_key=first_key, scheme=self.options.scheme,
+                first_cache_key=first_key, scheme=self.options.scheme, gathered=plan.gathered,
             )
         return self._schedules[key]
 

@@ -71,15 +71,18 @@ def test_gathered_keys_are_the_earlier_keys_other_ring_ranks_hold(seed, window):
 
 def test_only_causal_allgather_calls_without_a_window_by_position_gather():
     assert schedule.gathers("allgather", True, (-1, -1), 4)
+    assert schedule.gathers("allgather", True, (-1, -1), 4, "cudnn")
+    assert not schedule.gathers("allgather", True, (-1, -1), 4, "flash")  # schedule.KEEP_STEPS_KERNELS
     assert not schedule.gathers("allgather", True, (-1, -1), 1)  # no ring
     assert not schedule.gathers("allgather", False, (-1, -1), 4)
     assert not schedule.gathers("allgather", True, (5, 0), 4)
     assert not schedule.gathers("ring", True, (-1, -1), 4)
     prepared = hc.prepare_batch(cu_seqlens(BATCHES[0]), ulysses=MESH[0], ring=MESH[1], rank=0, scheme="allgather")
-    plan = prepared.rank_plan(0, 0, True, (-1, -1), scheme="allgather")
+    plan = prepared.rank_plan(0, 0, True, (-1, -1), gathered=True)
     assert (plan.steps, plan.gathered) == (2, True)
+    assert plan is prepared.rank_plan(0, 0, True, (-1, -1), gathered=True)  # what the worker prepared
     assert plan.tables.gather_rows.numel() == plan.sizes.gathered_keys > 0
-    assert prepared.rank_plan(0, 0, True, (-1, -1), scheme="ring").steps == MESH[1]
+    assert prepared.rank_plan(0, 0, True, (-1, -1)).steps == MESH[1]
 
 
 def _inputs(docs: tuple[int, ...]) -> dict[str, torch.Tensor]:

@@ -329,7 +329,7 @@ REACHES = {  # what the GPU cases must cover (issue 50), each found within a few
     "causal sliding window": lambda c: c.causal and c.window[0] >= 0,
     "window without causal": lambda c: not c.causal and c.window != (-1, -1),
     "a layout for the window on a ring": lambda c: c.layout_window and c.mesh[1] > 1,
-    "a gathered step": lambda c: c.mesh[1] > 1 and schedule.gathers(c.scheme, c.causal, c.window, c.mesh[1]),
+    "a gathered step": lambda c: schedule.gathers(c.scheme, c.causal, c.window, c.mesh[1], c.kernel),
     "an explicit scale": lambda c: c.scale is not None,
 }
 

@@ -406,7 +406,7 @@ def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.dev
                                   window=window, kernel="cudnn",
                                   first_cache_key=BATCHES.cache_keys(batch, (ring_rank, ulysses_rank),
                                                                      schedule.cache_keys_needed(mesh.ring)),
-                                  scheme=DEFAULT_SCHEME)
+                                  scheme=DEFAULT_SCHEME, gathered=plan.gathered)
             blocks = [CPBlock("local", _local_spec(sched), sizes.local, sizes.local)]
             blocks += [CPBlock(f"step {i} (keys of ring rank {step.source})", _step_spec(step, sched), sizes.stream,
                                sizes.stream if i == 0 else sizes.ring_width)
@@ -448,7 +448,7 @@ def test_compiled_tables_op_keeps_the_host_copy_for_the_graphs_aliases():
     steps = schedule.schedule_steps(sizes, mesh.ring)
     tables, _ = torch.ops.hcp.schedule_tables(cu.long(), torch.device("cpu"), mesh.ulysses, mesh.ring, mesh.placement,
                                               ring_rank, ulysses_rank, steps, True, -1, -1, layout.size_values(sizes),
-                                              "ring")
+                                              False)
     expected = batch.tables(ring_rank, ulysses_rank, True, (-1, -1), steps).flat()[0]
     start, length = sizes.local_entries + 1, 4 * sizes.step_entries[0] + 1  # the own step's cu_q
     alias = torch._C._dynamo.guards._reinterpret_tensor(tables, (length,), (1,), start)

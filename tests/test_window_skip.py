@@ -108,7 +108,7 @@ def test_compiled_tables_of_the_steps_a_window_skips_are_empty(mesh, placement, 
             plan = prepared.rank_plan(ring_rank, ulysses_rank, True, WINDOW, ring)
             sizes = layout.size_values(plan.sizes)
             flat = torch.ops.hcp.schedule_tables(cu, torch.device("cpu"), ulysses, ring, placement, ring_rank,
-                                                 ulysses_rank, ring, True, *WINDOW, sizes, "ring")
+                                                 ulysses_rank, ring, True, *WINDOW, sizes, False)
             got, full = ScheduleTables.unflat(*flat, plan.sizes, ring, plan.windowed), plan.tables
             assert torch.equal(got.local_cu, full.local_cu)
             for step, active in enumerate(plan.active):

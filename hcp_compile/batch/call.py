@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from hcp_compile.batch.layout import RankSizes, window_by_position
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import BatchValues, PreparedBatch
-from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule, gathers
+from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule
 from hcp_compile.validation import BatchCall, Failure, check
 
 
@@ -41,11 +41,11 @@ def checked_batch(
 def rank_schedule(
     flat: Sequence, sizes: RankSizes, steps: int, ring_rank: int, ring: int, max_seqlen: object, *,
     causal: bool, scale: float, window: tuple[int, int], kernel: str, first_cache_key: object, scheme: str,
-    active: list[bool] | None = None,
+    gathered: bool, active: list[bool] | None = None,
 ) -> RingSchedule:
     """This rank's ring schedule from its flat tables (:meth:`PreparedBatch.device_tables`,
-    eagerly or through the graph's tables op) and its sizes (host ints, or a graph's symbols)."""
-    gathered = steps > 1 and gathers(scheme, causal, window, ring)
+    eagerly or through the graph's tables op) and its sizes (host ints, or a graph's symbols);
+    ``gathered``: its second step a gathered one (``RankPlan.gathered``)."""
     tables = ScheduleTables.unflat(*flat, sizes, steps, window_by_position(window, ring), gathered)
     return assemble_schedule(
         tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window, kernel=kernel,

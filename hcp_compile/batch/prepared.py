@@ -308,16 +308,16 @@ class PreparedBatch:
         return rows[:-1]
 
     def rank_plan(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
-                  steps: int | None = None, scheme: str = DEFAULT_SCHEME) -> RankPlan:
-        """Rank ``(ring_rank, ulysses_rank)``'s :class:`RankPlan` for calls with this mask under
-        the collective ``scheme``, kept under the mask as given (warm() and both doors ask
-        alike): of its own ring steps, or of ``steps`` (a compiled graph's: every step, or those
-        of its ``GraphKind``), which must be at least its own."""
-        gathered = gathers(scheme, causal, window, self.mesh.ring)
+                  steps: int | None = None, gathered: bool = False) -> RankPlan:
+        """Rank ``(ring_rank, ulysses_rank)``'s :class:`RankPlan` for calls with this mask, with
+        one gathered step where ``gathered`` (:func:`schedule.gathers`), kept under the mask as
+        given (warm() and both doors ask alike): of its own ring steps, or of ``steps`` (a
+        compiled graph's: every step, or those of its ``GraphKind``), which must be at least its
+        own."""
         asked = (ring_rank, ulysses_rank, causal, window, steps, gathered)
         if asked not in self._plans:
             sizes = self.rank_sizes(ring_rank, ulysses_rank)
-            own = self.schedule_steps(sizes, causal, window, scheme)
+            own = self.schedule_steps(sizes, causal, window, gathered)
             if steps is not None and steps < own:
                 # a graph's kind and the schedule come from the same layout: never, but not silently
                 raise RuntimeError(f"hcp: a schedule of {steps} ring steps asked for a batch whose calls need {own}")
@@ -329,18 +329,17 @@ class PreparedBatch:
         return self._plans[asked]
 
     def schedule_steps(self, sizes: RankSizes, causal: bool, window: tuple[int, int],
-                       scheme: str = DEFAULT_SCHEME) -> int:
+                       gathered: bool = False) -> int:
         """The ring steps of a rank's own schedule (:func:`schedule.schedule_steps`) for calls
-        with this mask under ``scheme``: a causal window on a layout in adjacent pairs ends them
-        early (:func:`layout.window_steps`), the same on every rank; a gathered call has two."""
+        with this mask: a causal window on a layout in adjacent pairs ends them early
+        (:func:`layout.window_steps`), the same on every rank; a ``gathered`` call has two."""
         ring = self.mesh.ring
-        return schedule_steps(sizes, ring, layout.window_steps(self.layout, window[0]) if causal else ring,
-                              gathers(scheme, causal, window, ring))
+        return schedule_steps(sizes, ring, layout.window_steps(self.layout, window[0]) if causal else ring, gathered)
 
     def tables(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
-               steps: int | None = None, scheme: str = DEFAULT_SCHEME) -> ScheduleTables:
+               steps: int | None = None, gathered: bool = False) -> ScheduleTables:
         """The host tables of the rank's schedule for this mask (:meth:`rank_plan`)."""
-        return self.rank_plan(ring_rank, ulysses_rank, causal, window, steps, scheme).tables
+        return self.rank_plan(ring_rank, ulysses_rank, causal, window, steps, gathered).tables
 
     def warm(self, ranks: Iterable[int] | None = None, *, causal: bool = True,
              window: tuple[int, int] = (-1, -1), scheme: str = DEFAULT_SCHEME) -> "PreparedBatch":
@@ -356,14 +355,15 @@ class PreparedBatch:
         for rank in range(mesh.ulysses * mesh.ring) if ranks is None else ranks:
             ring_rank, ulysses_rank = divmod(check_rank(rank, mesh), mesh.ulysses)
             self.tokens(ring_rank, ulysses_rank)  # and the rank's sizes
-            self.rank_plan(ring_rank, ulysses_rank, causal, window, scheme=scheme)
+            self.rank_plan(ring_rank, ulysses_rank, causal, window,
+                           gathered=gathers(scheme, causal, window, mesh.ring))
         if ranks is None:
             self.unshard_rows()
         return self
 
     def device_tables(
         self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int], device: torch.device,
-        steps: int | None = None, skip_inactive: bool = False, scheme: str = DEFAULT_SCHEME,
+        steps: int | None = None, skip_inactive: bool = False, gathered: bool = False,
     ) -> tuple[RankPlan, tuple[Tensor, Tensor]]:
         """The rank's :meth:`rank_plan` and its tables copied to ``device``, the segmentations'
         host copy kept in ``HOST_READS`` (:meth:`HostReads.put_table`), where a kernel finds the
@@ -373,7 +373,7 @@ class PreparedBatch:
         window leaves without a visible key are empty (``RankPlan.flat_skipping``). On CUDA
         the copy comes from pinned memory (kept in this process only) and waits for nothing: a
         copy from pageable memory waits for all the work queued before it."""
-        plan = self.rank_plan(ring_rank, ulysses_rank, causal, window, steps, scheme)
+        plan = self.rank_plan(ring_rank, ulysses_rank, causal, window, steps, gathered)
         flat = plan.flat_skipping if skip_inactive else plan.flat
         if device.type == "cuda":
             # by the tables' id (the plan keeps them as long as it is kept): a plan has two

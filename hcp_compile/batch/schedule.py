@@ -55,11 +55,19 @@ def exchanged_head_groups(sizes: RankSizes, steps: int, kv_heads: int, ulysses: 
     return head_groups(rank_kv_heads(kv_heads, ulysses), ulysses)
 
 
-def gathers(scheme: str, causal: bool, window: tuple[int, int], ring: int) -> bool:
+# Kernels that keep the steps under a scheme that gathers: flash (FlashAttention-2 through aten)
+# faulted with a misaligned address on a gathered block on an H100 (docs/design.md §3.3)
+KEEP_STEPS_KERNELS = frozenset({"flash"})
+
+
+def gathers(scheme: str, causal: bool, window: tuple[int, int], ring: int, kernel: str | None = None) -> bool:
     """Whether a call's steps after the own one are one gathered step (Note [one gathered
     step] in layout.py): on a ring of several ranks, the scheme brings every section at once,
-    the call is causal and its window (if any) needs no positions."""
-    return ring > 1 and scheme_named(scheme).ring.gathers and causal and not layout.window_by_position(window, ring)
+    the call is causal, its window (if any) needs no positions, and its ``kernel`` (resolved;
+    None: not yet known, as when a batch is prepared ahead) is not one of
+    :data:`KEEP_STEPS_KERNELS`."""
+    return (ring > 1 and scheme_named(scheme).ring.gathers and causal and not layout.window_by_position(window, ring)
+            and kernel not in KEEP_STEPS_KERNELS)
 
 
 @dataclass(frozen=True)

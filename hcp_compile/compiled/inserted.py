@@ -200,15 +200,16 @@ def hierarchical_varlen_attention(
     rank_sizes = dataclasses.replace(rank_sizes, tokens=q.shape[0])
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
-    steps = schedule_steps(rank_sizes, groups.ring_size, kind.steps(causal, window),
-                           gathers(scheme, causal, window, groups.ring_size))
+    gathered = gathers(scheme, causal, window, groups.ring_size, kernel)
+    steps = schedule_steps(rank_sizes, groups.ring_size, kind.steps(causal, window), gathered)
+    gathered = gathered and steps > 1
     flat = torch.ops.hcp.schedule_tables(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
-        groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values, scheme,
+        groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values, gathered,
     )
     sched = rank_schedule(
         flat, rank_sizes, steps, groups.ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=float(scale),
-        window=window, kernel=kernel, first_cache_key=first_cache_key, scheme=scheme,
+        window=window, kernel=kernel, first_cache_key=first_cache_key, scheme=scheme, gathered=gathered,
     )
     return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse, recompute_exchange)
 
@@ -217,7 +218,7 @@ def hierarchical_varlen_attention(
 def schedule_tables_op(
     cu_on_host: Tensor, device: torch.device, ulysses: int, ring: int, placement: str,
     ring_rank: int, ulysses_rank: int, steps: int, causal: bool, window_left: int, window_right: int,
-    sizes: list[int], scheme: str,
+    sizes: list[int], gathered: bool,
 ) -> tuple[Tensor, Tensor]:
     """The tables of rank ``(ring_rank, ulysses_rank)``'s schedule of the batch ``cu_on_host``
     (:meth:`ScheduleTables.flat`: int32 segmentations, int64 positions), derived on the host
@@ -225,22 +226,21 @@ def schedule_tables_op(
     call): on a GPU their sorts, scans and searches cost a dozen small kernels per attention
     call (docs/design.md §5.3). ``sizes``: the rank's sizes as :func:`checked_layout` read
     them, which give the fake outputs their lengths (the prepared batch holds the same);
-    ``scheme``, the collective scheme (a gathered step's tables where it gathers).
+    ``gathered``: the own step's and a gathered step's tables (:func:`schedule.gathers`).
 
     The graph runs every ring step, whichever a window leaves without a visible key (batch
     data): the tables of those steps come empty (``RankPlan.flat_skipping``), so their block
     calls compute nothing, as eager CP skips them (``RankPlan.active`` decides for both)."""
     prepared = find(cu_on_host, MeshShape(ulysses, ring, placement))
     _, copies = prepared.device_tables(ring_rank, ulysses_rank, causal, (window_left, window_right), device, steps,
-                                       skip_inactive=True, scheme=scheme)
+                                       skip_inactive=True, gathered=gathered)
     return copies
 
 
 @schedule_tables_op.register_fake
 def _(cu_on_host, device, ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal, window_left, window_right,
-      sizes, scheme):
+      sizes, gathered):
     window = (window_left, window_right)
-    gathered = steps > 1 and gathers(scheme, causal, window, ring)
     tables, positions = ScheduleTables.lengths(layout.rank_sizes(sizes, ulysses_rank, ulysses), steps,
                                                layout.window_by_position(window, ring), gathered)
     return (torch.empty(sum(tables), dtype=torch.int32, device=device),
