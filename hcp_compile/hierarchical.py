@@ -46,7 +46,9 @@ def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups,
                  ring: KVRing) -> tuple[Tensor, Tensor]:
     """Merged ``(out, lse)`` of the exchange stream's queries: the own step against the whole
     stream, each further step against another ring rank's ring section (the first
-    ``ring_width`` rows, all the scheme moves). Pad rows come out as (0, -inf)."""
+    ``ring_width`` rows, all the scheme moves), or one gathered step against the keys the
+    scheme copies out of every section (``sched.gather_rows``: Note [one gathered step] in
+    batch/layout.py). Pad rows come out as (0, -inf)."""
     kv_heads = kv.shape[1] // 2
     out = lse = None
     last = _last_active(sched)
