@@ -82,3 +82,11 @@ def assert_compiled_rank_matches(result, index: int | str, reference: dict[str, 
         assert (got[global_index < 0] == 0).all(), f"rank {rank}: {name} is not zero at the pads"
         if against_eager:
             assert_rounding_close(got, result[f"{index}/eager_{name}"], f"rank {rank} {name} vs eager CP")
+
+
+def run_counting(attend, op: str) -> tuple[object, int]:
+    """``attend()``'s result and how many calls of the op named ``op`` (its profiler key, e.g.
+    ``"hcp::block_forward"``) it ran on the host."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        result = attend()
+    return result, sum(event.count for event in profile.key_averages() if event.key == op)

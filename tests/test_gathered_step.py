@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hcp_compile as hc
-from checks import assert_matches, local_rows
+from checks import assert_matches, local_rows, run_counting
 from compile_cases import VarlenAttention, fresh_dynamo
 from cp_cases import World, cu_seqlens, seeded
 from hcp_compile.batch import layout, schedule
@@ -92,9 +92,7 @@ def _inputs(docs: tuple[int, ...]) -> dict[str, torch.Tensor]:
 
 def _blocks(attend) -> tuple[dict, int]:
     """``attend()``'s result and how many forward blocks it ran."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        result = attend()
-    return result, sum(event.count for event in profile.key_averages() if event.key == "hcp::block_forward")
+    return run_counting(attend, "hcp::block_forward")
 
 
 @dataclass(frozen=True)
@@ -158,3 +156,12 @@ def test_gathered_call_runs_three_blocks_where_the_ring_runs_one_per_step(values
         for index, result in value.items():
             blocks = {path: count for path, (_, count) in result["runs"].items()}
             assert blocks == {"allgather": 3, "compiled": 3, "ring": 1 + MESH[1]}, f"rank {rank} batch {index}"
+
+
+def test_a_gathered_schedule_under_a_scheme_that_does_not_gather_raises():
+    """The ring scheme would give the gathered step one section's keys: refused, not computed."""
+    prepared = hc.prepare_batch(cu_seqlens(BATCHES[0]), ulysses=MESH[0], ring=MESH[1], rank=0)
+    plan = prepared.rank_plan(0, 0, True, (-1, -1), gathered=True)
+    with pytest.raises(ValueError, match="does not gather"):
+        schedule.assemble_schedule(plan.tables, plan.sizes, max(BATCHES[0]), 0, MESH[1], causal=True, scale=1.0,
+                                   window=(-1, -1), kernel="torch", first_cache_key=None, scheme="ring")

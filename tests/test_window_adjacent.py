@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hcp_compile as hc
-from checks import assert_matches, local_rows
+from checks import assert_matches, local_rows, run_counting
 from compile_cases import VarlenAttention, fresh_dynamo
 from cp_cases import World, cu_seqlens, seeded
 from hcp_compile.batch import layout
@@ -49,9 +49,7 @@ def eager(plan: hc.ShardPlan, world: World, docs: tuple[int, ...], window: tuple
 def ring_transfers(attend) -> tuple[dict, int]:
     """``attend()``'s result and how many all-to-alls it ran (on a mesh of one Ulysses rank
     every one is a ring transfer: ``ring_shift``, or the all-gather scheme's gradients)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        result = attend()
-    return result, sum(event.count for event in profile.key_averages() if event.key == "_c10d_functional::all_to_all_single")
+    return run_counting(attend, "_c10d_functional::all_to_all_single")
 
 
 def compiled_and_counted(world: World) -> tuple[list[dict], dict[str, int]]:

@@ -215,6 +215,9 @@ def assemble_schedule(
     (default: all) says which steps compute; ``scheme``: the collective scheme."""
     steps = len(tables.cu_q)
     gathered = tables.gather_rows is not None
+    if gathered and not scheme_named(scheme).ring.gathers:
+        # a scheme that does not gather would hand the gathered step one section's keys
+        raise ValueError(f"hcp: a schedule with a gathered step under scheme={scheme!r}, which does not gather")
     sources = layout.step_sources(ring_rank, ring, steps)
     kinds = [layout.step_kind(ring_rank, src, causal) for src in sources]
     if gathered:

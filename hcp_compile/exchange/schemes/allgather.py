@@ -29,6 +29,7 @@ from hcp_compile.kernels.precision import accumulate_dtype
 class _Gathered(SectionSteps):
     _pending: Tensor | None = None  # the all-gather, in flight
     _all: Tensor | None = None  # every ring rank's message, once arrived
+    _index: tuple[Tensor, Tensor] | None = None  # the gathered step's keys, once derived
 
     def _start(self, message: Tensor) -> None:
         self._row = message.numel()
@@ -49,9 +50,12 @@ class _Gathered(SectionSteps):
         return self._all[:, : self._size].unflatten(1, self._section)
 
     def _gathered_index(self) -> tuple[Tensor, Tensor]:
-        """The gathered step's keys as (ring rank, row of its section)."""
-        width = self._section[0]
-        return self._gather_rows // width, self._gather_rows % width
+        """The gathered step's keys as (ring rank, row of its section): derived once, read by
+        the backward's keys and again by their gradients."""
+        if self._index is None:
+            width = self._section[0]
+            self._index = (self._gather_rows // width, self._gather_rows % width)
+        return self._index
 
 
 class _GatheredWithGrads(_Gathered):
