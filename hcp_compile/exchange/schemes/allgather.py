@@ -29,12 +29,9 @@ from hcp_compile.kernels.precision import accumulate_dtype
 class _Gathered(SectionSteps):
     _pending: Tensor | None = None  # the all-gather, in flight
     _all: Tensor | None = None  # every ring rank's message, once arrived
-    _index: Tensor | None = None  # the gathered step's keys, once derived
+    _index: tuple[Tensor, Tensor] | None = None  # the gathered step's keys, once derived
 
     def _start(self, message: Tensor) -> None:
-        row = self._kv.shape[1:].numel()
-        if self._carried is not None:  # the carried element padded to a whole row (below)
-            message = torch.cat([message, message.new_zeros(row - 1)])
         self._row = message.numel()
         self._pending = gather_sections(message, self._groups.ring_group, self._groups.ring_size)
 
@@ -45,17 +42,19 @@ class _Gathered(SectionSteps):
             # (on the CPU when gloo staged a CUDA gather: gather_sections)
             self._all = arrived(self._pending, (self._groups.ring_size, self._row)).to(self._kv.device)
         if self._gather_rows is not None:  # the gathered step: its keys, out of every section
-            return self._all.view(-1, *self._section[1:]).index_select(0, self._gathered_index())
+            return self._sections()[self._gathered_index()]
         return self._section_of(self._all[(self._groups.ring_rank - step) % self._groups.ring_size])
 
-    def _gathered_index(self) -> Tensor:
-        """The gathered step's keys as rows of the arrived messages viewed as rows (each
-        message's carried element padded to a row, so that one row index reads them): derived
-        once."""
+    def _sections(self) -> Tensor:
+        """``[R, W, 2h, D]``: every ring rank's section, without the carried element."""
+        return self._all[:, : self._size].unflatten(1, self._section)
+
+    def _gathered_index(self) -> tuple[Tensor, Tensor]:
+        """The gathered step's keys as (ring rank, row of its section): derived once, read by
+        the backward's keys and again by their gradients."""
         if self._index is None:
             width = self._section[0]
-            self._index = self._gather_rows + self._gather_rows // width if self._carried is not None \
-                else self._gather_rows
+            self._index = (self._gather_rows // width, self._gather_rows % width)
         return self._index
 
 
@@ -96,13 +95,12 @@ class _GatheredWithGrads(_Gathered):
         copied from. A key copied twice (for both query chunks that see it) gets two rounded
         gradients; their sum is rounded once, as the accumulation dtype's would be. The own
         section's row receives none (the own chunks are the own step's)."""
-        kv, rank, ring = self._kv, self._groups.ring_rank, self._groups.ring_size
-        width = self._section[0]
-        grads = torch.zeros((ring * width, *self._section[1:]), dtype=kv.dtype, device=kv.device)
+        kv, rank = self._kv, self._groups.ring_rank
+        grads = torch.zeros((self._groups.ring_size, *self._section), dtype=kv.dtype, device=kv.device)
         dkv = self._grads.get(1)
-        if dkv is not None:  # at most two additions per row, from zero: the same in any order
-            grads.index_add_(0, self._gather_rows, dkv.to(kv.dtype))
-        return torch.cat([grads[: rank * width], grads[(rank + 1) * width:]]).reshape(-1)
+        if dkv is not None:
+            grads.index_put_(self._gathered_index(), dkv.to(kv.dtype), accumulate=True)
+        return torch.cat([grads[:rank], grads[rank + 1:]]).reshape(-1)
 
 
 class AllGatherKV(SectionRing):
@@ -110,8 +108,8 @@ class AllGatherKV(SectionRing):
 
         forward:   all-gather [section_0 | section_1 | ... | section_{R-1}]
                    step s reads section (r - s) mod R
-        backward:  the same all-gather (each section with a row holding one element of the
-                   backward's input), then one all-to-all: row j of the send buffer is the gradient of
+        backward:  the same all-gather (each section with one element of the backward's
+                   input), then one all-to-all: row j of the send buffer is the gradient of
                    ring rank j's section (step (r - j) mod R), the own row stays home
     """
 
@@ -121,12 +119,11 @@ class AllGatherKV(SectionRing):
 
     def traffic(self, shape: GroupShape) -> GroupTraffic:
         """Forward: the section to each other ring rank; backward: the section and the
-        carried element's row to each, then to each the gradient of its section."""
+        carried element to each, then to each the gradient of its section."""
         if shape.steps == 1:
             return GroupTraffic()
         others, section, item = shape.ring - 1, shape.section, shape.itemsize
-        row = 2 * shape.heads_kv * shape.head_dim
         return GroupTraffic(
             forward_calls=1, backward_calls=2, forward_bytes=others * section * item,
-            backward_bytes=others * (section + row) * item + others * section * item,
+            backward_bytes=others * (section + 1) * item + others * section * item,
         )
