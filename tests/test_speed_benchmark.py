@@ -1,7 +1,10 @@
 """The trace arithmetic behind benchmarks.speed's exposed-communication column and its
 ``--trace`` summary, how its rows relate to the one-GPU row, its ``--fake-rank`` run on CPU, and
-its ``--mixed`` stream and ``--scale`` table (their schedule, their arithmetic, a CPU run)."""
+its ``--mixed`` stream and ``--scale`` table (their schedule, their arithmetic, a CPU run), and
+benchmarks.trace_parts' breakdown of stored traces."""
 
+import gzip
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -9,6 +12,8 @@ from pathlib import Path
 from benchmarks.common import (
     exposed_length, kernel_intervals, kernel_summary, live_at_peak, stream_seed, union_intervals,
 )
+from benchmarks import trace_parts
+from benchmarks.speed_measure import read_trace
 from benchmarks.speed_report import table
 from benchmarks.speed_rows import (
     Row, first_extra_s, relate, scale_figures, summarize_compositions, summarize_stream,
@@ -362,3 +367,31 @@ def test_scale_on_cpu(tmp_path):
     assert {r["workload"] for r in rows if r["mode"] == "one-gpu-flex" and "backward" in r["error"]} == {
         "W2-128K", "W2-256K"}
     assert "one-gpu-flash: skipped" in done.stdout and "one call fwd+bwd, one GPU" in done.stdout
+
+
+def test_trace_parts_name_each_kernel_and_divide_each_trace(tmp_path):
+    names = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention kernels",
+        "void cudnn::fusion::fmha_reduce_head_ragged<true>(void const*)": "kernel helpers",
+        "void cudnn::fusion::compute_dot_do_o_ragged_specialized<true, 128>": "kernel helpers",
+        "void at::native::vectorized_gather_kernel<16, long>(char*)": "copies",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>>": "fills",
+        "_merge_kernel": "sums and merges",
+        "ncclDevKernel_AllGather_RING_LL": "communication",
+        "some_new_kernel": "other",
+    }
+    for kernel, part in names.items():
+        assert trace_parts.part_of(kernel).startswith(part), kernel
+    one = {"traceEvents": [{"cat": "kernel", "name": "flash_fwd_kernel", "ts": 0, "dur": 8000},
+                           {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]}
+    rank = {"traceEvents": [{"cat": "kernel", "name": "flash_fwd_kernel", "ts": 0, "dur": 1500},
+                            {"cat": "kernel", "name": "_merge_kernel", "ts": 0, "dur": 500}]}
+    paths = [tmp_path / "one.json.gz", tmp_path / "rank.json"]
+    with gzip.open(paths[0], "wt") as file:
+        json.dump(one, file)
+    paths[1].write_text(json.dumps(rank))
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:4]]
+            for line in trace_parts.table([read_trace(p) for p in paths], ["one", "rank"], [8, 1]).splitlines()[2:]}
+    assert rows["attention kernels"] == ["1.0 (1)", "1.5 (1)"]
+    assert rows["sums and merges"] == ["-", "0.5 (1)"]
+    assert rows["total"] == ["1.0 (1)", "2.0 (2)"]
