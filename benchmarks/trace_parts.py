@@ -54,15 +54,14 @@ def kernel_parts(trace: dict) -> dict[str, tuple[float, int]]:
 def table(traces: Sequence[dict], names: Sequence[str], divisors: Sequence[float]) -> str:
     """The parts of every trace, each divided by its divisor, in ms (the kernels counted, not
     divided, in brackets)."""
-    columns = [kernel_parts(trace) for trace in traces]
-    rows = []
-    for part in [*(part for part, _ in PARTS), OTHER, "total"]:
-        cells = []
-        for parts, divisor in zip(columns, divisors):
-            ms, count = (sum(ms for ms, _ in parts.values()), sum(n for _, n in parts.values())) \
-                if part == "total" else parts[part]
-            cells.append(f"{ms / divisor:.1f} ({count})" if count else "-")
-        rows.append([part, *cells])
+    columns = []
+    for trace in traces:
+        parts = kernel_parts(trace)
+        parts["total"] = (sum(ms for ms, _ in parts.values()), sum(count for _, count in parts.values()))
+        columns.append(parts)
+    rows = [[part, *(f"{parts[part][0] / divisor:.1f} ({parts[part][1]})" if parts[part][1] else "-"
+                     for parts, divisor in zip(columns, divisors))]
+            for part in columns[0]]
     headers = ["part", *(name + (f" / {divisor:g}" if divisor != 1 else "") for name, divisor in zip(names, divisors))]
     return tabulate(rows, headers=headers, tablefmt="github")
 
