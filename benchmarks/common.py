@@ -69,6 +69,18 @@ def kernel_intervals(chrome_trace: dict) -> tuple[list[tuple[float, float]], lis
     return comm, compute
 
 
+def kernel_totals(trace: dict, key: Callable[[str], str]) -> dict[str, tuple[int, float]]:
+    """The device kernels of a profiler Chrome trace grouped by ``key(name)``: per group, the
+    kernel count and their summed time in microseconds."""
+    totals: dict[str, tuple[int, float]] = {}
+    for event in trace["traceEvents"]:
+        if event.get("cat") == "kernel" and "dur" in event:
+            group = key(event["name"])
+            count, total = totals.get(group, (0, 0.0))
+            totals[group] = (count + 1, total + float(event["dur"]))
+    return totals
+
+
 def kernel_summary(trace: dict, rows: int = 12) -> str:
     """One traced step: its span (first kernel start to last kernel end), the time some kernel
     runs, the kernel count, and the ``rows`` kernel names with the most time."""
@@ -76,12 +88,7 @@ def kernel_summary(trace: dict, rows: int = 12) -> str:
     kernels = comm + compute
     span = max(stop for _, stop in kernels) - min(start for start, _ in kernels)
     busy = sum(stop - start for start, stop in union_intervals(kernels))
-    by_name: dict[str, list[float]] = {}
-    for event in trace["traceEvents"]:
-        if event.get("cat") == "kernel" and "dur" in event:
-            entry = by_name.setdefault(event["name"][:90], [0, 0.0])
-            entry[0] += 1
-            entry[1] += float(event["dur"])
+    by_name = kernel_totals(trace, lambda name: name[:90])
     top = sorted(by_name.items(), key=lambda item: -item[1][1])[:rows]
     lines = [f"span {span / 1e3:.2f} ms, some kernel running {busy / 1e3:.2f} ms, {len(kernels)} kernels"]
     lines += [f"    {total / 1e3:8.3f} ms {count:5d}x  {name}" for name, (count, total) in top]

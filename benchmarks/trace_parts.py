@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from benchmarks.common import kernel_totals
 from benchmarks.speed_measure import read_trace
 
 # (part, pattern of the kernel's name), the first that matches names it; the helpers come
@@ -42,13 +43,9 @@ def part_of(kernel: str) -> str:
 
 def kernel_parts(trace: dict) -> dict[str, tuple[float, int]]:
     """Per part, the kernels' summed time (ms) and their count, in :data:`PARTS`' order."""
-    parts = {part: [0.0, 0] for part, _ in PARTS} | {OTHER: [0.0, 0]}
-    for event in trace["traceEvents"]:
-        if event.get("cat") == "kernel" and "dur" in event:
-            entry = parts[part_of(event["name"])]
-            entry[0] += float(event["dur"]) / 1e3
-            entry[1] += 1
-    return {part: (ms, count) for part, (ms, count) in parts.items()}
+    totals = kernel_totals(trace, part_of)
+    parts = [*(part for part, _ in PARTS), OTHER]
+    return {part: (total / 1e3, count) for part in parts for count, total in [totals.get(part, (0, 0.0))]}
 
 
 def table(traces: Sequence[dict], names: Sequence[str], divisors: Sequence[float]) -> str:
