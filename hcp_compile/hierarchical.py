@@ -61,6 +61,7 @@ def ring_forward(q: Tensor, kv: Tensor, sched: RingSchedule, groups: CPGroups,
             # the last merge writes the input dtype itself: no separate conversion pass
             out, lse = merge_partials(out, lse, block_out, block_lse,
                                       out_dtype=q.dtype if index == last else None)
+            del block_out, block_lse  # merged: not held through the next step's block
     return out.to(q.dtype), lse
 
 
@@ -95,6 +96,7 @@ def ring_backward(
             )
             dq = accumulate(dq, dq_block, out_dtype=q.dtype if index == last else None)
             dkv = torch.cat([dk_block, dv_block], dim=1)
+            del dq_block, dk_block, dv_block  # summed: not held through the next step's block
         if index == 0:  # the own step covers the whole stream: its GROUP rows stay home
             dkv, home = dkv.split([width, dkv.shape[0] - width])
         steps.add(index, dkv)

@@ -303,6 +303,23 @@ def test_dump_dir_holds_every_ranks_graph_files(cp_world, mesh, case):
                 summary["ulysses"], summary["ring"], summary["all_reduce"]), f"rank {rank} {graph}"
 
 
+@pytest.mark.parametrize("mesh, case", STRUCTURE_MODELS)
+def test_ring_steps_merge_and_sum_in_one_op_each(cp_world, mesh, case):
+    """Each ring step after the first merges its block's output into the running one (forward)
+    and adds its block's dq to the running sum and its section's dKV to the accumulator that
+    arrived (backward) in one ``hcp::merge_step`` / ``hcp::accumulate_step`` each. As torch
+    expressions, the inner compiler fused a ring's merges (and its dq sums) into one region
+    that read every step's block result at the end, and so kept them all alive until the
+    last step (kernels/merge.py)."""
+    ring = mesh[1]
+    per_layer = groups_of(mesh, case.heads_kv) * (ring - 1)
+    for rank, result in enumerate(compile_world(cp_world, mesh).values(case.id)):
+        texts = result["texts"]
+        merges = texts["aot_forward.py"].count("torch.ops.hcp.merge_step.default(")
+        sums = texts["aot_backward.py"].count("torch.ops.hcp.accumulate_step.default(")
+        assert (merges, sums) == (per_layer * case.layers, 2 * per_layer * case.layers), f"rank {rank}"
+
+
 # --------------------------------------------------------------------------------------------
 # torch's own varlen_attn, the logsumexp output
 # --------------------------------------------------------------------------------------------

@@ -4,10 +4,15 @@ partial softmax result into the running one, and the fp32 sums of the backward.
 Eagerly on CUDA (fp16/bf16/fp32 outputs, fp32 lse) the merge is ONE Triton kernel that reads
 the running ``(out, lse)`` and the block's and writes the merged pair, into the running
 buffers when they are already fp32 (only the first merge allocates the fp32 accumulator), and
-on the last step optionally straight in the input dtype (``out_dtype``). Under tracing
-(``torch.compiler.is_compiling()``, or any dispatch mode), on CPU, for float64 or anything
-else unusual, it is the plain torch expression, which Inductor fuses into one region of the
-compiled graph.
+on the last step optionally straight in the input dtype (``out_dtype``). On CPU, for float64
+or anything else unusual, it is the plain torch expression.
+
+Under tracing (``torch.compiler.is_compiling()``, or any dispatch mode) each merge and each sum
+is one opaque op, ``hcp::merge_step`` and ``hcp::accumulate_step``, which runs the same code
+on new tensors. As torch expressions, Inductor fused a ring's chain of merges (and of dq sums)
+into one region at the end, which reads every step's block result: all of them stayed alive
+until the last step (docs/benchmarks.md, "Why the peak per rank stays above 1/N"). An op's
+result is a buffer of its own, and the block result it read is freed after it.
 
 Both functions CONSUME their running arguments: ``merge_partials``'s ``out`` and ``lse`` and
 ``accumulate``'s ``acc`` may be overwritten and returned; the caller must own them (the ring
@@ -17,6 +22,7 @@ returned."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import Tensor
@@ -63,9 +69,31 @@ def merge_partials(
     ``out`` and ``lse`` are consumed (see the module docstring)."""
     if out is None:
         return (block_out if out_dtype is None else block_out.to(out_dtype)), block_lse
+    if _traced():
+        return merge_step(out, lse, block_out, block_lse, out_dtype)
     if _triton_merge_applies(out, lse, block_out, block_lse, out_dtype):
         return merge_partials_triton(out, lse, block_out, block_lse, out_dtype)
     return merge_partials_torch(out, lse, block_out, block_lse, out_dtype)
+
+
+@torch.library.custom_op("hcp::merge_step", mutates_args=())
+def merge_step(
+    out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, out_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`merge_partials` of two blocks as one op of a traced graph, into new tensors (an
+    op's outputs may not alias its inputs): see the module docstring."""
+    if _triton_merge_applies(out, lse, block_out, block_lse, out_dtype):
+        return merge_partials_triton(out, lse, block_out, block_lse, out_dtype, in_place=False)
+    # contiguous, as the fake results are: a compiled graph checks an op's strides
+    return tuple(t.contiguous() for t in merge_partials_torch(out, lse, block_out, block_lse, out_dtype))
+
+
+@merge_step.register_fake
+def _(out, lse, block_out, block_lse, out_dtype):
+    merged_dtype = functools.reduce(torch.promote_types, (out.dtype, block_out.dtype, lse.dtype, block_lse.dtype))
+    return (out.new_empty(torch.broadcast_shapes(out.shape, block_out.shape), dtype=out_dtype or merged_dtype),
+            lse.new_empty(torch.broadcast_shapes(lse.shape, block_lse.shape),
+                          dtype=torch.promote_types(lse.dtype, block_lse.dtype)))
 
 
 def merge_partials_torch(
@@ -99,7 +127,7 @@ def _plain(*tensors: Tensor) -> bool:
 def _triton_merge_applies(
     out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, out_dtype: torch.dtype | None,
 ) -> bool:
-    if triton is None or _traced():
+    if triton is None:
         return False
     tensors = (out, lse, block_out, block_lse)
     if not _plain(*tensors):
@@ -121,24 +149,24 @@ def _triton_merge_applies(
 def merge_partials_triton(
     out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor,
     out_dtype: torch.dtype | None = None, *, block_t: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 4, in_place: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """The merge as one Triton kernel, on any strides (fp16/bf16/fp32 outputs, fp32 lse,
     ``out``/``block_out`` ``[T, H, D]``, ``lse``/``block_lse`` ``[H, T]``; what
     :func:`merge_partials` checks). The merged out (fp32, or ``out_dtype``) is written into
     ``out`` when ``out`` is contiguous and already of that dtype, the merged lse into ``lse``
-    when it is contiguous; otherwise into new contiguous tensors. Runs on CUDA, and on CPU
-    tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before this module is
-    imported). ``block_t`` and ``num_warps``: tile rows and warps (benchmarks)."""
+    when it is contiguous (``in_place``); otherwise into new contiguous tensors. Runs on CUDA,
+    and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before this module
+    is imported). ``block_t`` and ``num_warps``: tile rows and warps (benchmarks)."""
     if triton is None:
         raise RuntimeError("merge_partials_triton needs Triton")
     tokens, heads, dim = out.shape
     result_dtype = torch.float32 if out_dtype is None else out_dtype
-    if out.dtype == result_dtype and out.is_contiguous():
+    if in_place and out.dtype == result_dtype and out.is_contiguous():
         merged_out = out
     else:
         merged_out = torch.empty((tokens, heads, dim), dtype=result_dtype, device=out.device)
-    if lse.is_contiguous():
+    if in_place and lse.is_contiguous():
         merged_lse = lse
     else:
         merged_lse = torch.empty_like(lse, memory_format=torch.contiguous_format)
@@ -177,21 +205,47 @@ def accumulate(acc: Tensor | None, x: Tensor, out_dtype: torch.dtype | None = No
     functional expression. ``acc`` is consumed (see the module docstring)."""
     if acc is None:
         return x if out_dtype is None else x.to(out_dtype)
+    if _traced():
+        return accumulate_step(acc, x, out_dtype)
     dtype = accumulate_dtype(torch.promote_types(acc.dtype, x.dtype))
-    if not _traced() and _plain(acc, x):
+    if _plain(acc, x):
         same_shape = acc.shape == x.shape
         if (out_dtype in (None, dtype) and acc.dtype == dtype and acc.is_contiguous()
                 and (same_shape or torch.broadcast_shapes(acc.shape, x.shape) == acc.shape)
                 and not (acc.is_inference() and not torch.is_inference_mode_enabled())):
             return acc.add_(x)
-        if (triton is not None and dtype == torch.float32 and same_shape
-                and acc.device.type in _KERNEL_DEVICES and x.device == acc.device
-                and acc.is_contiguous() and x.is_contiguous()
-                and acc.dtype in _KERNEL_OUT_DTYPES and x.dtype in _KERNEL_OUT_DTYPES
-                and out_dtype in (None, *_KERNEL_OUT_DTYPES)):
+        if _triton_add_applies(acc, x, out_dtype):
             return add_triton(acc, x, out_dtype)
-    result = acc.to(dtype) + x
+    return _sum(acc, x, out_dtype)
+
+
+def _triton_add_applies(acc: Tensor, x: Tensor, out_dtype: torch.dtype | None) -> bool:
+    return (triton is not None and acc.shape == x.shape
+            and accumulate_dtype(torch.promote_types(acc.dtype, x.dtype)) == torch.float32
+            and acc.device.type in _KERNEL_DEVICES and x.device == acc.device
+            and acc.is_contiguous() and x.is_contiguous()
+            and acc.dtype in _KERNEL_OUT_DTYPES and x.dtype in _KERNEL_OUT_DTYPES
+            and out_dtype in (None, *_KERNEL_OUT_DTYPES))
+
+
+def _sum(acc: Tensor, x: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    result = acc.to(accumulate_dtype(torch.promote_types(acc.dtype, x.dtype))) + x
     return result if out_dtype is None else result.to(out_dtype)
+
+
+@torch.library.custom_op("hcp::accumulate_step", mutates_args=())
+def accumulate_step(acc: Tensor, x: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    """:func:`accumulate` of a running sum and a block as one op of a traced graph, into a new
+    tensor: see the module docstring."""
+    if _triton_add_applies(acc, x, out_dtype):
+        return add_triton(acc, x, out_dtype)
+    return _sum(acc, x, out_dtype).contiguous()
+
+
+@accumulate_step.register_fake
+def _(acc, x, out_dtype):
+    dtype = out_dtype or accumulate_dtype(torch.promote_types(acc.dtype, x.dtype))
+    return acc.new_empty(torch.broadcast_shapes(acc.shape, x.shape), dtype=dtype)
 
 
 def add_triton(a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
