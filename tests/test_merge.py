@@ -165,16 +165,20 @@ def test_accumulate_on_cpu():
     expected = (acc + x.float()).to(torch.bfloat16)
     assert torch.equal(accumulate(acc, x, out_dtype=torch.bfloat16), expected)
     assert accumulate(None, x, out_dtype=torch.float32).dtype == torch.float32
-    # under a dispatch mode (make_fx, an op counter): the functional expression
+    # under a dispatch mode (make_fx, an op counter): one op, into a new tensor
     before = acc.clone()
     with RecordOps() as mode:
         summed = accumulate(acc, x)
-    assert summed is not acc and torch.equal(acc, before) and mode.ops
+    assert summed is not acc and torch.equal(acc, before)
+    assert mode.ops == [torch.ops.hcp.accumulate_step.default]
+    assert torch.equal(summed, before + x.float())
 
 
-def test_compiled_graph_uses_the_torch_expressions():
-    """Traced, both are functional torch ops in one graph (no break at the eager branches,
-    nothing written into the inputs), with the eager values."""
+def test_compiled_graph_calls_one_op_per_merge_and_sum():
+    """Traced, each is one functional op (``hcp::merge_step``, ``hcp::accumulate_step``) in one
+    graph (no break at the eager branches, nothing written into the inputs), with the eager
+    values. As torch expressions, Inductor fused a ring's chain of them into one region that
+    kept every step's block result alive (kernels/merge.py)."""
     import torch._dynamo
 
     def ring_like(out, lse, block_out, block_lse, acc, x):
@@ -186,13 +190,41 @@ def test_compiled_graph_uses_the_torch_expressions():
     acc, x = torch.randn(9, 2, 8), torch.randn(9, 2, 8).bfloat16()
     keep = [t.clone() for t in (*inputs, acc)]
     torch._dynamo.reset()
-    compiled = torch.compile(ring_like, backend="eager", fullgraph=True)
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(ring_like, backend=keep_graph, fullgraph=True)
     got = compiled(*inputs, acc, x)
+    (graph,) = graphs
+    called = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert torch.ops.hcp.merge_step.default in called and torch.ops.hcp.accumulate_step.default in called
+    assert torch.logaddexp not in called and torch.ops.aten.logaddexp.default not in called
     for before, after in zip(keep, (*inputs, acc)):
         assert torch.equal(before, after)
     expected = ring_like(*keep[:4], keep[4].clone(), x)
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                              (torch.bfloat16, torch.bfloat16), (torch.float64, None)])
+def test_step_ops_pass_opcheck_and_match_the_expressions(dtype, out_dtype):
+    """The ops' schemas, fake kernels and traced use agree with their real kernels
+    (``torch.library.opcheck``); their values are the torch expressions'."""
+    out, lse, block_out, block_lse = make_inputs(7, 2, 8, dtype)
+    merge_args = (out, lse, block_out, block_lse, out_dtype)
+    torch.library.opcheck(merge.merge_step, merge_args)
+    got = merge.merge_step(*merge_args)
+    for g, e in zip(got, merge_partials_torch(*merge_args)):
+        assert g.dtype == e.dtype and torch.equal(g, e)
+    acc = torch.randn(7, 2, 8, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    sum_args = (acc, block_out, out_dtype)
+    torch.library.opcheck(merge.accumulate_step, sum_args)
+    expected = acc + block_out.to(acc.dtype)
+    assert torch.equal(merge.accumulate_step(*sum_args), expected if out_dtype is None else expected.to(out_dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,9 +351,9 @@ def test_cuda_special_values_strides_and_accumulate():
     got = merge_partials(out, wide[:, :300], head_major, block_lse)
     check_against_reference(*got, (out, lse, block_out, block_lse))
     assert (wide[:, 300:] == 5.0).all()
-    with RecordOps() as mode:  # a dispatch mode sees the torch expressions, not a raw launch
+    with RecordOps() as mode:  # a dispatch mode sees the op, not a raw launch
         merge_partials(out, lse, block_out, block_lse)
-    assert torch.ops.aten.logaddexp.default in mode.ops
+    assert mode.ops == [torch.ops.hcp.merge_step.default]
     # fp32 sums: in place into fp32; the first sum of two bf16 blocks in one pass
     x, y = block_out.clone(), out.clone()
     first = accumulate(x, y)
@@ -330,7 +362,7 @@ def test_cuda_special_values_strides_and_accumulate():
     assert accumulate(first, x) is first and torch.equal(first, expected)
     last = accumulate(first.clone(), y, out_dtype=torch.bfloat16)  # one Triton pass, RTNE
     assert last.dtype == torch.bfloat16 and torch.equal(last, (first + y.float()).bfloat16())
-    # and inside a compiled graph: the functional expression
+    # and inside a compiled graph: the op, into new tensors
     compiled = torch.compile(lambda *t: merge_partials(*t), backend="eager", fullgraph=True)
     inputs = make_inputs(45, 3, 64, torch.float32, device="cuda")
     keep = [t.clone() for t in inputs]
