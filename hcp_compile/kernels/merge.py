@@ -100,8 +100,8 @@ def merge_partials_torch(
     out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The merge as torch ops (not in place): the expression the compiled graph fuses, and
-    the eager path off CUDA. Exactly the body ``hierarchical.merge_partials`` had."""
+    """The merge as torch ops (not in place): the eager path off CUDA, and the traced op's
+    off CUDA."""
     merged = torch.logaddexp(lse, block_lse)
     finite = torch.isfinite(merged)
     reference = torch.where(finite, merged, 0)
@@ -113,7 +113,7 @@ def merge_partials_torch(
 
 def _traced() -> bool:
     """Dynamo tracing, or any dispatch mode (make_fx, FakeTensorMode, a counting mode) that a
-    raw kernel launch would bypass: the torch expressions then."""
+    raw kernel launch would bypass: one op then, which the mode sees."""
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
