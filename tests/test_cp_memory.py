@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from memory_cases import MESH, SUITE, suite
+from memory_cases import MESH, RING_MESH, RING_SUITE, SUITE, ring_step_suite, suite
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +32,18 @@ def test_held_bytes_counted_from_the_layout_are_what_the_forward_keeps(memory_wo
     forward really keeps, on every rank."""
     for rank, result in enumerate(memory_world.values(case.id)):
         assert result["counted_held_bytes"] == result["held_bytes"], f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("case", ring_step_suite(RING_MESH), ids=lambda c: c.id)
+def test_a_ring_step_holds_no_earlier_steps_block_results(cp_world, case):
+    """When a ring step's block starts, forward or backward, no earlier step's block result is
+    alive but the first step's, which the running output and lse (forward) and the running
+    dq sum (backward) begin as: each step's results are merged or summed and dropped before the
+    next block (docs/benchmarks.md, "Merges and sums as ops")."""
+    world = cp_world(RING_MESH, suite=RING_SUITE)
+    for rank, result in enumerate(world.values(case.id)):
+        for direction in ("forward", "backward"):
+            alive = result[direction]
+            assert len(alive) == RING_MESH[1], f"rank {rank} {direction}: {len(alive)} ring steps: the case tests nothing"
+            assert all(set(steps) <= {0} for steps in alive), (
+                f"rank {rank} {direction}: earlier steps alive at each step's block: {alive}")
