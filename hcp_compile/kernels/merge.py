@@ -201,8 +201,8 @@ def accumulate(acc: Tensor | None, x: Tensor, out_dtype: torch.dtype | None = No
     When ``acc`` is already of the result's dtype, contiguous and of the result's shape, it is
     updated in place (``acc.add_(x)``: on CUDA one pass that reads ``x`` in its own dtype).
     Eagerly on CUDA, otherwise (the first sum, of two blocks in the input dtype, or a sum
-    written in ``out_dtype``), one Triton pass writes a new result. Under tracing it is the
-    functional expression. ``acc`` is consumed (see the module docstring)."""
+    written in ``out_dtype``), one Triton pass writes a new result. Under tracing it is one op,
+    ``hcp::accumulate_step``, with a new result. ``acc`` is consumed (see the module docstring)."""
     if acc is None:
         return x if out_dtype is None else x.to(out_dtype)
     if _traced():
