@@ -11,7 +11,7 @@ Under tracing (``torch.compiler.is_compiling()``, or any dispatch mode) each mer
 is one opaque op, ``hcp::merge_step`` and ``hcp::accumulate_step``, which runs the same code
 on new tensors. As torch expressions, Inductor fused a ring's chain of merges (and of dq sums)
 into one region at the end, which reads every step's block result: all of them stayed alive
-until the last step (docs/benchmarks.md, "Why the peak per rank stays above 1/N"). An op's
+until the last step (docs/benchmarks.md, "Merges and sums as ops"). An op's
 result is a buffer of its own, and the block result it read is freed after it.
 
 Both functions CONSUME their running arguments: ``merge_partials``'s ``out`` and ``lse`` and
