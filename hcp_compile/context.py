@@ -83,6 +83,9 @@ class ContextParallel:
         self.shape = MeshShape(self.groups.ulysses_size, self.groups.ring_size, options.placement)
         # (prepared batch, call signature) -> schedule, for the latest batch only
         self._schedules: dict[tuple, RingSchedule] = {}
+        # (ids and versions of the cu_seqlens tensors, call sizes) ->
+        # (BatchCache.changes, cu_seqlens_q, cu_seqlens_k, _CheckedCall)
+        self._checks: dict[tuple, tuple[int, Tensor, Tensor, _CheckedCall]] = {}
         self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> "ContextParallel":
@@ -100,10 +103,10 @@ class ContextParallel:
         window: tuple[int, int],
     ) -> Tensor:
         groups = self.groups
-        error, kernel, prepared, failures = None, None, None, ()
+        error, kernel, checked, failures = None, None, None, ()
         try:
-            prepared = self._prepared(cu_seqlens_q)
-            failures = self._batch_failures(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prepared)
+            checked = self._checked_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            failures = checked.failures
             if not failures:
                 kernel = resolve_kernel(
                     self.options.kernel,
@@ -117,31 +120,25 @@ class ContextParallel:
         if self.options.agree_across_ranks or error is not None or failures:
             verdict = Verdict(
                 tuple(validation.verdict(failures, (groups.ring_rank, groups.ulysses_rank))), error is not None,
-                0 if prepared is None else prepared.fingerprint(self.options.recompute_exchange, self.options.scheme),
+                0 if checked is None else checked.fingerprint,
             ).encode()
             if self.options.agree_across_ranks:
                 verdict = agree(groups, verdict, timeout_s=self.options.agreement_timeout_s, caller="varlen_attention")
             raise_agreed(verdict.tolist(), error)
         # max_seqlen only bounds the kernels' segments: the larger one is right for both
         max_seqlen = max(max_seqlen_q, max_seqlen_k)
-        sched = self._schedule(q, prepared, max_seqlen, causal, scale, window, kernel)
+        sched = self._schedule(q, k, checked.prepared, max_seqlen, causal, scale, window, kernel)
         return HierarchicalAttention.apply(q, k, v, sched, self.groups, False, self.options.recompute_exchange)
 
-    def _prepared(self, cu_seqlens: Tensor) -> PreparedBatch:
-        """The batch, by value (shard_plan prepared it already, here or in a DataLoader
-        worker, unless the cache lost it)."""
-        validation.check_cu_seqlens_dtype(cu_seqlens, "cu_seqlens_q")
-        return find(cu_seqlens, self.shape)
-
     def _schedule(
-        self, q: Tensor, prepared: PreparedBatch, max_seqlen: int, causal: bool, scale: float,
+        self, q: Tensor, k: Tensor, prepared: PreparedBatch, max_seqlen: int, causal: bool, scale: float,
         window: tuple[int, int], kernel: str,
     ) -> RingSchedule:
         """The ring schedule from the prepared batch's host tables, kept per batch and call
         signature: the layers of a model share one (building it runs no collective, so a cache
         miss on one rank only is harmless). Per prepared batch, not per value: a batch the
         batch cache dropped and prepared again has new cache keys and host copies of tables."""
-        key = (prepared, q.device, max_seqlen, causal, scale, window, kernel)
+        key = (prepared, q.device, max_seqlen, causal, scale, window, kernel, k.shape[1])
         if key not in self._schedules:
             for stale in [old for old in self._schedules if old[0] is not prepared]:
                 del self._schedules[stale]  # another batch: the old one's layers are done
@@ -156,23 +153,56 @@ class ContextParallel:
                 flat, plan.sizes, plan.steps, ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=scale,
                 window=window, kernel=kernel, active=list(plan.active) if self.options.skip_outside_window else None,
                 first_cache_key=first_key, scheme=self.options.scheme, gathered=plan.gathered,
+                kv_heads=k.shape[1], ulysses=groups.ulysses_size,
             )
         return self._schedules[key]
 
-    def _batch_failures(self, q, k, v, cu_q, cu_k, max_q, max_k, prepared: PreparedBatch) -> tuple:
-        """The batch rules one call breaks (validation.py; no collective), after the rules of
-        its inputs' shapes, which raise. Kept with the batch per call, as the compiled graph's
-        check is: the layers of a model make the same call."""
+    def _checked_call(self, q, k, v, cu_q, cu_k, max_q, max_k) -> "_CheckedCall":
+        """The call checked against its batch (validation.py; no collective), after the rules of
+        its inputs' shapes, which raise. Kept per ``cu_seqlens`` tensors, their versions and the
+        call's sizes until the batch cache changes (a batch comes, goes or is laid out again,
+        ``BatchCache.changes``), as the compiled graph's check is kept per call: the layers of a
+        model make the same call, and find their batch here without asking the batch package."""
         groups = self.groups
+        validation.check_cu_seqlens_dtype(cu_q, "cu_seqlens_q")
         validation.check_qkv(q, k, v)
         validation.check_head_split(q.shape[1], k.shape[1], groups.ulysses_size)
-        keys = None
         if cu_k is not cu_q:
             validation.check_cu_seqlens_dtype(cu_k, "cu_seqlens_k")
-            keys = host_values(cu_k)
-        tokens, rank = (q.shape[0], k.shape[0], v.shape[0]), (groups.ring_rank, groups.ulysses_rank)
-        call = ("eager", None if keys is None else keys.digest, tokens, (max_q, max_k), rank)
-        return BATCHES.checked(prepared, call, lambda: checked_batch(prepared, keys, tokens, (max_q, max_k), rank))
+        tokens, maxes = (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k)
+        # by identity: the kept entry holds the tensors, so their ids stay theirs
+        signature = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, tokens, maxes)
+        found = self._checks.get(signature)
+        if found is not None and found[0] == BATCHES.changes and found[1] is cu_q and found[2] is cu_k:
+            return found[3]
+        # by value: shard_plan prepared the batch already, here or in a DataLoader worker,
+        # unless the cache lost it
+        prepared = find(cu_q, self.shape)
+        keys = None if cu_k is cu_q else host_values(cu_k)
+        rank = (groups.ring_rank, groups.ulysses_rank)
+        call = ("eager", None if keys is None else keys.digest, tokens, maxes, rank)
+        checked = _CheckedCall(
+            prepared, BATCHES.checked(prepared, call, lambda: checked_batch(prepared, keys, tokens, maxes, rank)),
+            prepared.fingerprint(self.options.recompute_exchange, self.options.scheme),
+        )
+        if len(self._checks) >= _CHECKS_KEPT:
+            self._checks.clear()  # tensors of batches done with
+        self._checks[signature] = (BATCHES.changes, cu_q, cu_k, checked)
+        return checked
+
+
+# calls checked kept by a context_parallel block: a step's batch and its keys, the next one's
+_CHECKS_KEPT = 4
+
+
+@dataclass(frozen=True)
+class _CheckedCall:
+    """One call of a batch as its check left it: the prepared batch, the batch rules the call
+    breaks, and the fingerprint the ranks agree on."""
+
+    prepared: PreparedBatch
+    failures: tuple
+    fingerprint: int
 
 
 def context_parallel(mesh: MeshLike, **options) -> ContextParallel:

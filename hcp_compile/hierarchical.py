@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from hcp_compile.batch.layout import StepKind, known_empty
-from hcp_compile.batch.schedule import RingSchedule, RingStep, exchanged_head_groups, kv_head_repeat
+from hcp_compile.batch.layout import StepKind
+from hcp_compile.batch.schedule import RingSchedule, RingStep
 from hcp_compile.exchange.collectives import Issued
 from hcp_compile.exchange.mesh import CPGroups
 from hcp_compile.exchange.schemes import HeadExchange, KVRing, scheme_named
@@ -103,10 +103,9 @@ def ring_backward(
     return dq.to(q.dtype), torch.cat([steps.result(), home.to(kv.dtype)])
 
 
-def _repeated_kv(k_x: Tensor, v_x: Tensor, groups: CPGroups) -> tuple[Tensor, Tensor]:
-    """The exchange regions of k and v with each head repeated where the Ulysses group has
-    more ranks than KV heads (every rank then gets one)."""
-    repeat = kv_head_repeat(k_x.shape[1], groups.ulysses_size)
+def _repeated_kv(k_x: Tensor, v_x: Tensor, repeat: int) -> tuple[Tensor, Tensor]:
+    """The exchange regions of k and v with each head repeated ``repeat`` times where the
+    Ulysses group has more ranks than KV heads (every rank then gets one)."""
     if repeat == 1:
         return k_x, v_x
     return k_x.repeat_interleave(repeat, dim=1), v_x.repeat_interleave(repeat, dim=1)
@@ -166,33 +165,22 @@ def _scatter_together(heads: HeadExchange, sent: list[Tensor], ulysses: tuple, p
 
 def _split_regions(x: Tensor, sched: RingSchedule) -> tuple[Tensor, Tensor]:
     """A rank's ``[T, ...]`` tensor -> its local region and its exchange region; the local
-    region with the pad rows after it (every row) where :func:`_local_holds_every_row`."""
+    region with the pad rows after it (every row) where ``sched.local_holds_every_row``."""
     sizes = sched.sizes
     local, exchange, _pads = x.split([sizes.local, sizes.own_exchange, sizes.pad])
-    return (x if _local_holds_every_row(sched) else local), exchange
+    return (x if sched.local_holds_every_row else local), exchange
 
 
 def _join_regions(local: Tensor, exchange: Tensor, sched: RingSchedule, dim: int = 0,
                   pad_value: float = 0.0) -> Tensor:
     """Inverse of :func:`_split_regions` along ``dim``, the pad rows ``pad_value``."""
-    if _local_holds_every_row(sched):
+    if sched.local_holds_every_row:
         # its pad rows come out of the block op as rows without keys (BlockSpec.covered_rows),
         # set inside the op: a fill here would be a mutation a compiled graph functionalizes
         return local
     shape = list(local.shape)
     shape[dim] = sched.sizes.pad
     return torch.cat([local, exchange, local.new_full(shape, pad_value)], dim=dim)
-
-
-def _local_holds_every_row(sched: RingSchedule) -> bool:
-    """Whether the local region's block runs over all of the rank's rows: where its exchange
-    region is empty (a batch of short documents, every one whole on its rank), the pad rows
-    follow the local region outside its segments, the block op sets them (out 0, lse -inf,
-    gradients 0: ``BlockSpec.covered_rows``), and the rank's output and gradients are the
-    block's own, not a join that copies them. Decided as every size is
-    (:func:`layout.known_empty`): eagerly, and in a graph built for batches that exchange
-    nothing (its exchange regions are the constant 0)."""
-    return known_empty(sched.sizes.own_exchange)
 
 
 class HierarchicalAttention(torch.autograd.Function):
@@ -216,11 +204,11 @@ class HierarchicalAttention(torch.autograd.Function):
         return_lse: bool, recompute_exchange: bool = False,
     ):
         (q_l, q_x), (k_l, k_x), (v_l, v_x) = (_split_regions(t, sched) for t in (q, k, v))
-        k_x, v_x = _repeated_kv(k_x, v_x, groups)
+        k_x, v_x = _repeated_kv(k_x, v_x, sched.kv_repeat)
         scheme = scheme_named(sched.scheme)
         heads = scheme.heads
         # 0 where nothing is exchanged (a batch of short documents): no collective at all
-        parts = exchanged_head_groups(sched.sizes, len(sched.steps), k.shape[1], groups.ulysses_size)
+        parts = sched.head_groups
         ulysses = (groups.ulysses_group, groups.ulysses_size, sched.sizes.exchange)
         back = (*ulysses, groups.ulysses_rank)
 
@@ -249,7 +237,7 @@ class HierarchicalAttention(torch.autograd.Function):
         # q, k and v whole only where the backward exchanges them again or all rows are local:
         # else it reads just their local rows, and a view of those would keep the exchanged
         # rows' storage (in a model, the projection's whole output) alive until the backward
-        whole = recompute_exchange or _local_holds_every_row(sched)
+        whole = recompute_exchange or sched.local_holds_every_row
         kept = (q, k, v) if whole else (q_l.clone(), k_l.clone(), v_l.clone())
         _save(ctx, (*kept, out, lse_l), streams)
         ctx.sched, ctx.groups, ctx.parts, ctx.recompute = sched, groups, parts, recompute_exchange
@@ -266,7 +254,7 @@ class HierarchicalAttention(torch.autograd.Function):
     def backward(ctx, dout: Tensor, *_grad_lse):
         (q, k, v, out, lse_l), streams = _saved(ctx)
         sched, groups, parts, recompute = ctx.sched, ctx.groups, ctx.parts, ctx.recompute
-        repeat = kv_head_repeat(k.shape[1], groups.ulysses_size)
+        repeat = sched.kv_repeat
         scheme = scheme_named(sched.scheme)
         heads = scheme.heads
         dout = dout.contiguous()
@@ -281,7 +269,7 @@ class HierarchicalAttention(torch.autograd.Function):
         # count, never data-dependent) for the ring messages to carry
         carried = dout.reshape(-1)[:1]
         if recompute:
-            sent = [dout_x, q_x, out_x, *_repeated_kv(k_x, v_x, groups)]
+            sent = [dout_x, q_x, out_x, *_repeated_kv(k_x, v_x, repeat)]
 
             def scatter(part: int) -> Issued:
                 return _scatter_stream(heads, sent, ulysses, part, parts, carried)

@@ -220,3 +220,66 @@ def test_the_walk_tool_prints_every_doors_walk(monkeypatch, capsys):
     for column in ("eager, first call", "eager, batch seen", "compiled, batch seen", "one device, batch seen"):
         assert column in header
     assert rows[-1].startswith("total") and not dist.is_initialized()
+
+
+def test_find_keeps_a_tensors_batch_until_the_tensor_or_the_cache_changes():
+    """``BatchCache.find`` answers again for the same tensor and version without building;
+    a write into the tensor, another tensor of the same values, a batch laid out again or
+    ``clear`` ask the finder again; nothing is kept for a tensor freed."""
+    cache, built = BatchCache(), []
+
+    def finder(cu):
+        def build():
+            built.append(1)
+            return cache.adopt(prepared.prepare_batch(cu, ulysses=2, ring=1))
+        return build
+
+    cu = cu_seqlens((3, 4))
+    first = cache.find(cu, SHAPE, finder(cu))
+    assert cache.find(cu, SHAPE, finder(cu)) is first and len(built) == 1
+    same_values = cu.clone()
+    assert cache.find(same_values, SHAPE, finder(same_values)) is first and len(built) == 2
+    cu[1] = 2  # in place: the tensor's version moves
+    assert cache.find(cu, SHAPE, finder(cu)) is not first and len(built) == 3
+    cache.record_plan(first)  # a batch laid out again may change what a tensor's values find
+    cache.find(same_values, SHAPE, finder(same_values))
+    assert len(built) == 4
+    cache.clear()
+    cache.find(same_values, SHAPE, finder(same_values))
+    assert len(built) == 5
+    freed = weakref.ref(same_values)
+    del same_values
+    gc.collect()
+    assert freed() is None and len(cache._by_tensor) == 0
+
+
+def test_an_eager_block_sees_a_batch_laid_out_again_for_a_window():
+    """The block keeps a call's check per cu_seqlens tensor; ``shard_plan`` laying the same
+    values out for a window between two calls makes the next call take that layout (the
+    shards are laid out for it), not the kept one."""
+    cu = cu_seqlens(LENGTHS)
+    with fake_world(ULYSSES, RING) as mesh:
+        local = local_shards(cu, mesh)
+        with hc.context_parallel(mesh) as block:
+            attend(*local, cu, max(LENGTHS))
+            (*_, before), = block._checks.values()
+            assert before.prepared.mesh.window == (-1, -1)
+            windowed = hc.shard_plan(cu, mesh, window=(64, 0))
+            local = [windowed.shard(seeded(f"doors/{n}", int(cu[-1]), 4, 16)) for n in "qkv"]
+            hc.varlen_attention(*local, cu, cu, max(LENGTHS), max(LENGTHS), causal=True, window_size=(64, 0))
+            after = [kept[-1] for kept in block._checks.values() if kept[-1] is not before]
+            assert [checked.prepared.mesh.window for checked in after] == [(64, 0)]
+
+
+def test_a_call_of_a_batch_seen_enters_each_room_of_the_batch_package_at_most_twice():
+    """Issue 50's bar for the steady state of eager CP (every layer of every step): once a
+    batch is seen, its call finds what it needs in the block's kept check and schedule, not by
+    walking the batch package (benchmarks/walk.py counts the stops)."""
+    from benchmarks import walk
+    from benchmarks.speed_setup import fake_process_group
+
+    with fake_process_group(0, ULYSSES * RING):
+        found = walk.walks(list(LENGTHS), "aot_eager")
+    stops = found["eager, batch seen"].stops
+    rooms = {module: count for module, count in stops.items() if module.startswith("hcp_compile.batch.")}
+    assert all(count <= 2 for count in rooms.values()), rooms

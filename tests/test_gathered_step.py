@@ -164,4 +164,5 @@ def test_a_gathered_schedule_under_a_scheme_that_does_not_gather_raises():
     plan = prepared.rank_plan(0, 0, True, (-1, -1), gathered=True)
     with pytest.raises(ValueError, match="does not gather"):
         schedule.assemble_schedule(plan.tables, plan.sizes, max(BATCHES[0]), 0, MESH[1], causal=True, scale=1.0,
-                                   window=(-1, -1), kernel="torch", first_cache_key=None, scheme="ring")
+                                   window=(-1, -1), kernel="torch", first_cache_key=None, scheme="ring",
+                                   kv_heads=1, ulysses=MESH[0])

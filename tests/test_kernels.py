@@ -195,7 +195,8 @@ def test_the_block_ops_give_rows_past_the_segments_the_results_of_rows_without_k
         assert torch.equal(got[tokens:], torch.zeros_like(got[tokens:])), name
     assert (lse[:, tokens:] == float("-inf")).all()
     # where the rank has no exchange region, its local block's result is its output as it is
-    sched = types.SimpleNamespace(sizes=types.SimpleNamespace(local=tokens, own_exchange=0, pad=pads))
+    sched = types.SimpleNamespace(sizes=types.SimpleNamespace(local=tokens, own_exchange=0, pad=pads),
+                                  local_holds_every_row=True)
     local, exchange = _split_regions(out, sched)
     assert local is out and _join_regions(local, exchange, sched) is out
 

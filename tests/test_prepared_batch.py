@@ -406,7 +406,9 @@ def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.dev
                                   window=window, kernel="cudnn",
                                   first_cache_key=BATCHES.cache_keys(batch, (ring_rank, ulysses_rank),
                                                                      schedule.cache_keys_needed(mesh.ring)),
-                                  scheme=DEFAULT_SCHEME, gathered=plan.gathered)
+                                  scheme=DEFAULT_SCHEME, gathered=plan.gathered, kv_heads=1, ulysses=mesh.ulysses)
+            # the local block covers every row exactly where the rank has no exchange region
+            assert sched.local_holds_every_row == (sizes.own_exchange == 0)
             blocks = [CPBlock("local", _local_spec(sched), sizes.local, sizes.local)]
             blocks += [CPBlock(f"step {i} (keys of ring rank {step.source})", _step_spec(step, sched), sizes.stream,
                                sizes.stream if i == 0 else sizes.ring_width)

@@ -21,6 +21,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
 from hcp_compile.kernels.contract import BLOCK_MEMOS, HOST_READS, new_cache_key
 
 T = TypeVar("T")
@@ -50,7 +53,30 @@ class BatchCache:
         # in Python)
         self._entries: dict[BatchKey, _Entry] = {}
         self._stamps = itertools.count()
+        # tensor -> (its version, {mesh shape: the batch find gave}): what every layer of a model
+        # and every host op of a graph asks again for the same cu_seqlens; emptied whenever a
+        # batch comes or goes or is laid out again (:meth:`_changed`), which can change the answer
+        self._by_tensor = WeakIdKeyDictionary()
+        # how often the cache changed: a door that keeps what it found asks it again when this moved
+        self.changes = 0
         self._lock = threading.RLock()
+
+    def find(self, tensor: Tensor, mesh: Hashable, find: Callable[[], T]) -> T:
+        """The batch ``find()`` gives for the values of ``tensor`` on ``mesh``
+        (``prepared.find``), kept for the tensor and its version until the cache changes."""
+        with self._lock:
+            kept = self._by_tensor.get(tensor)
+            if kept is not None and kept[0] == tensor._version and mesh in kept[1]:
+                return kept[1][mesh]
+        found = find()
+        with self._lock:
+            entry = self._entries.get(found.key)
+            if entry is not None and entry.prepared is found:  # not dropped meanwhile by another thread
+                kept = self._by_tensor.get(tensor)
+                if kept is None or kept[0] != tensor._version:
+                    kept = self._by_tensor[tensor] = (tensor._version, {})
+                kept[1][mesh] = found
+        return found
 
     def prepared(self, key: BatchKey, build: Callable[[], T]) -> T:
         """The batch's prepared values, built by ``build`` (and kept) where not kept yet."""
@@ -93,6 +119,7 @@ class BatchCache:
         """Remember that ``shard_plan`` laid the batch ``prepared`` out (last)."""
         with self._lock:
             self._entry(prepared).planned = next(self._stamps)
+            self._changed()
 
     def planned(self, digest: bytes) -> Hashable | None:
         """The mesh shape ``shard_plan`` laid these values out for last (None: never, or the
@@ -106,6 +133,7 @@ class BatchCache:
         """Forget every batch and all that the kernels derived or the host read from them."""
         with self._lock:
             self._entries.clear()
+            self._changed()
         BLOCK_MEMOS.clear()
         HOST_READS.clear()
 
@@ -122,7 +150,14 @@ class BatchCache:
             while len(self._entries) > self.capacity:
                 oldest = next(iter(self._entries))
                 self._drop(oldest, self._entries.pop(oldest))
+            self._changed()
         return entry
+
+    def _changed(self) -> None:
+        """A batch came, went or was laid out again: what :meth:`find` kept may be another
+        batch now (a window's layout, a batch dropped)."""
+        self._by_tensor.clear()
+        self.changes += 1
 
     def _found(self, key: BatchKey) -> _Entry | None:
         """The entry under ``key``, now the most recently used; None where there is none."""

@@ -41,7 +41,7 @@ def checked_batch(
 def rank_schedule(
     flat: Sequence, sizes: RankSizes, steps: int, ring_rank: int, ring: int, max_seqlen: object, *,
     causal: bool, scale: float, window: tuple[int, int], kernel: str, first_cache_key: object, scheme: str,
-    gathered: bool, active: list[bool] | None = None,
+    gathered: bool, kv_heads: int, ulysses: int, active: list[bool] | None = None,
 ) -> RingSchedule:
     """This rank's ring schedule from its flat tables (:meth:`PreparedBatch.device_tables`,
     eagerly or through the graph's tables op) and its sizes (host ints, or a graph's symbols);
@@ -49,5 +49,5 @@ def rank_schedule(
     tables = ScheduleTables.unflat(*flat, sizes, steps, window_by_position(window, ring), gathered)
     return assemble_schedule(
         tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window, kernel=kernel,
-        active=active, first_cache_key=first_cache_key, scheme=scheme,
+        active=active, first_cache_key=first_cache_key, scheme=scheme, kv_heads=kv_heads, ulysses=ulysses,
     )

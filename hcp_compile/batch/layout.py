@@ -48,7 +48,7 @@ values (prepared.py), once per batch and mesh shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import NamedTuple, Protocol
 
@@ -231,19 +231,16 @@ class RankSizes:
     step_entries: tuple[int, ...]
     # keys of the gathered step (Note [one gathered step]) of a causal call: the rows it copies
     gathered_keys: int = 0
+    # derived once here, not on each read: the algorithm reads them several times per call
+    own_exchange: int = field(init=False)  # this rank's exchange region
+    pad: int = field(init=False)  # its pad rows, after both regions
+    stream: int = field(init=False)  # tokens of the exchange stream (all of the ring rank's exchange regions)
 
-    @property
-    def own_exchange(self) -> int:
-        return self.exchange[self.ulysses_rank]
-
-    @property
-    def pad(self) -> int:
-        return self.tokens - self.local - self.own_exchange
-
-    @property
-    def stream(self) -> int:
-        """Tokens of the exchange stream (all of the ring rank's exchange regions)."""
-        return sum(self.exchange)
+    def __post_init__(self) -> None:
+        own = self.exchange[self.ulysses_rank]
+        object.__setattr__(self, "own_exchange", own)
+        object.__setattr__(self, "pad", self.tokens - self.local - own)
+        object.__setattr__(self, "stream", sum(self.exchange))
 
 
 def rank_size_values(layout: BatchLayout, ring_rank: int, ulysses_rank: int) -> Tensor:

@@ -17,6 +17,7 @@ import enum
 import functools
 import hashlib
 from collections.abc import Iterable
+from typing import NamedTuple
 from dataclasses import dataclass, field
 
 import torch
@@ -81,14 +82,8 @@ def host_values(cu_seqlens: Tensor) -> BatchValues:
     if cached is not None:
         return cached
     read = BatchValues.of(cu_seqlens.detach().to("cpu", torch.int64))
-    remember_values(cu_seqlens, read)
+    HOST_READS.put(cu_seqlens, read, read.digest)
     return read
-
-
-def remember_values(tensor: Tensor, values: BatchValues) -> None:
-    """Let :func:`host_values` answer for ``tensor`` (a host copy of known values) without
-    reading and hashing it again."""
-    HOST_READS.put(tensor, values, values.digest)
 
 
 class Exchanges(enum.Enum):
@@ -114,13 +109,13 @@ class Exchanges(enum.Enum):
         return dataclasses.replace(sizes, ring_width=0, exchange=exchange)
 
 
-@dataclass(frozen=True)
-class GraphKind:
+class GraphKind(NamedTuple):
     """The batches one compiled graph serves (docs/compiled-path.md, "Graph variants"): what
     they exchange and, for batches laid out for a window in adjacent pairs, how many ring steps
     each causal window of the graph's calls needs (``layout.window_steps``: the schedule ends
     where the window does, as eagerly); a window not listed runs every step. It travels into
-    the graph's ops as its :attr:`text`."""
+    the graph's ops as its :attr:`text`. A tuple, as :class:`MeshShape`: a key that hashes
+    without Python code (the backend picks a graph by it on every call)."""
 
     exchanges: Exchanges = Exchanges.RING
     window_steps: tuple[tuple[int, int], ...] = ()  # (window left, ring steps), by window
@@ -162,11 +157,11 @@ class GraphKind:
         return GraphKind(exchanges, tuple((left, max(s[left] for s in steps)) for left in sorted(lefts)))
 
 
-@dataclass(frozen=True)
-class MeshShape:
+class MeshShape(NamedTuple):
     """What a batch's layout depends on beside its values: the mesh's shape, the rule and the
     window the rule balances for (``placements.check_layout_window``: ``(-1, -1)`` for none),
-    so that a batch laid out for a window is another batch than without (docs/design.md §2.4)."""
+    so that a batch laid out for a window is another batch than without (docs/design.md §2.4).
+    A tuple, so that the batch cache's keys hash without Python code on every lookup."""
 
     ulysses: int
     ring: int
@@ -424,6 +419,10 @@ def prepare(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
 def find(cu_seqlens: Tensor, mesh: MeshShape | None) -> PreparedBatch:
     """The batch of the ``cu_seqlens`` tensor (dtype checked) prepared for ``mesh`` (a door's,
     :func:`as_planned`): what a door starts from (:func:`host_values`, then :func:`prepare`)."""
+    return BATCHES.find(cu_seqlens, mesh, lambda: _find(cu_seqlens, mesh))
+
+
+def _find(cu_seqlens: Tensor, mesh: MeshShape | None) -> PreparedBatch:
     values = host_values(cu_seqlens)
     return prepare(values, None if mesh is None else as_planned(values.digest, mesh))
 
@@ -436,7 +435,7 @@ def as_planned(digest: bytes, mesh: MeshShape) -> MeshShape:
     a plan for another mesh or placement leaves ``mesh`` as it is, which the batch check then
     refuses on every rank (``validation.PLANNED_FOR_THIS_MESH``)."""
     planned = BATCHES.planned(digest)
-    if planned is not None and dataclasses.replace(planned, window=mesh.window) == mesh:
+    if planned is not None and planned._replace(window=mesh.window) == mesh:
         return planned
     return mesh
 

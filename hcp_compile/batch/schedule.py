@@ -94,6 +94,16 @@ class RingSchedule:
     window_left: int
     window_right: int
     kernel: str
+    kv_repeat: int  # each KV head repeated this often before the Ulysses exchange (kv_head_repeat)
+    head_groups: int  # the head groups the exchange runs in, 0: no collective (exchanged_head_groups)
+    # whether the local region's block runs over all of the rank's rows: where its exchange
+    # region is empty (a batch of short documents, every one whole on its rank), the pad rows
+    # follow the local region outside its segments, the block op sets them (out 0, lse -inf,
+    # gradients 0: ``BlockSpec.covered_rows``), and the rank's output and gradients are the
+    # block's own, not a join that copies them. Decided as every size is (layout.known_empty):
+    # eagerly, and in a graph built for batches that exchange nothing (its exchange regions
+    # are the constant 0)
+    local_holds_every_row: bool
     scheme: str = DEFAULT_SCHEME  # the collective scheme, a key of hcp_compile.exchange.schemes.SCHEMES
     # the gathered step's keys: their rows in the gathered sections (GatheredStep.rows), or None
     gather_rows: Tensor | None = None
@@ -207,12 +217,13 @@ def schedule_steps(sizes: RankSizes, ring: int, window_steps: int | None = None,
 def assemble_schedule(
     tables: ScheduleTables, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int,
     ring: int, *, causal: bool, scale: float, window: tuple[int, int], kernel: str,
-    first_cache_key: int | torch.SymInt | None, active: list[bool] | None = None,
+    first_cache_key: int | torch.SymInt | None, kv_heads: int, ulysses: int, active: list[bool] | None = None,
     scheme: str = DEFAULT_SCHEME,
 ) -> RingSchedule:
     """The schedule with the given tables (the prepared batch's, from the host), one ring step
     per step of ``tables`` (the second a gathered one where they have its rows); ``active``
-    (default: all) says which steps compute; ``scheme``: the collective scheme."""
+    (default: all) says which steps compute; ``scheme``: the collective scheme; ``kv_heads``:
+    the call's KV heads, ``ulysses``: the Ulysses group's size (which decide its head groups)."""
     steps = len(tables.cu_q)
     gathered = tables.gather_rows is not None
     if gathered and not scheme_named(scheme).ring.gathers:
@@ -250,6 +261,9 @@ def assemble_schedule(
         window_left=window[0],
         window_right=window[1],
         kernel=kernel,
+        kv_repeat=kv_head_repeat(kv_heads, ulysses),
+        head_groups=exchanged_head_groups(sizes, steps, kv_heads, ulysses),
+        local_holds_every_row=layout.known_empty(sizes.own_exchange),
         scheme=scheme,
         gather_rows=tables.gather_rows,
     )

@@ -24,10 +24,7 @@ from hcp_compile.batch import layout
 from hcp_compile.batch.call import checked_batch, rank_schedule
 from hcp_compile.batch.layout import RankSizes
 from hcp_compile.batch.cache import BATCHES
-from hcp_compile.batch.prepared import (
-    BatchValues, Exchanges, GraphKind, MeshShape, PreparedBatch, as_planned, find, host_values, prepare,
-    remember_values,
-)
+from hcp_compile.batch.prepared import BatchValues, Exchanges, GraphKind, MeshShape, PreparedBatch, find, host_values
 from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, gathers, schedule_steps
 from hcp_compile.exchange import agreement
 from hcp_compile.exchange.agreement import Verdict
@@ -104,20 +101,20 @@ def batch_layout_op(
     version, costs microseconds, and the batch is prepared once (by ``shard_plan``, or ahead of
     time in a DataLoader worker: docs/design.md §5.3). The keys are given by the batch's
     values, so the layers and the backward of one batch share what the kernels derive."""
-    queries = host_values(cu_seqlens_q)
+    mesh = MeshShape(ulysses, ring, placement)
+    prepared = find(cu_seqlens_q, mesh)  # laid out for shard_plan's window
     keys = None if cu_seqlens_k is cu_seqlens_q else host_values(cu_seqlens_k)
     # kept per call with the batch: a model's graphs check the same call of a batch again (each
     # graph of a model split by graph breaks, every step of a benchmark), and the check and the
     # layout's sizes cost the host a few hundred microseconds of Python that the GPU waits for
     # at the start of a step (docs/benchmarks.md, "Compiled host work")
-    prepared = prepare(queries, as_planned(queries.digest, MeshShape(ulysses, ring, placement)))  # shard_plan's window
     call = (None if keys is None else keys.digest, ring_rank, ulysses_rank, tuple(tokens), tuple(max_seqlens),
             recompute_exchange, scheme, graph_for)
     on_host = BATCHES.checked(prepared, call, lambda: _check_call(
         prepared, keys, (ring_rank, ulysses_rank), tokens, max_seqlens, recompute_exchange, scheme, graph_for,
     ))
-    cu_on_host = queries.values.clone()
-    remember_values(cu_on_host, queries)  # schedule_tables finds the batch without hashing it again
+    cu_on_host = prepared.batch.values.clone()
+    BATCHES.find(cu_on_host, mesh, lambda: prepared)  # schedule_tables finds the batch by this tensor
     return on_host.clone(), cu_on_host
 
 
@@ -210,6 +207,7 @@ def hierarchical_varlen_attention(
     sched = rank_schedule(
         flat, rank_sizes, steps, groups.ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=float(scale),
         window=window, kernel=kernel, first_cache_key=first_cache_key, scheme=scheme, gathered=gathered,
+        kv_heads=k.shape[1], ulysses=groups.ulysses_size,
     )
     return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse, recompute_exchange)
 
