@@ -418,7 +418,8 @@ def prepare(batch: BatchValues, mesh: MeshShape | None) -> PreparedBatch:
 
 def find(cu_seqlens: Tensor, mesh: MeshShape | None) -> PreparedBatch:
     """The batch of the ``cu_seqlens`` tensor (dtype checked) prepared for ``mesh`` (a door's,
-    :func:`as_planned`): what a door starts from (:func:`host_values`, then :func:`prepare`)."""
+    :func:`as_planned`): what a door starts from (:func:`host_values`, then :func:`prepare`),
+    kept per tensor and version in the batch cache (``BatchCache.find``)."""
     return BATCHES.find(cu_seqlens, mesh, lambda: _find(cu_seqlens, mesh))
 
 

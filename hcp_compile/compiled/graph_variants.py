@@ -20,9 +20,9 @@ under that window (``layout.window_steps``), which eager CP runs alone; a graph 
 (one per count of steps the graph's windows need, :class:`prepared.GraphKind`) sends no KV for
 the others and merges nothing for them.
 
-The host copy of ``cu_seqlens`` made here is the one the graph's batch check reads
-(:func:`prepared.host_values` keeps it per tensor and version), and the prepared batch is the
-one the graph's check takes, so choosing costs no extra device read. Ranks given different
+The batch found here for a ``cu_seqlens`` tensor is the one the graph's batch check takes
+(``BatchCache.find`` keeps it per tensor and version), so choosing costs no extra device read
+and no second look-up by value. Ranks given different
 batches may choose different graphs; every graph begins with the same agreed check, which then
 fails on every rank. So do ranks where a graph could not be built beside ranks where it could
 (its check's fingerprint names the batches its graph serves): an error on every rank instead
