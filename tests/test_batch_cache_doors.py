@@ -283,3 +283,26 @@ def test_a_call_of_a_batch_seen_enters_each_room_of_the_batch_package_at_most_tw
     stops = found["eager, batch seen"].stops
     rooms = {module: count for module, count in stops.items() if module.startswith("hcp_compile.batch.")}
     assert all(count <= 2 for count in rooms.values()), rooms
+
+
+def test_calls_of_a_batch_seen_look_nothing_up_by_value(monkeypatch):
+    """Once a batch is seen, neither door reads, hashes or looks up its ``cu_seqlens`` values
+    again: eager CP takes its kept check, and each host point of a compiled call (the graph
+    choice, ``hcp::batch_layout``, ``hcp::schedule_tables``) finds the batch kept for its tensor."""
+    by_value = []
+    find_by_value = prepared._find
+    monkeypatch.setattr(prepared, "_find", lambda *args: by_value.append(1) or find_by_value(*args))
+    cu = cu_seqlens(LENGTHS)
+    longest = max(LENGTHS)
+    with fake_world(ULYSSES, RING) as mesh:
+        local = local_shards(cu, mesh)
+        with hc.context_parallel(mesh):
+            attend(*local, cu, longest)
+            by_value.clear()
+            attend(*local, cu, longest)
+            assert by_value == []
+        compiled = torch.compile(attend, backend=hc.backend(mesh=mesh, inner="aot_eager"), fullgraph=True)
+        compiled(*local, cu, longest)
+        by_value.clear()
+        compiled(*local, cu, longest)
+        assert by_value == []
