@@ -17,8 +17,8 @@ import enum
 import functools
 import hashlib
 from collections.abc import Iterable
-from typing import NamedTuple
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
