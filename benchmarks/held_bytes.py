@@ -21,9 +21,9 @@ from tabulate import tabulate
 
 from benchmarks.speed_workloads import HEADS, Workload, workloads
 from benchmarks.work_split import parse_selection
-from hcp_compile.batch.layout import RankSizes, known_empty
+from hcp_compile.batch.layout import RankSizes, known_empty, schedule_steps
 from hcp_compile.batch.prepared import MeshShape, host_values, prepare
-from hcp_compile.batch.schedule import exchanged_head_groups, rank_kv_heads, schedule_steps
+from hcp_compile.batch.schedule import exchanged_head_groups, rank_kv_heads
 
 LSE_BYTES = 4  # the logsumexp is fp32 in every kernel
 

@@ -5,12 +5,13 @@ the CPU, its forward only.
     python -m benchmarks.walk [--lengths 300,120,60,20] [--inner aot_eager]
 
 ``sys.setprofile`` sees every Python call and return while the call runs; the events of
-functions outside ``hcp_compile`` are left out. A *stop* is an event (call or return) whose
-module differs from the previous event's: control moved from one module to another. A *return*
-is a stop into a module that control had already been in during this call: the back-and-forth
-between layers (a door asking the batch package one thing, then another). A dataclass's
-generated methods count in its class's module (a mesh shape hashing as a dict key stops in
-batch.prepared). Counted per module (the module stopped in) and in total, for
+functions outside ``hcp_compile`` are left out. An *entry* is a call into a module from code
+of another module (a door asking the batch package, the batch package asking the layout):
+how often the walk enters each room. A *stop* is an event (call or return) whose module
+differs from the previous event's: control moved from one module to another, in or back out.
+A *return* is a stop into a module that control had already been in during this call: the
+back-and-forth between layers. A dataclass's generated methods count in its class's module,
+and so does a lambda in the module that wrote it. Counted per module and in total, for
 
 - eager, first call: ``shard_plan`` prepared the batch (not counted), then the first attention
   call of a ``context_parallel`` block: it checks the call, agrees and builds the schedule;
@@ -48,6 +49,7 @@ HEADS, HEAD_DIM = 4, 16
 class Walk:
     """The stops and returns of one profiled stretch, per module."""
 
+    entries: Counter = field(default_factory=Counter)
     stops: Counter = field(default_factory=Counter)
     returns: Counter = field(default_factory=Counter)
     _previous: str | None = None
@@ -59,6 +61,9 @@ class Walk:
         module = frame.f_globals.get("__name__", "")
         if module != PACKAGE and not module.startswith(PACKAGE + "."):
             return
+        caller = frame.f_back.f_globals.get("__name__") if frame.f_back is not None else None
+        if event == "call" and caller != module:
+            self.entries[module] += 1
         if module != self._previous:
             self.stops[module] += 1
             if module in self._visited:
@@ -109,10 +114,14 @@ def walks(lengths: list[int], inner: str) -> dict[str, Walk]:
 
 def table(found: dict[str, Walk]) -> str:
     modules = sorted(set().union(*(w.stops for w in found.values())))
-    rows = [[module.removeprefix(PACKAGE + ".")] + [f"{w.stops[module]} / {w.returns[module]}" for w in found.values()]
-            for module in modules]
-    rows.append(["total"] + [f"{sum(w.stops.values())} / {sum(w.returns.values())}" for w in found.values()])
-    return tabulate(rows, headers=["module (stops / returns)", *found])
+
+    def cell(w: Walk, module: str | None) -> str:
+        counts = [w.entries, w.stops, w.returns]
+        return " / ".join(str(c[module] if module else sum(c.values())) for c in counts)
+
+    rows = [[module.removeprefix(PACKAGE + ".")] + [cell(w, module) for w in found.values()] for module in modules]
+    rows.append(["total"] + [cell(w, None) for w in found.values()])
+    return tabulate(rows, headers=["module (entries / stops / returns)", *found])
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ import functools
 
 import torch
 
-from hcp_compile.batch.layout import RankSizes, StepKind, step_kind, step_sources
-from hcp_compile.batch.schedule import exchanged_head_groups, schedule_steps
+from hcp_compile.batch.layout import RankSizes, StepKind, schedule_steps, step_kind, step_sources
+from hcp_compile.batch.schedule import exchanged_head_groups
 from hcp_compile.kernels import KERNELS, BlockSpec
 
 from .host_measured import HostConstants, HostRecord
@@ -37,7 +37,7 @@ def host_counts(sizes: RankSizes, ring_rank: int, ring: int, kernel: str, heads_
                 steps: int | None = None) -> HostCounts:
     """The counts of rank ``(ring_rank, sizes.ulysses_rank)``'s eager call (causal, no window)
     with ``heads_kv`` KV heads: the local region, then in each head group the schedule's
-    ``steps`` (default ``schedule.schedule_steps``: only the own one without a ring section;
+    ``steps`` (default ``layout.schedule_steps``: only the own one without a ring section;
     no head group where nothing is exchanged, ``schedule.exchanged_head_groups``). A block
     without queries or keys costs its op but calls no kernel (the kernels return at once)."""
     steps = schedule_steps(sizes, ring) if steps is None else steps

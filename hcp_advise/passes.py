@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hcp_compile.batch.layout import RankSizes
-from hcp_compile.batch.schedule import exchanged_head_groups, kv_head_repeat, schedule_steps
+from hcp_compile.batch.layout import RankSizes, schedule_steps
+from hcp_compile.batch.schedule import exchanged_head_groups, kv_head_repeat
 from hcp_compile.batch.traffic import CallShape
 from hcp_compile.kernels import KERNELS
 from hcp_compile.kernels.contract import COPIES_KV, FILLS_OUTPUTS
@@ -48,7 +48,7 @@ from .records import PASS_BYTES_PER_S, BlockWork, Passes
 
 
 def active_steps(work: BlockWork, ring_rank: int, sizes: RankSizes, ring: int) -> list[bool]:
-    """Per step of ring rank ``ring_rank``'s schedule (``schedule.schedule_steps``: the own step
+    """Per step of ring rank ``ring_rank``'s schedule (``layout.schedule_steps``: the own step
     alone without a ring section) whether it computes: whether it has visible pairs (under a
     window a step may have none, and the schedule skips it)."""
     return [bool(p > 0) for p in work.steps[ring_rank].tolist()][:schedule_steps(sizes, ring)]
@@ -68,7 +68,7 @@ def pass_bytes(sizes: RankSizes, active: Sequence[bool], call: CallShape, ulysse
     """The bytes the memory-bound passes of one rank's eager call read and write (module
     docstring), per phase: ``forward`` and ``backward`` those of the call and its head groups,
     ``step_forward[s]`` and ``step_backward[s]`` those of ring step ``s`` (every head group's).
-    ``active``: per step of the rank's schedule (``schedule.schedule_steps``) whether it
+    ``active``: per step of the rank's schedule (``layout.schedule_steps``) whether it
     computes (a step wholly outside a window does not)."""
     steps = len(active)
     groups = exchanged_head_groups(sizes, steps, call.heads_kv, ulysses)

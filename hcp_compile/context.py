@@ -10,10 +10,10 @@ from torch import Tensor
 
 from hcp_compile import validation
 from hcp_compile.batch.cache import BATCHES
-from hcp_compile.batch.call import checked_batch, rank_schedule
+from hcp_compile.batch.call import checked_batch
 from hcp_compile.batch.layout import window_by_position
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, find, host_values
-from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed, gathers
+from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed, gathers, rank_schedule
 from hcp_compile.exchange.agreement import Verdict, agree, raise_agreed
 from hcp_compile.exchange.mesh import CPGroups, MeshLike, resolve_groups
 from hcp_compile.hierarchical import HierarchicalAttention
@@ -150,7 +150,8 @@ class ContextParallel:
             # one batch share what the kernels derive
             first_key = BATCHES.cache_keys(prepared, (ring_rank, ulysses_rank), cache_keys_needed(groups.ring_size))
             self._schedules[key] = rank_schedule(
-                flat, plan.sizes, plan.steps, ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=scale,
+                flat, plan.sizes, plan.steps, ring_rank, groups.ring_size, max_seqlen, windowed=plan.windowed,
+                causal=causal, scale=scale,
                 window=window, kernel=kernel, active=list(plan.active) if self.options.skip_outside_window else None,
                 first_cache_key=first_key, scheme=self.options.scheme, gathered=plan.gathered,
                 kv_heads=k.shape[1], ulysses=groups.ulysses_size,
@@ -182,7 +183,7 @@ class ContextParallel:
         rank = (groups.ring_rank, groups.ulysses_rank)
         call = ("eager", None if keys is None else keys.digest, tokens, maxes, rank)
         checked = _CheckedCall(
-            prepared, BATCHES.checked(prepared, call, lambda: checked_batch(prepared, keys, tokens, maxes, rank)),
+            prepared, BATCHES.checked(prepared, call, lambda planned: checked_batch(prepared, keys, tokens, maxes, rank, planned)),
             prepared.fingerprint(self.options.recompute_exchange, self.options.scheme),
         )
         if len(self._checks) >= _CHECKS_KEPT:

@@ -285,6 +285,22 @@ def test_a_call_of_a_batch_seen_enters_each_room_of_the_batch_package_at_most_tw
     assert all(count <= 2 for count in rooms.values()), rooms
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (24, 0)])
+def test_a_ranks_plan_is_derived_in_one_pass_down_the_layers(window):
+    """prepare -> schedule -> layout once each: deriving a rank's plan for a mask (what a first
+    call, or a DataLoader worker's ``warm``, does) enters the schedule and the layout once, with
+    every step's tables, positions and skipped steps from one pass over its stream tables, and
+    never turns back up to the prepared batch."""
+    from benchmarks import walk
+
+    # rank 3's sizes and tokens derived, and its plan for another mask than the walked one
+    batch = prepared.prepare_batch(cu_seqlens(LENGTHS), ulysses=ULYSSES, ring=RING, rank=3, window=(8, 0))
+    seen = walk.walk(lambda: batch.rank_plan(1, 1, True, window))
+    rooms = {module.removeprefix("hcp_compile.batch."): count for module, count in seen.entries.items()}
+    assert rooms == {"prepared": 1, "schedule": 1, "layout": 1}, rooms
+    assert seen.stops["hcp_compile.batch.prepared"] == 2  # in, and back with the plan
+
+
 def test_calls_of_a_batch_seen_look_nothing_up_by_value(monkeypatch):
     """Once a batch is seen, neither door reads, hashes or looks up its ``cu_seqlens`` values
     again: eager CP takes its kept check, and each host point of a compiled call (the graph

@@ -27,7 +27,7 @@ from checks import assert_matches, assert_raised, local_rows
 from compile_cases import sharded_attention
 from cp_cases import World, cu_seqlens, seeded
 from hcp_compile import validation
-from hcp_compile.batch import layout, pickling, prepared, rank_plan, schedule
+from hcp_compile.batch import layout, pickling, prepared, schedule
 from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch, prepare_batch
@@ -63,7 +63,7 @@ class _PreparedBatches(Dataset):
 
 # what preparing a batch derives; the prepared path must call none of it again
 _DERIVATIONS = ((layout, "batch_layout"), (layout, "rank_size_values"), (layout, "rank_tokens"),
-                (layout, "step_sees_any_key"), (rank_plan, "schedule_tables"))
+                (layout, "step_sees_any_key"), (layout, "rank_segments"))
 
 
 @contextmanager
@@ -231,7 +231,7 @@ def test_pickled_batch_holds_what_the_host_derives():
     sizes = layout.rank_sizes(layout.rank_size_values(fresh, 1, 1).tolist(), 1, 2)
     assert batch.rank_sizes(1, 1) == sizes
     assert torch.equal(batch.tokens(1, 1).global_index, layout.rank_tokens(fresh, sizes, 1).global_index)
-    want = schedule.schedule_tables(fresh, sizes, 1, 2, causal=True, windowed=False).flat()
+    want = schedule.plan_rank(fresh, sizes, 1, True, (-1, -1), 2).flat
     for got, expected in zip(batch.tables(1, 1, True, (-1, -1), steps=2).flat(), want):
         assert torch.equal(got, expected)
 
@@ -338,7 +338,7 @@ def test_warm_derives_the_tables_the_attention_asks_for(ulysses, ring, window, m
     def rebuilt(*args, **kwargs):
         raise AssertionError("schedule tables built again on the training step")
 
-    monkeypatch.setattr(rank_plan, "schedule_tables", rebuilt)
+    monkeypatch.setattr(layout, "rank_segments", rebuilt)
     for rank in range(ulysses * ring):
         ready.tables(*divmod(rank, ulysses), True, window)
 
@@ -393,7 +393,7 @@ def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.dev
     builds them (the prepared batch's device tables, ``rank_schedule``, the specs of
     hierarchical.py): the local region (its rows) and each ring step (the exchange stream's
     rows against the stream, or against another rank's ring section)."""
-    from hcp_compile.batch.call import rank_schedule
+    from hcp_compile.batch.schedule import rank_schedule
     from hcp_compile.exchange.schemes import DEFAULT_SCHEME
     from hcp_compile.hierarchical import _local_spec, _step_spec
 
@@ -402,7 +402,8 @@ def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.dev
         for ulysses_rank in range(mesh.ulysses):
             plan, flat = batch.device_tables(ring_rank, ulysses_rank, causal, window, torch.device(device))
             sizes = plan.sizes
-            sched = rank_schedule(flat, sizes, plan.steps, ring_rank, mesh.ring, max(lengths), causal=causal, scale=0.125,
+            sched = rank_schedule(flat, sizes, plan.steps, ring_rank, mesh.ring, max(lengths), windowed=plan.windowed,
+                                  causal=causal, scale=0.125,
                                   window=window, kernel="cudnn",
                                   first_cache_key=BATCHES.cache_keys(batch, (ring_rank, ulysses_rank),
                                                                      schedule.cache_keys_needed(mesh.ring)),
@@ -447,7 +448,7 @@ def test_compiled_tables_op_keeps_the_host_copy_for_the_graphs_aliases():
     cu = cu_seqlens(CP_DOCS)
     batch = prepared.prepare(prepared.host_values(cu), mesh)
     sizes = batch.rank_sizes(ring_rank, ulysses_rank)
-    steps = schedule.schedule_steps(sizes, mesh.ring)
+    steps = layout.schedule_steps(sizes, mesh.ring)
     tables, _ = torch.ops.hcp.schedule_tables(cu.long(), torch.device("cpu"), mesh.ulysses, mesh.ring, mesh.placement,
                                               ring_rank, ulysses_rank, steps, True, -1, -1, layout.size_values(sizes),
                                               False)

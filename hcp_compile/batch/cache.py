@@ -104,15 +104,16 @@ class BatchCache:
                 entry.owned.extend(range(first, first + count))
             return entry.keys[purpose, count]
 
-    def checked(self, prepared: Any, call: Hashable, check: Callable[[], T]) -> T:
-        """``check()`` of one call of the batch ``prepared``, kept with the batch for as long as
-        ``shard_plan`` laid its values out for the same mesh shape last (the check reads it)."""
+    def checked(self, prepared: Any, call: Hashable, check: Callable[[Hashable | None], T]) -> T:
+        """``check(planned)`` of one call of the batch ``prepared``, ``planned`` being the mesh
+        shape ``shard_plan`` laid its values out for last (:meth:`planned`, which the check
+        reads), kept with the batch for as long as that shape stays the last."""
         with self._lock:
             kept = self._entry(prepared).checked
-            key = (call, self.planned(prepared.batch.digest))
-            found = kept.get(key)
+            planned = self.planned(prepared.batch.digest)
+            found = kept.get((call, planned))
             if found is None:
-                found = kept[key] = check()
+                found = kept[call, planned] = check(planned)
             return found
 
     def record_plan(self, prepared: Any) -> None:

@@ -9,45 +9,31 @@
 The single-device op stops after the check; eager CP (hcp_compile/context.py) runs every step
 in the call; the compiled graph runs the first two in its host op (``hcp::batch_layout``), the
 agreement as collectives of the graph, and the schedule from its tables op
-(``hcp::schedule_tables``, hcp_compile/compiled/inserted.py).
+(``hcp::schedule_tables``, hcp_compile/compiled/inserted.py). ``rank_schedule`` is
+``schedule.rank_schedule``, over the tables of the rank's plan, which ``schedule.plan_rank``
+derives once per batch and mask in one pass (layout, then its tables).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hcp_compile.batch.layout import RankSizes, window_by_position
-from hcp_compile.batch.cache import BATCHES
-from hcp_compile.batch.prepared import BatchValues, PreparedBatch
-from hcp_compile.batch.schedule import RingSchedule, ScheduleTables, assemble_schedule
+from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch
 from hcp_compile.validation import BatchCall, Failure, check
 
 
 def checked_batch(
     prepared: PreparedBatch, keys: BatchValues | None, tokens: Sequence[int], max_seqlens: Sequence[int],
-    rank: tuple[int, int] = (0, 0),
+    rank: tuple[int, int] = (0, 0), planned: MeshShape | None = None,
 ) -> tuple[Failure, ...]:
     """The rules a call breaks on the batch ``prepared`` (``cu_seqlens_q``'s, for the call's
     mesh; a single device's has none): ``keys``, ``cu_seqlens_k``'s values where it is another
     tensor; ``tokens``, q, k and v's token counts; ``max_seqlens``, both ``max_seqlen`` as
-    passed; ``rank``, (ring rank, Ulysses rank)."""
+    passed; ``rank``, (ring rank, Ulysses rank); ``planned``, the mesh shape ``shard_plan``
+    laid these values out for last (``BatchCache.planned``; None: never, or a single device)."""
     call = BatchCall(
         dict(zip("qkv", tokens)), {"max_seqlen_q": max_seqlens[0], "max_seqlen_k": max_seqlens[1]},
-        keys, rank, BATCHES.planned(prepared.batch.digest) if prepared.mesh is not None else None,
+        keys, rank, planned if prepared.mesh is not None else None,
     )
     return check(prepared, call)
 
-
-def rank_schedule(
-    flat: Sequence, sizes: RankSizes, steps: int, ring_rank: int, ring: int, max_seqlen: object, *,
-    causal: bool, scale: float, window: tuple[int, int], kernel: str, first_cache_key: object, scheme: str,
-    gathered: bool, kv_heads: int, ulysses: int, active: list[bool] | None = None,
-) -> RingSchedule:
-    """This rank's ring schedule from its flat tables (:meth:`PreparedBatch.device_tables`,
-    eagerly or through the graph's tables op) and its sizes (host ints, or a graph's symbols);
-    ``gathered``: its second step a gathered one (``RankPlan.gathered``)."""
-    tables = ScheduleTables.unflat(*flat, sizes, steps, window_by_position(window, ring), gathered)
-    return assemble_schedule(
-        tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window, kernel=kernel,
-        active=active, first_cache_key=first_cache_key, scheme=scheme, kv_heads=kv_heads, ulysses=ulysses,
-    )

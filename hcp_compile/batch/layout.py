@@ -732,3 +732,121 @@ def windowed_pairs(stop: Tensor, window: int) -> Tensor:
     causal window of ``window`` keys back: ``sum of min(p, window) + 1``."""
     ramp = stop.clamp(max=window + 1)
     return ramp * (ramp + 1) // 2 + (stop - ramp) * (window + 1)
+
+
+# --------------------------------------------------------------------------------------------
+# one rank's schedule for one mask, in one pass
+# --------------------------------------------------------------------------------------------
+
+def schedule_steps(sizes: RankSizes, ring: int, window_steps: int | None = None, gathered: bool = False) -> int:
+    """How many ring steps a schedule has: without a ring section (a batch of short documents)
+    nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
+    keeps every step (its graphs for batches without a ring section make the width the
+    constant 0: hcp_compile.compiled.graph_variants); else two where the call ``gathered``
+    (``schedule.gathers``), or the ``window_steps`` a causal window needs
+    (:func:`window_steps`; None: every step)."""
+    if known_empty(sizes.ring_width):
+        return 1
+    if gathered:
+        return 2
+    return ring if window_steps is None else window_steps
+
+
+def own_steps(layout: BatchLayout, sizes: RankSizes, causal: bool, window: tuple[int, int],
+              gathered: bool = False) -> int:
+    """The ring steps of a rank's own schedule for calls with this mask
+    (:func:`schedule_steps`): a causal window on a layout in adjacent pairs ends them early
+    (:func:`window_steps`), the same on every rank; a ``gathered`` call has two."""
+    ring = layout.ring
+    return schedule_steps(sizes, ring, window_steps(layout, window[0]) if causal else ring, gathered)
+
+
+class ScheduleShape(NamedTuple):
+    """What a schedule of some ring steps is made of beside its tables, decided alike by both
+    doors (host ints eagerly, a graph's symbols compiled)."""
+
+    sources: tuple[int, ...]  # per step, the ring rank whose keys it uses (-1: a gathered step)
+    kinds: tuple[StepKind, ...]
+    max_seqlen: int | torch.SymInt  # bound of every segment (step_max_seqlen)
+    stream_empty: bool  # the exchange stream known to be empty (known_empty)
+    own_exchange_empty: bool  # the rank's own exchange region known to be empty
+
+
+def schedule_shape(sizes: RankSizes, ring_rank: int, ring: int, steps: int, causal: bool, gathered: bool,
+                   max_seqlen: int | torch.SymInt) -> ScheduleShape:
+    """The :class:`ScheduleShape` of rank ``(ring_rank, sizes.ulysses_rank)``'s schedule of
+    ``steps`` ring steps (``gathered``: its own step and a gathered one)."""
+    if gathered:
+        sources, kinds = (ring_rank, -1), (StepKind.DIAGONAL, StepKind.GATHERED)
+    else:
+        sources = tuple(step_sources(ring_rank, ring, steps))
+        kinds = tuple(step_kind(ring_rank, source, causal) for source in sources)
+    return ScheduleShape(sources, kinds, step_max_seqlen(max_seqlen, ring), known_empty(sizes.stream),
+                         known_empty(sizes.own_exchange))
+
+
+class RankSegments(NamedTuple):
+    """One rank's segmentation of its schedule for one mask (:func:`rank_segments`): the
+    local region's and every ring step's segments, cut after their active entries, the
+    positions a window masks by, a gathered step's key rows, and which steps see a key."""
+
+    steps: int  # the schedule's ring steps
+    windowed: bool  # the window masks by position (window_by_position)
+    gathered: bool  # its second step is a gathered one
+    active: tuple[bool, ...]  # per step, whether any query sees any key (the own step always)
+    local_cu: Tensor  # int32
+    cu_q: tuple[Tensor, ...]  # int32, per step
+    cu_k: tuple[Tensor, ...]  # int32, per step
+    q_positions: Tensor | None  # int64 positions of the exchange stream's tokens (windowed)
+    k_positions: tuple[Tensor | None, ...]  # int64 positions of each step's keys (windowed)
+    gather_rows: Tensor | None  # int64 rows of the gathered step's keys (GatheredStep.rows)
+
+
+def rank_segments(layout: BatchLayout, sizes: RankSizes, ring_rank: int, causal: bool, window: tuple[int, int],
+                  steps: int | None = None, gathered: bool = False) -> RankSegments:
+    """Rank ``(ring_rank, sizes.ulysses_rank)``'s :class:`RankSegments` for calls with this
+    mask, derived in one pass over its steps' stream tables: of its own ring steps
+    (:func:`own_steps`), or of ``steps`` (a compiled graph's: every step, or those of its
+    graph kind), which must be at least its own; ``gathered``: the own step and a gathered one
+    (``schedule.gathers``), where more than one step runs."""
+    ring = layout.ring
+    own_count = own_steps(layout, sizes, causal, window, gathered)
+    if steps is not None and steps < own_count:
+        # a graph's kind and the schedule come from the same layout: never, but not silently
+        raise RuntimeError(f"hcp: a schedule of {steps} ring steps asked for a batch whose calls need {own_count}")
+    steps = own_count if steps is None else steps
+    gathered = gathered and steps > 1
+    windowed = window_by_position(window, ring)
+    own = stream_table(layout, ring_rank)
+    local_cu = leading_segments(local_segments(layout, ring_rank, sizes.ulysses_rank), sizes.local_entries)
+    if gathered:
+        own_q, own_k = _step_cut(own, own, ring_rank, ring_rank, ring, StepKind.DIAGONAL, sizes.step_entries[0])
+        step = gathered_step(layout, ring_rank)
+        segments = 4 * sizes.step_entries[0]
+        return RankSegments(
+            steps, windowed, True, (True,) * steps, local_cu,
+            (own_q, leading_segments(step.cu_q, segments)), (own_k, leading_segments(step.cu_k, segments)),
+            None, (None, None), step.rows,
+        )
+    sources = step_sources(ring_rank, ring, steps)
+    kinds = [step_kind(ring_rank, source, causal) for source in sources]
+    tables = [own] + [stream_table(layout, source, with_group=False) for source in sources[1:]]
+    lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
+    positions = [stream_tokens(table, source, ring, length).position if windowed else None
+                 for table, source, length in zip(tables, sources, lengths)]
+    cuts = [_step_cut(own, table, ring_rank, source, ring, kind, entries)
+            for table, source, kind, entries in zip(tables, sources, kinds, sizes.step_entries)]
+    active = (True,) * steps
+    if window != (-1, -1) and steps > 1:
+        seen = torch.stack([step_sees_any_key(own, table, ring_rank, source, ring, kind, *window)
+                            for table, source, kind in zip(tables[1:], sources[1:], kinds[1:])])
+        active = (True, *seen.tolist())
+    return RankSegments(steps, windowed, False, active, local_cu, tuple(q for q, _ in cuts),
+                        tuple(k for _, k in cuts), positions[0], tuple(positions), None)
+
+
+def _step_cut(own: StreamTable, table: StreamTable, ring_rank: int, source: int, ring: int, kind: StepKind,
+              entries: int | torch.SymInt) -> tuple[Tensor, Tensor]:
+    """The step's ``(cu_q, cu_k)`` cut after its ``entries`` active entries (4 segments each)."""
+    cu_q, cu_k = step_segments(own, table, ring_rank, source, ring, kind)
+    return leading_segments(cu_q, 4 * entries), leading_segments(cu_k, 4 * entries)

@@ -30,8 +30,7 @@ from hcp_compile.batch.layout import BatchLayout, RankSizes, StreamTokens
 from hcp_compile.batch.placements import (
     DEFAULT_PLACEMENT, NO_WINDOW, check_layout_window, check_placement, placement_rule,
 )
-from hcp_compile.batch.rank_plan import RankPlan, plan_rank
-from hcp_compile.batch.schedule import ScheduleTables, gathers, schedule_steps
+from hcp_compile.batch.schedule import RankPlan, ScheduleTables, gathers, plan_rank
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME, check_scheme
 from hcp_compile.kernels.contract import HOST_READS
 from hcp_compile.validation import Failure
@@ -232,7 +231,7 @@ class PreparedBatch:
         """What the batch moves between ranks (:class:`Exchanges`); RING when nothing is laid
         out, so that a caller takes the path that checks the batch. Without a ring section
         (``W == 0``) every schedule of the batch is its own step alone
-        (:func:`schedule.schedule_steps`)."""
+        (:func:`layout.schedule_steps`)."""
         if self.layout is None or int(self.layout.ring_width) > 0:
             return Exchanges.RING
         return Exchanges.HEADS if int(self.layout.exchange_extent.sum()) else Exchanges.NOTHING
@@ -310,26 +309,20 @@ class PreparedBatch:
         compiled graph's: every step, or those of its ``GraphKind``), which must be at least its
         own."""
         asked = (ring_rank, ulysses_rank, causal, window, steps, gathered)
-        if asked not in self._plans:
-            sizes = self.rank_sizes(ring_rank, ulysses_rank)
-            own = self.schedule_steps(sizes, causal, window, gathered)
-            if steps is not None and steps < own:
-                # a graph's kind and the schedule come from the same layout: never, but not silently
-                raise RuntimeError(f"hcp: a schedule of {steps} ring steps asked for a batch whose calls need {own}")
-            # the rank's own steps asked for with their count (a compiled graph) or without
-            counted = (*asked[:4], own if steps is None else steps, gathered)
-            if counted not in self._plans:
-                self._plans[counted] = plan_rank(self.layout, sizes, ring_rank, causal, window, counted[4], gathered)
-            self._plans[asked] = self._plans[counted]
-        return self._plans[asked]
+        plan = self._plans.get(asked)
+        if plan is None:
+            plan = plan_rank(self.layout, self.rank_sizes(ring_rank, ulysses_rank), ring_rank, causal, window,
+                             steps, gathered)
+            # the rank's own steps asked for with their count (a compiled graph) or without: one plan
+            plan = self._plans.setdefault((*asked[:4], plan.steps, gathered), plan)
+            self._plans[asked] = plan
+        return plan
 
     def schedule_steps(self, sizes: RankSizes, causal: bool, window: tuple[int, int],
                        gathered: bool = False) -> int:
-        """The ring steps of a rank's own schedule (:func:`schedule.schedule_steps`) for calls
-        with this mask: a causal window on a layout in adjacent pairs ends them early
-        (:func:`layout.window_steps`), the same on every rank; a ``gathered`` call has two."""
-        ring = self.mesh.ring
-        return schedule_steps(sizes, ring, layout.window_steps(self.layout, window[0]) if causal else ring, gathered)
+        """The ring steps of a rank's own schedule for calls with this mask
+        (:func:`layout.own_steps`)."""
+        return layout.own_steps(self.layout, sizes, causal, window, gathered)
 
     def tables(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
                steps: int | None = None, gathered: bool = False) -> ScheduleTables:

@@ -1,12 +1,14 @@
-"""The attention schedule of one rank for one batch: the segmentation of its local region and
-of every ring step over the exchange stream (pure tensor math on top of
-:mod:`hcp_compile.batch.layout`), the collective scheme that moves the data (by name, one of
-``hcp_compile.exchange.schemes.SCHEMES``), and the rules that split the heads over the Ulysses group and
-into head groups (docs/design.md §3.2, §3.6)."""
+"""The attention schedule of one rank for one batch: its plan for one mask (the tables of its
+local region and of every ring step over the exchange stream, derived in one pass by
+:func:`layout.rank_segments`, flattened for the device), the schedule both doors assemble from
+those tables, the collective scheme that moves the data (by name, one of
+``hcp_compile.exchange.schemes.SCHEMES``), and the rules that split the heads over the Ulysses
+group and into head groups (docs/design.md §3.2, §3.6)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +52,11 @@ def exchanged_head_groups(sizes: RankSizes, steps: int, kv_heads: int, ulysses: 
     rank issues no collective. Every rank of the group decides alike from its sizes (they share
     the exchange regions' sizes, and the ring section's width is the mesh's). Sizes that are
     symbols (a compiled graph's) are not known to be empty."""
-    if layout.known_empty(sizes.stream) and steps == 1:
+    return _head_groups(layout.known_empty(sizes.stream), steps, kv_heads, ulysses)
+
+
+def _head_groups(stream_empty: bool, steps: int, kv_heads: int, ulysses: int) -> int:
+    if stream_empty and steps == 1:
         return 0
     return head_groups(rank_kv_heads(kv_heads, ulysses), ulysses)
 
@@ -168,50 +174,58 @@ class ScheduleTables:
         return cls(local_cu, tuple(pairs[0::2]), tuple(pairs[1::2]), q_positions, tuple(k_positions), gather_rows)
 
 
-def schedule_tables(
-    batch: BatchLayout, sizes: RankSizes, ring_rank: int, steps: int, *, causal: bool,
-    windowed: bool, gathered: bool = False,
-) -> ScheduleTables:
-    """The tables of rank ``(ring_rank, sizes.ulysses_rank)``'s first ``steps`` ring steps, or
-    (``gathered``, two steps) of its own step and its gathered step."""
-    ring = batch.ring
-    own = layout.stream_table(batch, ring_rank)
-    local_cu = layout.leading_segments(
-        layout.local_segments(batch, ring_rank, sizes.ulysses_rank), sizes.local_entries
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's schedule of one batch for one mask, on the host: what a
+    :class:`prepared.PreparedBatch` keeps per rank and mask asked for, under the mask as the
+    call gives it, so that what a DataLoader worker prepared is what both doors find
+    (docs/design.md §2.4)."""
+
+    sizes: RankSizes
+    steps: int  # the schedule's ring steps
+    windowed: bool  # whether the window masks by position (layout.window_by_position)
+    gathered: bool  # whether its second step is a gathered one (gathers)
+    flat: tuple[Tensor, Tensor]  # the tables as ScheduleTables.flat gives them: what goes to the device
+    active: tuple[bool, ...]  # per step, whether any query sees any key (the own step always computes)
+    # ``flat`` with the steps not active emptied (ScheduleTables.emptied; ``flat`` itself where
+    # every step is): what a compiled graph gets, which runs every step (docs/design.md §3.3)
+    flat_skipping: tuple[Tensor, Tensor]
+
+    @property
+    def tables(self) -> ScheduleTables:
+        return ScheduleTables.unflat(*self.flat, self.sizes, self.steps, self.windowed, self.gathered)
+
+
+def plan_rank(batch: BatchLayout, sizes: RankSizes, ring_rank: int, causal: bool, window: tuple[int, int],
+              steps: int | None = None, gathered: bool = False) -> RankPlan:
+    """Rank ``(ring_rank, sizes.ulysses_rank)``'s plan for calls with this mask, from its
+    segments (:func:`layout.rank_segments`: of its own ring steps, or of ``steps``;
+    ``gathered``: the own step and a gathered one)."""
+    segments = layout.rank_segments(batch, sizes, ring_rank, causal, window, steps, gathered)
+    tables = ScheduleTables(segments.local_cu, segments.cu_q, segments.cu_k, segments.q_positions,
+                            segments.k_positions, segments.gather_rows)
+    flat = tables.flat()
+    active = segments.active
+    # the positions stay: the emptied steps' positions are never read
+    skipping = flat if all(active) else (tables.emptied(active).flat()[0], flat[1])
+    return RankPlan(sizes, segments.steps, segments.windowed, segments.gathered, flat, active, skipping)
+
+
+def rank_schedule(
+    flat: Sequence, sizes: RankSizes, steps: int, ring_rank: int, ring: int, max_seqlen: int | torch.SymInt, *,
+    windowed: bool, causal: bool, scale: float, window: tuple[int, int], kernel: str,
+    first_cache_key: int | torch.SymInt | None, scheme: str, gathered: bool, kv_heads: int, ulysses: int,
+    active: list[bool] | None = None,
+) -> RingSchedule:
+    """This rank's ring schedule from its flat tables (``PreparedBatch.device_tables``,
+    eagerly or through the graph's tables op) and its sizes (host ints, or a graph's symbols);
+    ``windowed``: its window masks by position (``RankPlan.windowed``); ``gathered``: its
+    second step a gathered one (``RankPlan.gathered``)."""
+    tables = ScheduleTables.unflat(*flat, sizes, steps, windowed, gathered)
+    return assemble_schedule(
+        tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window, kernel=kernel,
+        active=active, first_cache_key=first_cache_key, scheme=scheme, kv_heads=kv_heads, ulysses=ulysses,
     )
-    if gathered:
-        own_cu = _step_tables(own, own, ring_rank, ring_rank, ring, StepKind.DIAGONAL, sizes.step_entries[0])
-        step = layout.gathered_step(batch, ring_rank)
-        segments = 4 * sizes.step_entries[0]
-        cu = (layout.leading_segments(step.cu_q, segments), layout.leading_segments(step.cu_k, segments))
-        return ScheduleTables(local_cu, (own_cu[0], cu[0]), (own_cu[1], cu[1]), None, (None, None), step.rows)
-    sources = layout.step_sources(ring_rank, ring, steps)
-    tables = [own] + [layout.stream_table(batch, src, with_group=False) for src in sources[1:]]
-    lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
-    positions = [
-        layout.stream_tokens(table, src, ring, length).position if windowed else None
-        for table, src, length in zip(tables, sources, lengths)
-    ]
-    step_cu = [
-        _step_tables(own, table, ring_rank, src, ring, layout.step_kind(ring_rank, src, causal), entries)
-        for table, src, entries in zip(tables, sources, sizes.step_entries)
-    ]
-    return ScheduleTables(local_cu, tuple(q for q, _ in step_cu), tuple(k for _, k in step_cu),
-                          positions[0], tuple(positions))
-
-
-def schedule_steps(sizes: RankSizes, ring: int, window_steps: int | None = None, gathered: bool = False) -> int:
-    """How many ring steps a schedule has: without a ring section (a batch of short documents)
-    nothing goes round the ring, so only the own step; a symbolic width (a compiled graph)
-    keeps every step (its graphs for batches without a ring section make the width the
-    constant 0: hcp_compile.compiled.graph_variants); else two where the call ``gathered``
-    (:func:`gathers`), or the ``window_steps`` a causal window needs (:func:`layout.window_steps`;
-    None: every step)."""
-    if layout.known_empty(sizes.ring_width):
-        return 1
-    if gathered:
-        return 2
-    return ring if window_steps is None else window_steps
 
 
 def assemble_schedule(
@@ -229,10 +243,7 @@ def assemble_schedule(
     if gathered and not scheme_named(scheme).ring.gathers:
         # a scheme that does not gather would hand the gathered step one section's keys
         raise ValueError(f"hcp: a schedule with a gathered step under scheme={scheme!r}, which does not gather")
-    sources = layout.step_sources(ring_rank, ring, steps)
-    kinds = [layout.step_kind(ring_rank, src, causal) for src in sources]
-    if gathered:
-        sources, kinds = [ring_rank, -1], [StepKind.DIAGONAL, StepKind.GATHERED]
+    shape = layout.schedule_shape(sizes, ring_rank, ring, steps, causal, gathered, max_seqlen)
     active = [True] * steps if active is None else active
     # a causal schedule's ring steps are segmented otherwise than a full one's under the same
     # spec flags (only the own step is causal): each takes its own half of the keys
@@ -251,19 +262,19 @@ def assemble_schedule(
         steps=tuple(
             RingStep(src, kind, cu_q, cu_k, positions, bool(on), key(index))
             for index, (src, kind, cu_q, cu_k, positions, on) in enumerate(zip(
-                sources, kinds, tables.cu_q, tables.cu_k, tables.k_positions, active
+                shape.sources, shape.kinds, tables.cu_q, tables.cu_k, tables.k_positions, active
             ))
         ),
         q_positions=tables.q_positions,
-        max_seqlen=layout.step_max_seqlen(max_seqlen, ring),
+        max_seqlen=shape.max_seqlen,
         causal=causal,
         scale=scale,
         window_left=window[0],
         window_right=window[1],
         kernel=kernel,
         kv_repeat=kv_head_repeat(kv_heads, ulysses),
-        head_groups=exchanged_head_groups(sizes, steps, kv_heads, ulysses),
-        local_holds_every_row=layout.known_empty(sizes.own_exchange),
+        head_groups=_head_groups(shape.stream_empty, steps, kv_heads, ulysses),
+        local_holds_every_row=shape.own_exchange_empty,
         scheme=scheme,
         gather_rows=tables.gather_rows,
     )
@@ -275,11 +286,3 @@ def cache_keys_needed(ring: int) -> int:
     (causal only)."""
     return 2 * (ring + 1) + 1
 
-
-def _step_tables(
-    own: layout.StreamTable, table: layout.StreamTable, ring_rank: int, source: int, ring: int,
-    kind: StepKind, entries: int | torch.SymInt,
-) -> tuple[Tensor, Tensor]:
-    """The step's ``(cu_q, cu_k)`` cut after its ``entries`` active entries (4 segments each)."""
-    cu_q, cu_k = layout.step_segments(own, table, ring_rank, source, ring, kind)
-    return layout.leading_segments(cu_q, 4 * entries), layout.leading_segments(cu_k, 4 * entries)

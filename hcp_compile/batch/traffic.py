@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hcp_compile.batch.layout import RankSizes
-from hcp_compile.batch.schedule import exchanged_head_groups, kv_head_repeat, schedule_steps
+from hcp_compile.batch.layout import RankSizes, schedule_steps
+from hcp_compile.batch.schedule import exchanged_head_groups, kv_head_repeat
 from hcp_compile.exchange.schemes import scheme_named
 from hcp_compile.exchange.schemes.protocol import GroupShape, GroupTraffic, Traffic
 from hcp_compile.kernels.precision import accumulate_dtype

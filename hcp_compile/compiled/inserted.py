@@ -21,11 +21,11 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from hcp_compile import validation
 from hcp_compile.batch import layout
-from hcp_compile.batch.call import checked_batch, rank_schedule
+from hcp_compile.batch.call import checked_batch
 from hcp_compile.batch.layout import RankSizes
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import BatchValues, Exchanges, GraphKind, MeshShape, PreparedBatch, find, host_values
-from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, gathers, schedule_steps
+from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, gathers, rank_schedule
 from hcp_compile.exchange import agreement
 from hcp_compile.exchange.agreement import Verdict
 from hcp_compile.exchange.mesh import CPGroups, resolve_groups
@@ -110,8 +110,8 @@ def batch_layout_op(
     # at the start of a step (docs/benchmarks.md, "Compiled host work")
     call = (None if keys is None else keys.digest, ring_rank, ulysses_rank, tuple(tokens), tuple(max_seqlens),
             recompute_exchange, scheme, graph_for)
-    on_host = BATCHES.checked(prepared, call, lambda: _check_call(
-        prepared, keys, (ring_rank, ulysses_rank), tokens, max_seqlens, recompute_exchange, scheme, graph_for,
+    on_host = BATCHES.checked(prepared, call, lambda planned: _check_call(
+        prepared, keys, (ring_rank, ulysses_rank), tokens, max_seqlens, recompute_exchange, scheme, graph_for, planned,
     ))
     cu_on_host = prepared.batch.values.clone()
     BATCHES.find(cu_on_host, mesh, lambda: prepared)  # schedule_tables finds the batch by this tensor
@@ -120,12 +120,12 @@ def batch_layout_op(
 
 def _check_call(
     prepared: PreparedBatch, keys: BatchValues | None, rank: tuple[int, int], tokens: list[int],
-    max_seqlens: list[int], recompute_exchange: bool, scheme: str, graph_for: str,
+    max_seqlens: list[int], recompute_exchange: bool, scheme: str, graph_for: str, planned: MeshShape | None,
 ) -> Tensor:
     """``batch_layout``'s ``on_host`` for one call of the batch ``prepared`` on rank ``rank``
-    (ring rank, Ulysses rank) of its mesh."""
+    (ring rank, Ulysses rank) of its mesh, which ``shard_plan`` laid out for ``planned`` last."""
     mesh = prepared.mesh
-    failures = checked_batch(prepared, keys, tokens, max_seqlens, rank)
+    failures = checked_batch(prepared, keys, tokens, max_seqlens, rank, planned)
     failed = validation.verdict(failures, rank)
     fingerprint = prepared.fingerprint(recompute_exchange, scheme)
     graph = GraphKind.parse(graph_for).code
@@ -198,14 +198,15 @@ def hierarchical_varlen_attention(
     torch._check(rank_sizes.local + rank_sizes.own_exchange <= q.shape[0])
     torch._check(rank_sizes.ring_width <= rank_sizes.stream)
     gathered = gathers(scheme, causal, window, groups.ring_size, kernel)
-    steps = schedule_steps(rank_sizes, groups.ring_size, kind.steps(causal, window), gathered)
+    steps = layout.schedule_steps(rank_sizes, groups.ring_size, kind.steps(causal, window), gathered)
     gathered = gathered and steps > 1
     flat = torch.ops.hcp.schedule_tables(
         batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
         groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values, gathered,
     )
     sched = rank_schedule(
-        flat, rank_sizes, steps, groups.ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=float(scale),
+        flat, rank_sizes, steps, groups.ring_rank, groups.ring_size, max_seqlen,
+        windowed=layout.window_by_position(window, groups.ring_size), causal=causal, scale=float(scale),
         window=window, kernel=kernel, first_cache_key=first_cache_key, scheme=scheme, gathered=gathered,
         kv_heads=k.shape[1], ulysses=groups.ulysses_size,
     )
