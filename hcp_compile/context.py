@@ -10,9 +10,9 @@ from torch import Tensor
 
 from hcp_compile import validation
 from hcp_compile.batch.cache import BATCHES
-from hcp_compile.batch.call import checked_batch
+from hcp_compile.batch.call import KeptCalls, checked_batch
 from hcp_compile.batch.layout import window_by_position
-from hcp_compile.batch.prepared import MeshShape, PreparedBatch, find, host_values
+from hcp_compile.batch.prepared import MeshShape, PreparedBatch, find_by_value, host_values
 from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed, gathers, rank_schedule
 from hcp_compile.exchange.agreement import Verdict, agree, raise_agreed
 from hcp_compile.exchange.mesh import CPGroups, MeshLike, resolve_groups
@@ -83,9 +83,8 @@ class ContextParallel:
         self.shape = MeshShape(self.groups.ulysses_size, self.groups.ring_size, options.placement)
         # (prepared batch, call signature) -> schedule, for the latest batch only
         self._schedules: dict[tuple, RingSchedule] = {}
-        # (ids and versions of the cu_seqlens tensors, call sizes) ->
-        # (BatchCache.changes, cu_seqlens_q, cu_seqlens_k, _CheckedCall)
-        self._checks: dict[tuple, tuple[int, Tensor, Tensor, _CheckedCall]] = {}
+        # the checked call per cu_seqlens tensors and call sizes
+        self._checks: KeptCalls[_CheckedCall] = KeptCalls()
         self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> "ContextParallel":
@@ -160,10 +159,9 @@ class ContextParallel:
 
     def _checked_call(self, q, k, v, cu_q, cu_k, max_q, max_k) -> "_CheckedCall":
         """The call checked against its batch (validation.py; no collective), after the rules of
-        its inputs' shapes, which raise. Kept per ``cu_seqlens`` tensors, their versions and the
-        call's sizes until the batch cache changes (a batch comes, goes or is laid out again,
-        ``BatchCache.changes``), as the compiled graph's check is kept per call: the layers of a
-        model make the same call, and find their batch here without asking the batch package."""
+        its inputs' shapes, which raise. Kept per ``cu_seqlens`` tensors and the call's sizes
+        (:class:`call.KeptCalls`), as the compiled graph's check is kept per call: the layers of
+        a model make the same call, and find their batch here without asking the batch package."""
         groups = self.groups
         validation.check_cu_seqlens_dtype(cu_q, "cu_seqlens_q")
         validation.check_qkv(q, k, v)
@@ -171,29 +169,21 @@ class ContextParallel:
         if cu_k is not cu_q:
             validation.check_cu_seqlens_dtype(cu_k, "cu_seqlens_k")
         tokens, maxes = (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k)
-        # by identity: the kept entry holds the tensors, so their ids stay theirs
-        signature = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, tokens, maxes)
-        found = self._checks.get(signature)
-        if found is not None and found[0] == BATCHES.changes and found[1] is cu_q and found[2] is cu_k:
-            return found[3]
-        # by value: shard_plan prepared the batch already, here or in a DataLoader worker,
-        # unless the cache lost it
-        prepared = find(cu_q, self.shape)
+        found = self._checks.get((cu_q, cu_k), (tokens, maxes))
+        if found is not None:
+            return found
+        # by value (shard_plan prepared the batch already, here or in a DataLoader worker,
+        # unless the cache lost it) where the batch cache has not seen the tensor
         keys = None if cu_k is cu_q else host_values(cu_k)
         rank = (groups.ring_rank, groups.ulysses_rank)
         call = ("eager", None if keys is None else keys.digest, tokens, maxes, rank)
-        checked = _CheckedCall(
-            prepared, BATCHES.checked(prepared, call, lambda planned: checked_batch(prepared, keys, tokens, maxes, rank, planned)),
-            prepared.fingerprint(self.options.recompute_exchange, self.options.scheme),
+        prepared, failures = BATCHES.checked(
+            cu_q, self.shape, lambda: find_by_value(cu_q, self.shape), call,
+            lambda batch, planned: checked_batch(batch, keys, tokens, maxes, rank, planned),
         )
-        if len(self._checks) >= _CHECKS_KEPT:
-            self._checks.clear()  # tensors of batches done with
-        self._checks[signature] = (BATCHES.changes, cu_q, cu_k, checked)
-        return checked
-
-
-# calls checked kept by a context_parallel block: a step's batch and its keys, the next one's
-_CHECKS_KEPT = 4
+        checked = _CheckedCall(prepared, failures,
+                               prepared.fingerprint(self.options.recompute_exchange, self.options.scheme))
+        return self._checks.put((cu_q, cu_k), (tokens, maxes), checked)
 
 
 @dataclass(frozen=True)

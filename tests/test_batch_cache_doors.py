@@ -20,11 +20,12 @@ from hcp_compile.testing.worlds import fake_world
 
 import hcp_compile as hc
 from cp_cases import cu_seqlens, seeded
-from hcp_compile import validation
+from hcp_compile import context, validation
 from hcp_compile.batch import prepared
 from hcp_compile.batch.cache import BATCHES, BatchCache
 from hcp_compile.batch.prepared import MeshShape
 from hcp_compile.batch.schedule import cache_keys_needed
+from hcp_compile.compiled import inserted
 from hcp_compile.kernels import KERNELS
 from hcp_compile.kernels import flex_mask
 from hcp_compile.kernels.contract import HOST_READS
@@ -262,27 +263,30 @@ def test_an_eager_block_sees_a_batch_laid_out_again_for_a_window():
         local = local_shards(cu, mesh)
         with hc.context_parallel(mesh) as block:
             attend(*local, cu, max(LENGTHS))
-            (*_, before), = block._checks.values()
+            before, = block._checks.values()
             assert before.prepared.mesh.window == (-1, -1)
             windowed = hc.shard_plan(cu, mesh, window=(64, 0))
             local = [windowed.shard(seeded(f"doors/{n}", int(cu[-1]), 4, 16)) for n in "qkv"]
             hc.varlen_attention(*local, cu, cu, max(LENGTHS), max(LENGTHS), causal=True, window_size=(64, 0))
-            after = [kept[-1] for kept in block._checks.values() if kept[-1] is not before]
+            after = [kept for kept in block._checks.values() if kept is not before]
             assert [checked.prepared.mesh.window for checked in after] == [(64, 0)]
 
 
 def test_a_call_of_a_batch_seen_enters_each_room_of_the_batch_package_at_most_twice():
-    """Issue 50's bar for the steady state of eager CP (every layer of every step): once a
-    batch is seen, its call finds what it needs in the block's kept check and schedule, not by
-    walking the batch package (benchmarks/walk.py counts the stops)."""
+    """Issue 50's bar for the steady state of both doors (every layer of every step): once a
+    batch is seen, an eager call finds what it needs in the block's kept check and schedule, and
+    a compiled call's host points (the graph choice, ``hcp::batch_layout``,
+    ``hcp::schedule_tables``) find it with one look-up each; neither walks the batch package
+    (benchmarks/walk.py counts the entries)."""
     from benchmarks import walk
     from benchmarks.speed_setup import fake_process_group
 
     with fake_process_group(0, ULYSSES * RING):
         found = walk.walks(list(LENGTHS), "aot_eager")
-    stops = found["eager, batch seen"].stops
-    rooms = {module: count for module, count in stops.items() if module.startswith("hcp_compile.batch.")}
-    assert all(count <= 2 for count in rooms.values()), rooms
+    for door in ("eager, batch seen", "compiled, batch seen"):
+        entries = found[door].entries
+        rooms = {module: count for module, count in entries.items() if module.startswith("hcp_compile.batch.")}
+        assert rooms and all(count <= 2 for count in rooms.values()), (door, rooms)
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (24, 0)])
@@ -306,8 +310,10 @@ def test_calls_of_a_batch_seen_look_nothing_up_by_value(monkeypatch):
     again: eager CP takes its kept check, and each host point of a compiled call (the graph
     choice, ``hcp::batch_layout``, ``hcp::schedule_tables``) finds the batch kept for its tensor."""
     by_value = []
-    find_by_value = prepared._find
-    monkeypatch.setattr(prepared, "_find", lambda *args: by_value.append(1) or find_by_value(*args))
+    find_by_value = prepared.find_by_value
+    counted = lambda *args: by_value.append(1) or find_by_value(*args)  # noqa: E731
+    for module in (prepared, context, inserted):  # the doors' own fallbacks and find's
+        monkeypatch.setattr(module, "find_by_value", counted)
     cu = cu_seqlens(LENGTHS)
     longest = max(LENGTHS)
     with fake_world(ULYSSES, RING) as mesh:

@@ -249,8 +249,8 @@ def test_compiled_check_keeps_each_calls_own_verdict():
     tokens = batch.rank_tokens(1, 1)
 
     def verdict(count: int) -> list[int]:
-        on_host, _ = torch.ops.hcp.batch_layout(cu, cu, 2, 2, "balanced", 1, 1, [count] * 3, [max(DOCS)] * 2,
-                                                False, DEFAULT_SCHEME, "ring")
+        on_host = torch.ops.hcp.batch_layout(cu, cu, 2, 2, "balanced", 1, 1, [count] * 3, [max(DOCS)] * 2,
+                                             False, DEFAULT_SCHEME, "ring")
         return on_host[:validation.VERDICT_LENGTH].tolist()
 
     def expected(count: int) -> list[int]:

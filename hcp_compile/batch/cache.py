@@ -104,17 +104,20 @@ class BatchCache:
                 entry.owned.extend(range(first, first + count))
             return entry.keys[purpose, count]
 
-    def checked(self, prepared: Any, call: Hashable, check: Callable[[Hashable | None], T]) -> T:
-        """``check(planned)`` of one call of the batch ``prepared``, ``planned`` being the mesh
-        shape ``shard_plan`` laid its values out for last (:meth:`planned`, which the check
-        reads), kept with the batch for as long as that shape stays the last."""
+    def checked(self, tensor: Tensor, mesh: Hashable, find: Callable[[], Any], call: Hashable,
+                check: Callable[[Any, Hashable | None], T]) -> tuple[Any, T]:
+        """The batch of ``tensor`` on ``mesh`` (:meth:`find`) and ``check(batch, planned)`` of one
+        call of it, ``planned`` being the mesh shape ``shard_plan`` laid its values out for last
+        (:meth:`planned`, which the check reads), kept with the batch for as long as that shape
+        stays the last: one look-up for a door's check of a call."""
+        prepared = self.find(tensor, mesh, find)
         with self._lock:
             kept = self._entry(prepared).checked
             planned = self.planned(prepared.batch.digest)
             found = kept.get((call, planned))
             if found is None:
-                found = kept[call, planned] = check(planned)
-            return found
+                found = kept[call, planned] = check(prepared, planned)
+            return prepared, found
 
     def record_plan(self, prepared: Any) -> None:
         """Remember that ``shard_plan`` laid the batch ``prepared`` out (last)."""

@@ -16,10 +16,49 @@ derives once per batch and mask in one pass (layout, then its tables).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Generic, TypeVar
 
+from torch import Tensor
+
+from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch
 from hcp_compile.validation import BatchCall, Failure, check
+
+T = TypeVar("T")
+
+# calls a door keeps: a step's batch and its keys, the next one's
+CALLS_KEPT = 4
+
+
+class KeptCalls(Generic[T]):
+    """What one door (an eager ``context_parallel`` block, a compiled graph's variants) derived
+    for the ``cu_seqlens`` tensors of a call, kept by their identity and version and the call's
+    other keys until the batch cache changes (``BatchCache.changes``: a batch came, went or was
+    laid out again, which can change the answer). The layers of a model, and every call of a
+    compiled graph, pass the same tensors again and find the answer here without entering the
+    rest of the batch package. The door owns it; it holds the tensors of a few calls, so their
+    ids stay theirs."""
+
+    def __init__(self, capacity: int = CALLS_KEPT):
+        self._capacity = capacity
+        self._kept: dict[tuple, tuple[int, tuple[Tensor, ...], T]] = {}
+
+    def get(self, tensors: tuple[Tensor, ...], key: Hashable = ()) -> T | None:
+        found = self._kept.get((*((id(t), t._version) for t in tensors), key))
+        if found is None or found[0] != BATCHES.changes or any(a is not b for a, b in zip(found[1], tensors)):
+            return None
+        return found[2]
+
+    def put(self, tensors: tuple[Tensor, ...], key: Hashable, value: T) -> T:
+        """Keep ``value`` for the tensors (as they are now) and ``key``; returns it."""
+        if len(self._kept) >= self._capacity:
+            self._kept.clear()  # tensors of batches done with
+        self._kept[(*((id(t), t._version) for t in tensors), key)] = (BATCHES.changes, tensors, value)
+        return value
+
+    def values(self) -> list[T]:
+        return [value for *_, value in self._kept.values()]
 
 
 def checked_batch(

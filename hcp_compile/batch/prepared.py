@@ -413,10 +413,12 @@ def find(cu_seqlens: Tensor, mesh: MeshShape | None) -> PreparedBatch:
     """The batch of the ``cu_seqlens`` tensor (dtype checked) prepared for ``mesh`` (a door's,
     :func:`as_planned`): what a door starts from (:func:`host_values`, then :func:`prepare`),
     kept per tensor and version in the batch cache (``BatchCache.find``)."""
-    return BATCHES.find(cu_seqlens, mesh, lambda: _find(cu_seqlens, mesh))
+    return BATCHES.find(cu_seqlens, mesh, lambda: find_by_value(cu_seqlens, mesh))
 
 
-def _find(cu_seqlens: Tensor, mesh: MeshShape | None) -> PreparedBatch:
+def find_by_value(cu_seqlens: Tensor, mesh: MeshShape | None) -> PreparedBatch:
+    """:func:`find` without the look-up per tensor: what the batch cache falls back to for a
+    tensor it has not seen (or not since it changed)."""
     values = host_values(cu_seqlens)
     return prepare(values, None if mesh is None else as_planned(values.digest, mesh))
 

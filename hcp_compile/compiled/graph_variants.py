@@ -22,7 +22,8 @@ the others and merges nothing for them.
 
 The batch found here for a ``cu_seqlens`` tensor is the one the graph's batch check takes
 (``BatchCache.find`` keeps it per tensor and version), so choosing costs no extra device read
-and no second look-up by value. Ranks given different
+and no second look-up by value; the kind chosen is kept per tensors (``call.KeptCalls``), so
+the calls of a step choose without entering the batch package. Ranks given different
 batches may choose different graphs; every graph begins with the same agreed check, which then
 fails on every rank. So do ranks where a graph could not be built beside ranks where it could
 (its check's fingerprint names the batches its graph serves): an error on every rank instead
@@ -44,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 from torch import fx
 
+from hcp_compile.batch.call import KeptCalls
 from hcp_compile.batch.prepared import Exchanges, GraphKind, MeshShape, find
 
 
@@ -80,14 +82,20 @@ class GraphVariants:
     windows: tuple[int, ...] = ()  # the keys back of the causal windows of the graph's calls
     graphs: dict[GraphKind, Callable | None] = field(default_factory=dict, init=False)  # None: refused
     chosen: dict[GraphKind, Callable] = field(default_factory=dict, init=False)  # graph_for's answers
+    # the graph's kind per cu_seqlens tensors: every call of a step passes the same ones
+    kinds: KeptCalls[GraphKind] = field(default_factory=KeptCalls, init=False)
 
     def __call__(self, *args):
         return self.graph_for(self.needed(args))(*args)
 
     def needed(self, args: Sequence[Any]) -> GraphKind:
         """The kind of graph the batch of ``args`` needs (the broadest over its cu_seqlens)."""
-        kinds = [find(args[i], self.mesh).graph_kind(self.windows) for i in self.inputs]
-        return kinds[0] if len(kinds) == 1 else GraphKind.broadest(kinds)
+        tensors = tuple(args[i] for i in self.inputs)
+        kind = self.kinds.get(tensors)
+        if kind is None:
+            kinds = [find(cu, self.mesh).graph_kind(self.windows) for cu in tensors]
+            kind = self.kinds.put(tensors, (), kinds[0] if len(kinds) == 1 else GraphKind.broadest(kinds))
+        return kind
 
     def graph_for(self, kind: GraphKind) -> Callable:
         """The narrowest compiled graph that runs batches of ``kind``: a narrower graph where

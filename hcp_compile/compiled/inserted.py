@@ -24,7 +24,9 @@ from hcp_compile.batch import layout
 from hcp_compile.batch.call import checked_batch
 from hcp_compile.batch.layout import RankSizes
 from hcp_compile.batch.cache import BATCHES
-from hcp_compile.batch.prepared import BatchValues, Exchanges, GraphKind, MeshShape, PreparedBatch, find, host_values
+from hcp_compile.batch.prepared import (
+    BatchValues, Exchanges, GraphKind, MeshShape, PreparedBatch, find, find_by_value, host_values,
+)
 from hcp_compile.batch.schedule import ScheduleTables, cache_keys_needed, gathers, rank_schedule
 from hcp_compile.exchange import agreement
 from hcp_compile.exchange.agreement import Verdict
@@ -41,9 +43,9 @@ def checked_layout(
 ) -> "CheckedBatch":
     """Check the batch and return what every attention call of it in the graph reuses: this
     rank's sizes (the values of :func:`layout.rank_size_values`) and the first cache key of
-    its schedules' blocks, read to the host (symbolic ints in a graph), and a host copy of
-    ``cu_seqlens``. ``tokens``: the token counts of q, k and v; ``max_seqlens``:
-    ``max_seqlen_q`` and ``max_seqlen_k``.
+    its schedules' blocks, read to the host (symbolic ints in a graph), and ``cu_seqlens_q``,
+    by which the tables op finds the batch again. ``tokens``: the token counts of q, k and v;
+    ``max_seqlens``: ``max_seqlen_q`` and ``max_seqlen_k``.
 
     One opaque op (``hcp::batch_layout``) reads ``cu_seqlens`` to the host (once per tensor and
     version), takes the batch's prepared layout (by value) and checks
@@ -54,19 +56,21 @@ def checked_layout(
     or run graphs built for different batches beside each other (``graph_for``, a
     :class:`prepared.GraphKind`'s text)) instead of some ranks waiting in the next collective."""
     groups = groups_from_names(ulysses_group, ring_group)
-    on_host, cu_on_host = torch.ops.hcp.batch_layout(
+    on_host = torch.ops.hcp.batch_layout(
         cu_seqlens_q, cu_seqlens_k, groups.ulysses_size, groups.ring_size, placement, groups.ring_rank,
         groups.ulysses_rank, list(tokens), list(max_seqlens), recompute_exchange, scheme, graph_for,
     )
     accepted = torch.ops.hcp.agree_on_batch(on_host, ulysses_group, ring_group, agree, agreement_timeout_s)
     *sizes, first_cache_key = accepted.tolist()
-    return CheckedBatch(cu_on_host, placement, tuple(sizes), first_cache_key)
+    return CheckedBatch(cu_seqlens_q, placement, tuple(sizes), first_cache_key)
 
 
 class CheckedBatch(NamedTuple):
     """A batch as :func:`checked_layout` hands it to every attention call of the graph."""
 
-    cu_on_host: Tensor  # int64 CPU copy of cu_seqlens_q: what the schedule tables come from
+    # what the schedule tables op finds the batch by (the batch cache keeps it for this tensor
+    # once the check found it)
+    cu_seqlens_q: Tensor
     placement: str
     sizes: tuple[int | torch.SymInt, ...]  # layout.rank_size_values of this rank
     first_cache_key: int | torch.SymInt
@@ -84,17 +88,16 @@ def batch_layout_op(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, ulysses: int, ring: int, placement: str,
     ring_rank: int, ulysses_rank: int, tokens: list[int], max_seqlens: list[int],
     recompute_exchange: bool, scheme: str, graph_for: str,
-) -> tuple[Tensor, Tensor]:
-    """One batch on the host, once per call: ``(on_host, cu_on_host)``, int64 CPU tensors.
-
-    ``on_host``: the verdict, then rank ``(ring_rank, ulysses_rank)``'s sizes
+) -> Tensor:
+    """One batch on the host, once per call: ``on_host``, an int64 CPU tensor (Note [the host
+    vector]): the verdict, then rank ``(ring_rank, ulysses_rank)``'s sizes
     (:func:`layout.rank_size_values`; zeros when the batch could not be laid out) and the
     first of the cache keys that name its segmentations of this batch. The verdict:
     ``validation.verdict`` of the call (``tokens``: q, k and v's token counts,
     ``max_seqlens``: both ``max_seqlen``) on the batch's :class:`prepared.PreparedBatch`,
-    then its fingerprint, the kind of graph (``graph_for``) and their negations.
-    ``cu_on_host``: a CPU copy of ``cu_seqlens_q``, by which ``hcp::schedule_tables`` finds
-    the prepared batch.
+    then its fingerprint, the kind of graph (``graph_for``) and their negations. The batch
+    found here for ``cu_seqlens_q`` is kept for the tensor (``BatchCache.find``), so
+    ``hcp::schedule_tables`` finds it by the same tensor without reading it.
 
     On a GPU the rule's hundreds of small sorts, scans and searches, and the checks, would cost
     milliseconds of launches per call; the host copy of ``cu_seqlens``, made once per tensor and
@@ -102,7 +105,6 @@ def batch_layout_op(
     time in a DataLoader worker: docs/design.md §5.3). The keys are given by the batch's
     values, so the layers and the backward of one batch share what the kernels derive."""
     mesh = MeshShape(ulysses, ring, placement)
-    prepared = find(cu_seqlens_q, mesh)  # laid out for shard_plan's window
     keys = None if cu_seqlens_k is cu_seqlens_q else host_values(cu_seqlens_k)
     # kept per call with the batch: a model's graphs check the same call of a batch again (each
     # graph of a model split by graph breaks, every step of a benchmark), and the check and the
@@ -110,12 +112,13 @@ def batch_layout_op(
     # at the start of a step (docs/benchmarks.md, "Compiled host work")
     call = (None if keys is None else keys.digest, ring_rank, ulysses_rank, tuple(tokens), tuple(max_seqlens),
             recompute_exchange, scheme, graph_for)
-    on_host = BATCHES.checked(prepared, call, lambda planned: _check_call(
-        prepared, keys, (ring_rank, ulysses_rank), tokens, max_seqlens, recompute_exchange, scheme, graph_for, planned,
-    ))
-    cu_on_host = prepared.batch.values.clone()
-    BATCHES.find(cu_on_host, mesh, lambda: prepared)  # schedule_tables finds the batch by this tensor
-    return on_host.clone(), cu_on_host
+    # the batch laid out for shard_plan's window (by value where the cache has not seen the tensor)
+    _, on_host = BATCHES.checked(
+        cu_seqlens_q, mesh, lambda: find_by_value(cu_seqlens_q, mesh), call,
+        lambda prepared, planned: _check_call(prepared, keys, (ring_rank, ulysses_rank), tokens, max_seqlens,
+                                              recompute_exchange, scheme, graph_for, planned),
+    )
+    return on_host.clone()
 
 
 def _check_call(
@@ -147,8 +150,7 @@ def _sizes_length(ulysses: int, ring: int) -> int:
 @batch_layout_op.register_fake
 def _(cu_seqlens_q, cu_seqlens_k, ulysses, ring, placement, ring_rank, ulysses_rank, tokens, max_seqlens,
       recompute_exchange, scheme, graph_for):
-    on_host = torch.empty(Verdict.LENGTH + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
-    return on_host, torch.empty(cu_seqlens_q.shape[0], dtype=torch.int64, device="cpu")
+    return torch.empty(Verdict.LENGTH + _sizes_length(ulysses, ring) + 1, dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("hcp::agree_on_batch", mutates_args=())
@@ -201,7 +203,7 @@ def hierarchical_varlen_attention(
     steps = layout.schedule_steps(rank_sizes, groups.ring_size, kind.steps(causal, window), gathered)
     gathered = gathered and steps > 1
     flat = torch.ops.hcp.schedule_tables(
-        batch.cu_on_host, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
+        batch.cu_seqlens_q, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
         groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values, gathered,
     )
     sched = rank_schedule(
@@ -215,11 +217,11 @@ def hierarchical_varlen_attention(
 
 @torch.library.custom_op("hcp::schedule_tables", mutates_args=())
 def schedule_tables_op(
-    cu_on_host: Tensor, device: torch.device, ulysses: int, ring: int, placement: str,
+    cu_seqlens_q: Tensor, device: torch.device, ulysses: int, ring: int, placement: str,
     ring_rank: int, ulysses_rank: int, steps: int, causal: bool, window_left: int, window_right: int,
     sizes: list[int], gathered: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The tables of rank ``(ring_rank, ulysses_rank)``'s schedule of the batch ``cu_on_host``
+    """The tables of rank ``(ring_rank, ulysses_rank)``'s schedule of the batch ``cu_seqlens_q``
     (:meth:`ScheduleTables.flat`: int32 segmentations, int64 positions), derived on the host
     once per batch and mask by its :class:`prepared.PreparedBatch` (one copy to ``device`` per
     call): on a GPU their sorts, scans and searches cost a dozen small kernels per attention
@@ -230,14 +232,14 @@ def schedule_tables_op(
     The graph runs every ring step, whichever a window leaves without a visible key (batch
     data): the tables of those steps come empty (``RankPlan.flat_skipping``), so their block
     calls compute nothing, as eager CP skips them (``RankPlan.active`` decides for both)."""
-    prepared = find(cu_on_host, MeshShape(ulysses, ring, placement))
+    prepared = find(cu_seqlens_q, MeshShape(ulysses, ring, placement))  # as hcp::batch_layout found it
     _, copies = prepared.device_tables(ring_rank, ulysses_rank, causal, (window_left, window_right), device, steps,
                                        skip_inactive=True, gathered=gathered)
     return copies
 
 
 @schedule_tables_op.register_fake
-def _(cu_on_host, device, ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal, window_left, window_right,
+def _(cu_seqlens_q, device, ulysses, ring, placement, ring_rank, ulysses_rank, steps, causal, window_left, window_right,
       sizes, gathered):
     window = (window_left, window_right)
     tables, positions = ScheduleTables.lengths(layout.rank_sizes(sizes, ulysses_rank, ulysses), steps,
