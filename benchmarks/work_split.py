@@ -28,6 +28,7 @@ from tabulate import tabulate
 
 from benchmarks.speed_workloads import Workload, workloads
 from hcp_compile.batch.placements import NO_WINDOW, PLACEMENTS, check_layout_window
+from hcp_compile.batch import layout
 from hcp_compile.batch.layout import Kind
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, host_values, prepare
 
@@ -84,8 +85,8 @@ def cut_documents(prepared: PreparedBatch) -> str:
 
 def ring_steps(prepared: PreparedBatch, window_left: int) -> str:
     """The ring steps of an eager schedule under the workload's window
-    (``PreparedBatch.schedule_steps``: the same on every rank), of the ring's."""
-    steps = prepared.schedule_steps(prepared.rank_sizes(0, 0), True, (window_left, 0))
+    (``layout.own_steps``: the same on every rank), of the ring's."""
+    steps = layout.own_steps(prepared.layout, prepared.rank_sizes(0, 0), True, (window_left, 0))
     return f"{steps} of {prepared.mesh.ring}"
 
 

@@ -122,7 +122,7 @@ class ShardPlan:
                 group_docs = int(((kind == Kind.GROUP) & (ring_rank == r)).sum())
                 ring_docs = int((kind == Kind.RING).sum())
                 moved = call_traffic(scheme, sizes, call, ulysses, ring,
-                                     self.prepared.schedule_steps(sizes, True, self.window))
+                                     layout.own_steps(self.layout, sizes, True, self.window))
                 all_to_all = moved.ulysses.forward_bytes + moved.ulysses.backward_bytes
                 ring_bytes = moved.ring.forward_bytes + moved.ring.backward_bytes
                 rows.append([

@@ -779,8 +779,7 @@ def schedule_shape(sizes: RankSizes, ring_rank: int, ring: int, steps: int, caus
     if gathered:
         sources, kinds = (ring_rank, -1), (StepKind.DIAGONAL, StepKind.GATHERED)
     else:
-        sources = tuple(step_sources(ring_rank, ring, steps))
-        kinds = tuple(step_kind(ring_rank, source, causal) for source in sources)
+        sources, kinds = _steps_of(ring_rank, ring, steps, causal)
     return ScheduleShape(sources, kinds, step_max_seqlen(max_seqlen, ring), known_empty(sizes.stream),
                          known_empty(sizes.own_exchange))
 
@@ -828,8 +827,7 @@ def rank_segments(layout: BatchLayout, sizes: RankSizes, ring_rank: int, causal:
             (own_q, leading_segments(step.cu_q, segments)), (own_k, leading_segments(step.cu_k, segments)),
             None, (None, None), step.rows,
         )
-    sources = step_sources(ring_rank, ring, steps)
-    kinds = [step_kind(ring_rank, source, causal) for source in sources]
+    sources, kinds = _steps_of(ring_rank, ring, steps, causal)
     tables = [own] + [stream_table(layout, source, with_group=False) for source in sources[1:]]
     lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
     positions = [stream_tokens(table, source, ring, length).position if windowed else None
@@ -843,6 +841,12 @@ def rank_segments(layout: BatchLayout, sizes: RankSizes, ring_rank: int, causal:
         active = (True, *seen.tolist())
     return RankSegments(steps, windowed, False, active, local_cu, tuple(q for q, _ in cuts),
                         tuple(k for _, k in cuts), positions[0], tuple(positions), None)
+
+
+def _steps_of(ring_rank: int, ring: int, steps: int, causal: bool) -> tuple[tuple[int, ...], tuple[StepKind, ...]]:
+    """Per ring step of ``ring_rank``'s schedule, the ring rank whose keys it uses and its kind."""
+    sources = tuple(step_sources(ring_rank, ring, steps))
+    return sources, tuple(step_kind(ring_rank, source, causal) for source in sources)
 
 
 def _step_cut(own: StreamTable, table: StreamTable, ring_rank: int, source: int, ring: int, kind: StepKind,

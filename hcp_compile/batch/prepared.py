@@ -318,12 +318,6 @@ class PreparedBatch:
             self._plans[asked] = plan
         return plan
 
-    def schedule_steps(self, sizes: RankSizes, causal: bool, window: tuple[int, int],
-                       gathered: bool = False) -> int:
-        """The ring steps of a rank's own schedule for calls with this mask
-        (:func:`layout.own_steps`)."""
-        return layout.own_steps(self.layout, sizes, causal, window, gathered)
-
     def tables(self, ring_rank: int, ulysses_rank: int, causal: bool, window: tuple[int, int],
                steps: int | None = None, gathered: bool = False) -> ScheduleTables:
         """The host tables of the rank's schedule for this mask (:meth:`rank_plan`)."""

@@ -48,7 +48,7 @@ def checked_layout(
     ``max_seqlens``: ``max_seqlen_q`` and ``max_seqlen_k``.
 
     One opaque op (``hcp::batch_layout``) reads ``cu_seqlens`` to the host (once per tensor and
-    version), takes the batch's prepared layout (by value) and checks
+    version), takes the batch's prepared layout (kept for the tensor, else by value) and checks
     :data:`validation.BATCH_RULES` there; another (``hcp::agree_on_batch``) agrees on the
     verdict over the mesh as eager CP does (hcp_compile/exchange/agreement.py: the same
     payload, timeout and errors), so every rank raises together (also when the ranks were
