@@ -13,8 +13,8 @@ from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.call import KeptCalls, checked_batch
 from hcp_compile.batch.layout import window_by_position
 from hcp_compile.batch.prepared import MeshShape, PreparedBatch, find_by_value, host_values
-from hcp_compile.batch.schedule import RingSchedule, cache_keys_needed, gathers, rank_schedule
-from hcp_compile.exchange.agreement import Verdict, agree, raise_agreed
+from hcp_compile.batch.schedule import RingSchedule, prepared_schedule
+from hcp_compile.exchange.agreement import Verdict, agree, fingerprint, raise_agreed
 from hcp_compile.exchange.mesh import CPGroups, MeshLike, resolve_groups
 from hcp_compile.hierarchical import HierarchicalAttention
 from hcp_compile.kernels import BlockRequest, resolve_kernel
@@ -141,19 +141,11 @@ class ContextParallel:
         if key not in self._schedules:
             for stale in [old for old in self._schedules if old[0] is not prepared]:
                 del self._schedules[stale]  # another batch: the old one's layers are done
-            groups = self.groups
-            ring_rank, ulysses_rank = groups.ring_rank, groups.ulysses_rank
-            gathered = gathers(self.options.scheme, causal, window, groups.ring_size, kernel)
-            plan, flat = prepared.device_tables(ring_rank, ulysses_rank, causal, window, q.device, gathered=gathered)
-            # the batch's keys for this rank, as the compiled graph's: eager and compiled calls of
-            # one batch share what the kernels derive
-            first_key = BATCHES.cache_keys(prepared, (ring_rank, ulysses_rank), cache_keys_needed(groups.ring_size))
-            self._schedules[key] = rank_schedule(
-                flat, plan.sizes, plan.steps, ring_rank, groups.ring_size, max_seqlen, windowed=plan.windowed,
-                causal=causal, scale=scale,
-                window=window, kernel=kernel, active=list(plan.active) if self.options.skip_outside_window else None,
-                first_cache_key=first_key, scheme=self.options.scheme, gathered=plan.gathered,
-                kv_heads=k.shape[1], ulysses=groups.ulysses_size,
+            groups, options = self.groups, self.options
+            self._schedules[key] = prepared_schedule(
+                prepared, groups.ring_rank, groups.ulysses_rank, groups.ring_size, q.device, max_seqlen,
+                causal=causal, scale=scale, window=window, kernel=kernel, scheme=options.scheme,
+                kv_heads=k.shape[1], ulysses=groups.ulysses_size, skip_outside_window=options.skip_outside_window,
             )
         return self._schedules[key]
 
@@ -169,21 +161,22 @@ class ContextParallel:
         if cu_k is not cu_q:
             validation.check_cu_seqlens_dtype(cu_k, "cu_seqlens_k")
         tokens, maxes = (q.shape[0], k.shape[0], v.shape[0]), (max_q, max_k)
-        found = self._checks.get((cu_q, cu_k), (tokens, maxes))
-        if found is not None:
-            return found
-        # by value (shard_plan prepared the batch already, here or in a DataLoader worker,
-        # unless the cache lost it) where the batch cache has not seen the tensor
+        return self._checks.kept((cu_q, cu_k), (tokens, maxes), lambda: self._check(cu_q, cu_k, tokens, maxes))
+
+    def _check(self, cu_q: Tensor, cu_k: Tensor, tokens: tuple[int, ...], maxes: tuple[int, int]) -> "_CheckedCall":
+        """The call checked against its batch, found by value (``shard_plan`` prepared it
+        already, here or in a DataLoader worker, unless the cache lost it) where the batch
+        cache has not seen the tensor."""
         keys = None if cu_k is cu_q else host_values(cu_k)
-        rank = (groups.ring_rank, groups.ulysses_rank)
+        rank = (self.groups.ring_rank, self.groups.ulysses_rank)
         call = ("eager", None if keys is None else keys.digest, tokens, maxes, rank)
         prepared, failures = BATCHES.checked(
             cu_q, self.shape, lambda: find_by_value(cu_q, self.shape), call,
             lambda batch, planned: checked_batch(batch, keys, tokens, maxes, rank, planned),
         )
-        checked = _CheckedCall(prepared, failures,
-                               prepared.fingerprint(self.options.recompute_exchange, self.options.scheme))
-        return self._checks.put((cu_q, cu_k), (tokens, maxes), checked)
+        options = self.options
+        return _CheckedCall(prepared, failures,
+                            fingerprint(prepared.batch.digest, prepared.mesh, options.recompute_exchange, options.scheme))
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,11 @@ class ShardPlan:
         shape = MeshShape(groups.ulysses_size, groups.ring_size, placement, self.window)
         self.prepared = _prepared(cu_seqlens, shape)
         BATCHES.record_plan(self.prepared)  # the attention checks that it runs on this shape
+        if isinstance(cu_seqlens, Tensor):
+            # what the attention of this tensor on this mesh finds (prepared.find: the doors ask
+            # without the layout's window, which this plan's recording decides), so that its
+            # first call neither reads nor hashes the values again
+            BATCHES.find(cu_seqlens, shape._replace(window=NO_WINDOW), lambda: self.prepared)
         self.layout = self.prepared.layout
         self.local_tokens = self.prepared.rank_tokens(groups.ring_rank, groups.ulysses_rank)
         self.num_tokens = self.prepared.batch.num_tokens

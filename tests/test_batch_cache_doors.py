@@ -272,20 +272,20 @@ def test_an_eager_block_sees_a_batch_laid_out_again_for_a_window():
             assert [checked.prepared.mesh.window for checked in after] == [(64, 0)]
 
 
-def test_a_call_of_a_batch_seen_enters_each_room_of_the_batch_package_at_most_twice():
-    """Issue 50's bar for the steady state of both doors (every layer of every step): once a
-    batch is seen, an eager call finds what it needs in the block's kept check and schedule, and
-    a compiled call's host points (the graph choice, ``hcp::batch_layout``,
-    ``hcp::schedule_tables``) find it with one look-up each; neither walks the batch package
-    (benchmarks/walk.py counts the entries)."""
+def test_every_walk_of_cu_seqlens_enters_each_room_of_the_batch_package_at_most_twice():
+    """Issue 50's bar, for every walk benchmarks/walk.py counts: an eager first call (the batch
+    that ``shard_plan`` laid out: its check finds the batch kept for the tensor, the schedule is
+    one entry that derives the rank's plan in one pass down the layers), the calls of a batch
+    seen through both doors (an eager call finds its kept check and schedule, a compiled call's
+    host points one look-up each) and the single-device op."""
     from benchmarks import walk
     from benchmarks.speed_setup import fake_process_group
 
     with fake_process_group(0, ULYSSES * RING):
         found = walk.walks(list(LENGTHS), "aot_eager")
-    for door in ("eager, batch seen", "compiled, batch seen"):
-        entries = found[door].entries
-        rooms = {module: count for module, count in entries.items() if module.startswith("hcp_compile.batch.")}
+    assert len(found) == 4
+    for door, seen in found.items():
+        rooms = {module: count for module, count in seen.entries.items() if module.startswith("hcp_compile.batch.")}
         assert rooms and all(count <= 2 for count in rooms.values()), (door, rooms)
 
 
@@ -307,8 +307,9 @@ def test_a_ranks_plan_is_derived_in_one_pass_down_the_layers(window):
 
 def test_calls_of_a_batch_seen_look_nothing_up_by_value(monkeypatch):
     """Once a batch is seen, neither door reads, hashes or looks up its ``cu_seqlens`` values
-    again: eager CP takes its kept check, and each host point of a compiled call (the graph
-    choice, ``hcp::batch_layout``, ``hcp::schedule_tables``) finds the batch kept for its tensor."""
+    again: eager CP's first call finds the batch ``shard_plan`` kept for the tensor and later
+    ones take their kept check, and each host point of a compiled call (the graph choice,
+    ``hcp::batch_layout``, ``hcp::schedule_tables``) finds the batch kept for its tensor."""
     by_value = []
     find_by_value = prepared.find_by_value
     counted = lambda *args: by_value.append(1) or find_by_value(*args)  # noqa: E731
@@ -320,7 +321,7 @@ def test_calls_of_a_batch_seen_look_nothing_up_by_value(monkeypatch):
         local = local_shards(cu, mesh)
         with hc.context_parallel(mesh):
             attend(*local, cu, longest)
-            by_value.clear()
+            assert by_value == []
             attend(*local, cu, longest)
             assert by_value == []
         compiled = torch.compile(attend, backend=hc.backend(mesh=mesh, inner="aot_eager"), fullgraph=True)
@@ -328,3 +329,17 @@ def test_calls_of_a_batch_seen_look_nothing_up_by_value(monkeypatch):
         by_value.clear()
         compiled(*local, cu, longest)
         assert by_value == []
+
+
+def test_the_first_call_runs_on_the_layout_shard_plan_kept_for_its_tensor():
+    """``shard_plan`` keeps its batch for the tensor it was given, under the key the doors ask
+    with (the mesh shape without the layout's window): a first call of that tensor runs on the
+    layout laid out for the plan's window, as one found by value does, and a plan for another
+    window of the same tensor replaces it."""
+    cu = cu_seqlens(LENGTHS)
+    with fake_world(ULYSSES, RING) as mesh:
+        for window in ((-1, -1), (64, 0), (-1, -1)):
+            plan = hc.shard_plan(cu, mesh, window=window)
+            assert prepared.find(cu, SHAPE) is plan.prepared
+            assert prepared.find_by_value(cu, SHAPE) is plan.prepared
+            assert plan.prepared.mesh.window == window

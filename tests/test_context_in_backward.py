@@ -6,7 +6,6 @@ an error. End to end (a checkpointed layer's backward on another thread): tests/
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from hcp_compile import context

@@ -8,8 +8,6 @@ counted by hand, and torch's own counts of the same attention written as dense
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F

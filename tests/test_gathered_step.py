@@ -79,7 +79,7 @@ def test_only_causal_allgather_calls_without_a_window_by_position_gather():
     assert not schedule.gathers("ring", True, (-1, -1), 4)
     prepared = hc.prepare_batch(cu_seqlens(BATCHES[0]), ulysses=MESH[0], ring=MESH[1], rank=0, scheme="allgather")
     plan = prepared.rank_plan(0, 0, True, (-1, -1), gathered=True)
-    assert (plan.steps, plan.gathered) == (2, True)
+    assert (plan.steps, plan.shape.gathered) == (2, True)
     assert plan is prepared.rank_plan(0, 0, True, (-1, -1), gathered=True)  # what the worker prepared
     assert plan.tables.gather_rows.numel() == plan.sizes.gathered_keys > 0
     assert prepared.rank_plan(0, 0, True, (-1, -1)).steps == MESH[1]
@@ -163,6 +163,6 @@ def test_a_gathered_schedule_under_a_scheme_that_does_not_gather_raises():
     prepared = hc.prepare_batch(cu_seqlens(BATCHES[0]), ulysses=MESH[0], ring=MESH[1], rank=0)
     plan = prepared.rank_plan(0, 0, True, (-1, -1), gathered=True)
     with pytest.raises(ValueError, match="does not gather"):
-        schedule.assemble_schedule(plan.tables, plan.sizes, max(BATCHES[0]), 0, MESH[1], causal=True, scale=1.0,
+        schedule.assemble_schedule(plan.tables, plan.sizes, plan.shape, max(BATCHES[0]), 0, MESH[1], causal=True, scale=1.0,
                                    window=(-1, -1), kernel="torch", first_cache_key=None, scheme="ring",
                                    kv_heads=1, ulysses=MESH[0])

@@ -31,6 +31,8 @@ from hcp_compile.batch import layout, pickling, prepared, schedule
 from hcp_compile.batch.placements import PLACEMENTS
 from hcp_compile.batch.cache import BATCHES
 from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch, prepare_batch
+from hcp_compile.exchange.agreement import fingerprint
+from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 
 MESH = (2, 2)  # (ulysses, ring)
 SUITE = "test_prepared_batch:suite"
@@ -173,9 +175,9 @@ def test_batch_prepared_for_another_placement_is_refused_naming_it(world):
 
 FINGERPRINT_CODE = """
 import torch
-from hcp_compile.batch.prepared import BatchValues, MeshShape, PreparedBatch
-values = BatchValues.of(torch.tensor({cu}))
-print(PreparedBatch(values, MeshShape(2, 2, "balanced")).fingerprint(True))
+from hcp_compile.batch.prepared import BatchValues, MeshShape
+from hcp_compile.exchange.agreement import fingerprint
+print(fingerprint(BatchValues.of(torch.tensor({cu})).digest, MeshShape(2, 2, "balanced"), True, "ring"))
 """
 
 
@@ -184,19 +186,19 @@ def test_fingerprint_tells_apart_any_number_of_placements_and_flags():
     more names than there are placements must still give distinct fingerprints."""
     values = BatchValues.of(cu_seqlens(DOCS).long())
     names = [*PLACEMENTS, *(f"rule{i}" for i in range(9))]
-    prints = {(name, flag): PreparedBatch(values, MeshShape(2, 2, name)).fingerprint(flag)
+    prints = {(name, flag): fingerprint(values.digest, MeshShape(2, 2, name), flag, DEFAULT_SCHEME)
               for name in names for flag in (False, True)}
     assert len(set(prints.values())) == len(prints)
     # its negation must fit an int64 too: the ranks all-reduce the max of both
     assert all(0 <= p < 2**62 for p in prints.values())
     other_batch = BatchValues.of(cu_seqlens(tuple(reversed(DOCS))).long())
-    assert PreparedBatch(other_batch, MeshShape(2, 2, "balanced")).fingerprint(False) != prints["balanced", False]
+    assert fingerprint(other_batch.digest, MeshShape(2, 2, "balanced"), False, DEFAULT_SCHEME) != prints["balanced", False]
 
 
 def test_fingerprint_is_the_same_in_another_process():
     """Ranks are processes: a per-process hash (Python's) would tell equal batches apart."""
     cu = cu_seqlens(DOCS).tolist()
-    here = PreparedBatch(BatchValues.of(torch.tensor(cu)), MeshShape(2, 2, "balanced")).fingerprint(True)
+    here = fingerprint(BatchValues.of(torch.tensor(cu)).digest, MeshShape(2, 2, "balanced"), True, "ring")
     there = subprocess.run([sys.executable, "-c", FINGERPRINT_CODE.format(cu=cu)], capture_output=True,
                            text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "random"})
     assert int(there.stdout) == here
@@ -241,7 +243,6 @@ def test_compiled_check_keeps_each_calls_own_verdict():
     or after ``shard_plan`` laid its values out for another mesh shape, gets the verdict that
     ``validation.check`` gives that call, not the one kept for the first."""
     import hcp_compile.compiled.inserted  # noqa: F401 -- registers hcp::batch_layout
-    from hcp_compile.exchange.schemes import DEFAULT_SCHEME
 
     cu = cu_seqlens(DOCS)
     batch = prepared.prepare(prepared.host_values(cu), MeshShape(2, 2, "balanced"))
@@ -394,7 +395,6 @@ def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.dev
     hierarchical.py): the local region (its rows) and each ring step (the exchange stream's
     rows against the stream, or against another rank's ring section)."""
     from hcp_compile.batch.schedule import rank_schedule
-    from hcp_compile.exchange.schemes import DEFAULT_SCHEME
     from hcp_compile.hierarchical import _local_spec, _step_spec
 
     batch = prepared.prepare(prepared.host_values(cu_seqlens(lengths)), mesh)
@@ -402,12 +402,12 @@ def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.dev
         for ulysses_rank in range(mesh.ulysses):
             plan, flat = batch.device_tables(ring_rank, ulysses_rank, causal, window, torch.device(device))
             sizes = plan.sizes
-            sched = rank_schedule(flat, sizes, plan.steps, ring_rank, mesh.ring, max(lengths), windowed=plan.windowed,
+            sched = rank_schedule(flat, sizes, plan.shape, ring_rank, mesh.ring, max(lengths), windowed=plan.windowed,
                                   causal=causal, scale=0.125,
                                   window=window, kernel="cudnn",
                                   first_cache_key=BATCHES.cache_keys(batch, (ring_rank, ulysses_rank),
                                                                      schedule.cache_keys_needed(mesh.ring)),
-                                  scheme=DEFAULT_SCHEME, gathered=plan.gathered, kv_heads=1, ulysses=mesh.ulysses)
+                                  scheme=DEFAULT_SCHEME, kv_heads=1, ulysses=mesh.ulysses)
             # the local block covers every row exactly where the rank has no exchange region
             assert sched.local_holds_every_row == (sizes.own_exchange == 0)
             blocks = [CPBlock("local", _local_spec(sched), sizes.local, sizes.local)]

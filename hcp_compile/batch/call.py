@@ -11,12 +11,13 @@ in the call; the compiled graph runs the first two in its host op (``hcp::batch_
 agreement as collectives of the graph, and the schedule from its tables op
 (``hcp::schedule_tables``, hcp_compile/compiled/inserted.py). ``rank_schedule`` is
 ``schedule.rank_schedule``, over the tables of the rank's plan, which ``schedule.plan_rank``
-derives once per batch and mask in one pass (layout, then its tables).
+derives once per batch and mask in one pass (layout, then its tables); eagerly
+``schedule.prepared_schedule`` takes the plan, its device tables and cache keys in one go.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 from torch import Tensor
@@ -44,17 +45,17 @@ class KeptCalls(Generic[T]):
         self._capacity = capacity
         self._kept: dict[tuple, tuple[int, tuple[Tensor, ...], T]] = {}
 
-    def get(self, tensors: tuple[Tensor, ...], key: Hashable = ()) -> T | None:
-        found = self._kept.get((*((id(t), t._version) for t in tensors), key))
-        if found is None or found[0] != BATCHES.changes or any(a is not b for a, b in zip(found[1], tensors)):
-            return None
-        return found[2]
-
-    def put(self, tensors: tuple[Tensor, ...], key: Hashable, value: T) -> T:
-        """Keep ``value`` for the tensors (as they are now) and ``key``; returns it."""
+    def kept(self, tensors: tuple[Tensor, ...], key: Hashable, derive: Callable[[], T]) -> T:
+        """What ``derive()`` gave for the tensors (as they are now) and ``key``, derived and
+        kept where it is not kept yet or the batch cache changed since."""
+        kept_key = (*((id(t), t._version) for t in tensors), key)
+        found = self._kept.get(kept_key)
+        if found is not None and found[0] == BATCHES.changes and all(a is b for a, b in zip(found[1], tensors)):
+            return found[2]
+        value = derive()
         if len(self._kept) >= self._capacity:
             self._kept.clear()  # tensors of batches done with
-        self._kept[(*((id(t), t._version) for t in tensors), key)] = (BATCHES.changes, tensors, value)
+        self._kept[kept_key] = (BATCHES.changes, tensors, value)
         return value
 
     def values(self) -> list[T]:

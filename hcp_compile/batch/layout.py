@@ -644,13 +644,6 @@ def gathered_step(layout: BatchLayout, ring_rank: int) -> GatheredStep:
     return GatheredStep(_cumulative(q_parts, order), _cumulative(k_parts, order), rows)
 
 
-def step_max_seqlen(max_seqlen: int | torch.SymInt, ring: int) -> int | torch.SymInt:
-    """Upper bound of any segment length of a step or of a local region (a RING document's
-    ``2 c_i``, a whole document); ``torch.sym_max`` keeps a symbolic ``max_seqlen`` free of
-    guards."""
-    return torch.sym_max(torch.sym_max(2 * (-(-max_seqlen // (2 * ring))), max_seqlen), 1)
-
-
 def step_sees_any_key(
     q_table: StreamTable, k_table: StreamTable, ring_rank: int, source: int, ring: int,
     kind: StepKind, window_left: int, window_right: int,
@@ -763,35 +756,34 @@ def own_steps(layout: BatchLayout, sizes: RankSizes, causal: bool, window: tuple
 
 class ScheduleShape(NamedTuple):
     """What a schedule of some ring steps is made of beside its tables, decided alike by both
-    doors (host ints eagerly, a graph's symbols compiled)."""
+    doors (host ints eagerly, a graph's symbols compiled): its steps are ``len(sources)``."""
 
     sources: tuple[int, ...]  # per step, the ring rank whose keys it uses (-1: a gathered step)
     kinds: tuple[StepKind, ...]
-    max_seqlen: int | torch.SymInt  # bound of every segment (step_max_seqlen)
+    gathered: bool  # its second step is a gathered one
     stream_empty: bool  # the exchange stream known to be empty (known_empty)
     own_exchange_empty: bool  # the rank's own exchange region known to be empty
 
 
-def schedule_shape(sizes: RankSizes, ring_rank: int, ring: int, steps: int, causal: bool, gathered: bool,
-                   max_seqlen: int | torch.SymInt) -> ScheduleShape:
+def schedule_shape(sizes: RankSizes, ring_rank: int, ring: int, steps: int, causal: bool,
+                   gathered: bool) -> ScheduleShape:
     """The :class:`ScheduleShape` of rank ``(ring_rank, sizes.ulysses_rank)``'s schedule of
     ``steps`` ring steps (``gathered``: its own step and a gathered one)."""
     if gathered:
         sources, kinds = (ring_rank, -1), (StepKind.DIAGONAL, StepKind.GATHERED)
     else:
         sources, kinds = _steps_of(ring_rank, ring, steps, causal)
-    return ScheduleShape(sources, kinds, step_max_seqlen(max_seqlen, ring), known_empty(sizes.stream),
-                         known_empty(sizes.own_exchange))
+    return ScheduleShape(sources, kinds, gathered, known_empty(sizes.stream), known_empty(sizes.own_exchange))
 
 
 class RankSegments(NamedTuple):
     """One rank's segmentation of its schedule for one mask (:func:`rank_segments`): the
-    local region's and every ring step's segments, cut after their active entries, the
-    positions a window masks by, a gathered step's key rows, and which steps see a key."""
+    schedule's shape, the local region's and every ring step's segments, cut after their
+    active entries, the positions a window masks by, a gathered step's key rows, and which
+    steps see a key."""
 
-    steps: int  # the schedule's ring steps
+    shape: ScheduleShape
     windowed: bool  # the window masks by position (window_by_position)
-    gathered: bool  # its second step is a gathered one
     active: tuple[bool, ...]  # per step, whether any query sees any key (the own step always)
     local_cu: Tensor  # int32
     cu_q: tuple[Tensor, ...]  # int32, per step
@@ -814,20 +806,20 @@ def rank_segments(layout: BatchLayout, sizes: RankSizes, ring_rank: int, causal:
         # a graph's kind and the schedule come from the same layout: never, but not silently
         raise RuntimeError(f"hcp: a schedule of {steps} ring steps asked for a batch whose calls need {own_count}")
     steps = own_count if steps is None else steps
-    gathered = gathered and steps > 1
+    shape = schedule_shape(sizes, ring_rank, ring, steps, causal, gathered and steps > 1)
     windowed = window_by_position(window, ring)
     own = stream_table(layout, ring_rank)
     local_cu = leading_segments(local_segments(layout, ring_rank, sizes.ulysses_rank), sizes.local_entries)
-    if gathered:
+    if shape.gathered:
         own_q, own_k = _step_cut(own, own, ring_rank, ring_rank, ring, StepKind.DIAGONAL, sizes.step_entries[0])
         step = gathered_step(layout, ring_rank)
         segments = 4 * sizes.step_entries[0]
         return RankSegments(
-            steps, windowed, True, (True,) * steps, local_cu,
+            shape, windowed, (True,) * steps, local_cu,
             (own_q, leading_segments(step.cu_q, segments)), (own_k, leading_segments(step.cu_k, segments)),
             None, (None, None), step.rows,
         )
-    sources, kinds = _steps_of(ring_rank, ring, steps, causal)
+    sources, kinds = shape.sources, shape.kinds
     tables = [own] + [stream_table(layout, source, with_group=False) for source in sources[1:]]
     lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
     positions = [stream_tokens(table, source, ring, length).position if windowed else None
@@ -839,7 +831,7 @@ def rank_segments(layout: BatchLayout, sizes: RankSizes, ring_rank: int, causal:
         seen = torch.stack([step_sees_any_key(own, table, ring_rank, source, ring, kind, *window)
                             for table, source, kind in zip(tables[1:], sources[1:], kinds[1:])])
         active = (True, *seen.tolist())
-    return RankSegments(steps, windowed, False, active, local_cu, tuple(q for q, _ in cuts),
+    return RankSegments(shape, windowed, active, local_cu, tuple(q for q, _ in cuts),
                         tuple(k for _, k in cuts), positions[0], tuple(positions), None)
 
 

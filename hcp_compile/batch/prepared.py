@@ -3,7 +3,7 @@ place and cached by value: :class:`PreparedBatch` (docs/design.md §2, §5.3, §
 
 Eager CP, the compiled graph's host ops, ``shard_plan`` and the single-device op (the mesh-less
 case) all read the batch from here: the checked host copy of ``cu_seqlens``, the layout, every
-rank's sizes, the fingerprint the ranks agree on, each rank's tokens and its schedule tables.
+rank's sizes, each rank's tokens and its schedule tables.
 A batch is found by the digest of its values and the mesh shape in the one batch cache
 (hcp_compile/batch/cache.py), so a :class:`PreparedBatch` built ahead of time (``prepare_batch``
 in a DataLoader worker: no process group needed, and it pickles) is taken as it is by every path
@@ -194,7 +194,6 @@ class PreparedBatch:
     _tokens: dict[tuple[int, int], StreamTokens] = field(default_factory=dict, repr=False)
     _plans: dict[tuple[int, int, bool, tuple[int, int], int | None, bool], RankPlan] = field(default_factory=dict,
                                                                                              repr=False)
-    _fingerprints: dict[tuple[bool, str], int] = field(default_factory=dict, repr=False)
     _graph_kinds: dict[tuple[int, ...], GraphKind] = field(default_factory=dict, repr=False)
     # the plans' tables in pinned memory, by the tables' id (their plans, which hold them, are
     # kept as long), this process's only: a worker's would arrive as plain memory
@@ -251,22 +250,6 @@ class PreparedBatch:
         steps = ((left, layout.window_steps(self.layout, left)) for left in windows)
         return GraphKind(Exchanges.RING, tuple((left, count) for left, count in steps if count < self.mesh.ring))
 
-    def fingerprint(self, recompute_exchange: bool, scheme: str = DEFAULT_SCHEME) -> int:
-        """A hash of the values, the mesh shape, the placement, ``recompute_exchange`` and the
-        collective scheme (the options every rank must share: ranks that differ in them would
-        exchange buffers of different layouts or sizes), below 2**62 so that its negation fits
-        an int64 too: ranks all-reduce the maximum of both to learn whether they hold the same
-        batch. Names, not indices, go in, so any number of placements and schemes is told
-        apart."""
-        options = (recompute_exchange, scheme)
-        if options not in self._fingerprints:
-            shape = "single" if self.mesh is None else f"{self.mesh.ulysses}x{self.mesh.ring}:{self.mesh.placement}"
-            if self.mesh is not None and self.mesh.window != NO_WINDOW:  # no window: the same as before windows
-                shape += f":{self.mesh.window}"
-            salted = hashlib.sha256(self.batch.digest + f"|{shape}|{int(recompute_exchange)}|{scheme}".encode())
-            self._fingerprints[options] = int.from_bytes(salted.digest()[:8], "little") & (2**62 - 1)
-        return self._fingerprints[options]
-
     def tokens(self, ring_rank: int, ulysses_rank: int) -> StreamTokens:
         """Where each token rank ``(ring_rank, ulysses_rank)`` holds comes from (host)."""
         rank = (ring_rank, ulysses_rank)
@@ -314,7 +297,7 @@ class PreparedBatch:
             plan = plan_rank(self.layout, self.rank_sizes(ring_rank, ulysses_rank), ring_rank, causal, window,
                              steps, gathered)
             # the rank's own steps asked for with their count (a compiled graph) or without: one plan
-            plan = self._plans.setdefault((*asked[:4], plan.steps, gathered), plan)
+            plan = self._plans.setdefault((*asked[:4], len(plan.shape.sources), gathered), plan)
             self._plans[asked] = plan
         return plan
 

@@ -10,13 +10,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from hcp_compile.batch import layout
-from hcp_compile.batch.layout import BatchLayout, RankSizes, StepKind
+from hcp_compile.batch.cache import BATCHES
+from hcp_compile.batch.layout import BatchLayout, RankSizes, ScheduleShape, StepKind
 from hcp_compile.exchange.schemes import DEFAULT_SCHEME, scheme_named
+
+if TYPE_CHECKING:
+    from hcp_compile.batch.prepared import PreparedBatch  # prepared imports this module
 
 
 # Head groups the exchange is pipelined over when the heads allow it (docs/design.md §3.6):
@@ -69,10 +74,11 @@ KEEP_STEPS_KERNELS = frozenset({"flash"})
 def gathers(scheme: str, causal: bool, window: tuple[int, int], ring: int, kernel: str | None = None) -> bool:
     """Whether a call's steps after the own one are one gathered step (Note [one gathered
     step] in layout.py): on a ring of several ranks, the scheme brings every section at once,
-    the call is causal, its window (if any) needs no positions, and its ``kernel`` (resolved;
-    None: not yet known, as when a batch is prepared ahead) is not one of
+    the call is causal without a window (on a ring a window masks by position, which a
+    gathered step's segments do not carry: ``layout.window_by_position``), and its ``kernel``
+    (resolved; None: not yet known, as when a batch is prepared ahead) is not one of
     :data:`KEEP_STEPS_KERNELS`."""
-    return (ring > 1 and scheme_named(scheme).ring.gathers and causal and not layout.window_by_position(window, ring)
+    return (ring > 1 and scheme_named(scheme).ring.gathers and causal and window == (-1, -1)
             and kernel not in KEEP_STEPS_KERNELS)
 
 
@@ -182,9 +188,8 @@ class RankPlan:
     (docs/design.md §2.4)."""
 
     sizes: RankSizes
-    steps: int  # the schedule's ring steps
+    shape: ScheduleShape  # its steps' sources and kinds, whether the second is gathered
     windowed: bool  # whether the window masks by position (layout.window_by_position)
-    gathered: bool  # whether its second step is a gathered one (gathers)
     flat: tuple[Tensor, Tensor]  # the tables as ScheduleTables.flat gives them: what goes to the device
     active: tuple[bool, ...]  # per step, whether any query sees any key (the own step always computes)
     # ``flat`` with the steps not active emptied (ScheduleTables.emptied; ``flat`` itself where
@@ -192,8 +197,12 @@ class RankPlan:
     flat_skipping: tuple[Tensor, Tensor]
 
     @property
+    def steps(self) -> int:
+        return len(self.shape.sources)
+
+    @property
     def tables(self) -> ScheduleTables:
-        return ScheduleTables.unflat(*self.flat, self.sizes, self.steps, self.windowed, self.gathered)
+        return ScheduleTables.unflat(*self.flat, self.sizes, self.steps, self.windowed, self.shape.gathered)
 
 
 def plan_rank(batch: BatchLayout, sizes: RankSizes, ring_rank: int, causal: bool, window: tuple[int, int],
@@ -208,42 +217,62 @@ def plan_rank(batch: BatchLayout, sizes: RankSizes, ring_rank: int, causal: bool
     active = segments.active
     # the positions stay: the emptied steps' positions are never read
     skipping = flat if all(active) else (tables.emptied(active).flat()[0], flat[1])
-    return RankPlan(sizes, segments.steps, segments.windowed, segments.gathered, flat, active, skipping)
+    return RankPlan(sizes, segments.shape, segments.windowed, flat, active, skipping)
+
+
+def prepared_schedule(
+    prepared: PreparedBatch, ring_rank: int, ulysses_rank: int, ring: int, device: torch.device, max_seqlen: int, *,
+    causal: bool, scale: float, window: tuple[int, int], kernel: str, scheme: str, kv_heads: int, ulysses: int,
+    skip_outside_window: bool,
+) -> RingSchedule:
+    """Eager CP's schedule of a call of the batch ``prepared`` on rank ``(ring_rank,
+    ulysses_rank)``: the rank's plan for the call's mask, its tables on ``device``
+    (``PreparedBatch.device_tables``) and the batch's cache keys for the rank, as the compiled
+    graph's (eager and compiled calls of one batch share what the kernels derive); the steps a
+    window leaves without a visible key skipped where ``skip_outside_window``."""
+    gathered = gathers(scheme, causal, window, ring, kernel)
+    plan, flat = prepared.device_tables(ring_rank, ulysses_rank, causal, window, device, gathered=gathered)
+    first_key = BATCHES.cache_keys(prepared, (ring_rank, ulysses_rank), cache_keys_needed(ring))
+    return rank_schedule(
+        flat, plan.sizes, plan.shape, ring_rank, ring, max_seqlen, windowed=plan.windowed, causal=causal,
+        scale=scale, window=window, kernel=kernel, active=list(plan.active) if skip_outside_window else None,
+        first_cache_key=first_key, scheme=scheme, kv_heads=kv_heads, ulysses=ulysses,
+    )
 
 
 def rank_schedule(
-    flat: Sequence, sizes: RankSizes, steps: int, ring_rank: int, ring: int, max_seqlen: int | torch.SymInt, *,
-    windowed: bool, causal: bool, scale: float, window: tuple[int, int], kernel: str,
-    first_cache_key: int | torch.SymInt | None, scheme: str, gathered: bool, kv_heads: int, ulysses: int,
+    flat: Sequence, sizes: RankSizes, shape: ScheduleShape, ring_rank: int, ring: int,
+    max_seqlen: int | torch.SymInt, *, windowed: bool, causal: bool, scale: float, window: tuple[int, int],
+    kernel: str, first_cache_key: int | torch.SymInt | None, scheme: str, kv_heads: int, ulysses: int,
     active: list[bool] | None = None,
 ) -> RingSchedule:
     """This rank's ring schedule from its flat tables (``PreparedBatch.device_tables``,
-    eagerly or through the graph's tables op) and its sizes (host ints, or a graph's symbols);
-    ``windowed``: its window masks by position (``RankPlan.windowed``); ``gathered``: its
-    second step a gathered one (``RankPlan.gathered``)."""
-    tables = ScheduleTables.unflat(*flat, sizes, steps, windowed, gathered)
+    eagerly or through the graph's tables op), its sizes (host ints, or a graph's symbols) and
+    its schedule's shape (``RankPlan.shape``, or ``layout.schedule_shape`` of a graph's
+    sizes); ``windowed``: its window masks by position (``RankPlan.windowed``)."""
+    tables = ScheduleTables.unflat(*flat, sizes, len(shape.sources), windowed, shape.gathered)
     return assemble_schedule(
-        tables, sizes, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window, kernel=kernel,
-        active=active, first_cache_key=first_cache_key, scheme=scheme, kv_heads=kv_heads, ulysses=ulysses,
+        tables, sizes, shape, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window,
+        kernel=kernel, active=active, first_cache_key=first_cache_key, scheme=scheme, kv_heads=kv_heads,
+        ulysses=ulysses,
     )
 
 
 def assemble_schedule(
-    tables: ScheduleTables, sizes: RankSizes, max_seqlen: int | torch.SymInt, ring_rank: int,
-    ring: int, *, causal: bool, scale: float, window: tuple[int, int], kernel: str,
+    tables: ScheduleTables, sizes: RankSizes, shape: ScheduleShape, max_seqlen: int | torch.SymInt,
+    ring_rank: int, ring: int, *, causal: bool, scale: float, window: tuple[int, int], kernel: str,
     first_cache_key: int | torch.SymInt | None, kv_heads: int, ulysses: int, active: list[bool] | None = None,
     scheme: str = DEFAULT_SCHEME,
 ) -> RingSchedule:
     """The schedule with the given tables (the prepared batch's, from the host), one ring step
-    per step of ``tables`` (the second a gathered one where they have its rows); ``active``
+    per step of ``shape`` (the second a gathered one where ``shape.gathered``); ``active``
     (default: all) says which steps compute; ``scheme``: the collective scheme; ``kv_heads``:
     the call's KV heads, ``ulysses``: the Ulysses group's size (which decide its head groups)."""
-    steps = len(tables.cu_q)
-    gathered = tables.gather_rows is not None
+    steps = len(shape.sources)
+    gathered = shape.gathered
     if gathered and not scheme_named(scheme).ring.gathers:
         # a scheme that does not gather would hand the gathered step one section's keys
         raise ValueError(f"hcp: a schedule with a gathered step under scheme={scheme!r}, which does not gather")
-    shape = layout.schedule_shape(sizes, ring_rank, ring, steps, causal, gathered, max_seqlen)
     active = [True] * steps if active is None else active
     # a causal schedule's ring steps are segmented otherwise than a full one's under the same
     # spec flags (only the own step is causal): each takes its own half of the keys
@@ -266,7 +295,7 @@ def assemble_schedule(
             ))
         ),
         q_positions=tables.q_positions,
-        max_seqlen=shape.max_seqlen,
+        max_seqlen=step_max_seqlen(max_seqlen, ring),
         causal=causal,
         scale=scale,
         window_left=window[0],
@@ -278,6 +307,13 @@ def assemble_schedule(
         scheme=scheme,
         gather_rows=tables.gather_rows,
     )
+
+
+def step_max_seqlen(max_seqlen: int | torch.SymInt, ring: int) -> int | torch.SymInt:
+    """Upper bound of any segment length of a step or of a local region (a RING document's
+    ``2 c_i``, a whole document); ``torch.sym_max`` keeps a symbolic ``max_seqlen`` free of
+    guards."""
+    return torch.sym_max(torch.sym_max(2 * (-(-max_seqlen // (2 * ring))), max_seqlen), 1)
 
 
 def cache_keys_needed(ring: int) -> int:

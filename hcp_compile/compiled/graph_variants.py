@@ -91,11 +91,8 @@ class GraphVariants:
     def needed(self, args: Sequence[Any]) -> GraphKind:
         """The kind of graph the batch of ``args`` needs (the broadest over its cu_seqlens)."""
         tensors = tuple(args[i] for i in self.inputs)
-        kind = self.kinds.get(tensors)
-        if kind is None:
-            kinds = [find(cu, self.mesh).graph_kind(self.windows) for cu in tensors]
-            kind = self.kinds.put(tensors, (), kinds[0] if len(kinds) == 1 else GraphKind.broadest(kinds))
-        return kind
+        return self.kinds.kept(tensors, (), lambda: GraphKind.broadest(
+            find(cu, self.mesh).graph_kind(self.windows) for cu in tensors))
 
     def graph_for(self, kind: GraphKind) -> Callable:
         """The narrowest compiled graph that runs batches of ``kind``: a narrower graph where

@@ -130,7 +130,7 @@ def _check_call(
     mesh = prepared.mesh
     failures = checked_batch(prepared, keys, tokens, max_seqlens, rank, planned)
     failed = validation.verdict(failures, rank)
-    fingerprint = prepared.fingerprint(recompute_exchange, scheme)
+    fingerprint = agreement.fingerprint(prepared.batch.digest, mesh, recompute_exchange, scheme)
     graph = GraphKind.parse(graph_for).code
     if prepared.laid_out:
         sizes = torch.tensor(layout.size_values(prepared.rank_sizes(*rank)))
@@ -206,10 +206,11 @@ def hierarchical_varlen_attention(
         batch.cu_seqlens_q, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
         groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values, gathered,
     )
+    shape = layout.schedule_shape(rank_sizes, groups.ring_rank, groups.ring_size, steps, causal, gathered)
     sched = rank_schedule(
-        flat, rank_sizes, steps, groups.ring_rank, groups.ring_size, max_seqlen,
+        flat, rank_sizes, shape, groups.ring_rank, groups.ring_size, max_seqlen,
         windowed=layout.window_by_position(window, groups.ring_size), causal=causal, scale=float(scale),
-        window=window, kernel=kernel, first_cache_key=first_cache_key, scheme=scheme, gathered=gathered,
+        window=window, kernel=kernel, first_cache_key=first_cache_key, scheme=scheme,
         kv_heads=k.shape[1], ulysses=groups.ulysses_size,
     )
     return HierarchicalAttention.apply(q, k, v, sched, groups, return_lse, recompute_exchange)

@@ -25,6 +25,7 @@ A verdict travels as int64s, all-reduced with ``max``::
 from __future__ import annotations
 
 import datetime
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,22 @@ class Verdict:
         fingerprint, graph = self.fingerprint, self.graph
         return torch.tensor([*self.failed, int(self.other_error), fingerprint, -fingerprint, graph, -graph],
                             dtype=torch.int64)
+
+
+def fingerprint(digest: bytes, mesh: tuple | None, recompute_exchange: bool, scheme: str) -> int:
+    """The :class:`Verdict`'s fingerprint of a call: a hash of the batch's values (``digest``,
+    their SHA-256), the mesh shape ``(ulysses, ring, placement, layout window)`` (None: a
+    single device), ``recompute_exchange`` and the collective scheme (the options every rank
+    must share: ranks that differ in them would exchange buffers of different layouts or
+    sizes), below 2**62 so that its negation fits an int64. Names, not indices, go in, so any
+    number of placements and schemes is told apart; the same in every process."""
+    if mesh is None:
+        shape = "single"
+    else:
+        ulysses, ring, placement, window = mesh
+        shape = f"{ulysses}x{ring}:{placement}" + ("" if window == (-1, -1) else f":{window}")
+    salted = hashlib.sha256(digest + f"|{shape}|{int(recompute_exchange)}|{scheme}".encode())
+    return int.from_bytes(salted.digest()[:8], "little") & (2**62 - 1)
 
 
 def agree(groups: CPGroups, verdict: Tensor, *, timeout_s: float | None, caller: str) -> Tensor:
