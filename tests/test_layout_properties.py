@@ -362,7 +362,7 @@ def test_schedule_tables_travel_flat_and_come_back_unchanged(lengths, ulysses, r
     for index, sizes in enumerate(ranks.sizes):
         ring_rank = index // ulysses
         segments = layout.rank_segments(ranks.batch, sizes, ring_rank, causal, (8, 0) if windowed else (-1, -1), ring)
-        windowed = segments.shape.windowed  # positions only on a ring of several ranks
+        windowed = segments.windowed  # positions only on a ring of several ranks
         tables = schedule.ScheduleTables(segments.local_cu, segments.cu_q, segments.cu_k, segments.q_positions,
                                          segments.k_positions, segments.gather_rows)
         flat = tables.flat()

@@ -402,7 +402,7 @@ def schedule_blocks(lengths: tuple[int, ...], mesh: MeshShape, device: torch.dev
         for ulysses_rank in range(mesh.ulysses):
             plan, flat = batch.device_tables(ring_rank, ulysses_rank, causal, window, torch.device(device))
             sizes = plan.sizes
-            sched = rank_schedule(flat, sizes, plan.shape, ring_rank, mesh.ring, max(lengths),
+            sched = rank_schedule(flat, sizes, plan.shape, ring_rank, mesh.ring, max(lengths), windowed=plan.windowed,
                                   causal=causal, scale=0.125,
                                   window=window, kernel="cudnn",
                                   first_cache_key=BATCHES.cache_keys(batch, (ring_rank, ulysses_rank),

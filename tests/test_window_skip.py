@@ -109,7 +109,7 @@ def test_compiled_tables_of_the_steps_a_window_skips_are_empty(mesh, placement, 
             sizes = layout.size_values(plan.sizes)
             flat = torch.ops.hcp.schedule_tables(cu, torch.device("cpu"), ulysses, ring, placement, ring_rank,
                                                  ulysses_rank, ring, True, *WINDOW, sizes, False)
-            got, full = ScheduleTables.unflat(*flat, plan.sizes, ring, plan.shape.windowed), plan.tables
+            got, full = ScheduleTables.unflat(*flat, plan.sizes, ring, plan.windowed), plan.tables
             assert torch.equal(got.local_cu, full.local_cu)
             for step, active in enumerate(plan.active):
                 tables = (got.cu_q[step], got.cu_k[step])

@@ -761,22 +761,19 @@ class ScheduleShape(NamedTuple):
     sources: tuple[int, ...]  # per step, the ring rank whose keys it uses (-1: a gathered step)
     kinds: tuple[StepKind, ...]
     gathered: bool  # its second step is a gathered one
-    windowed: bool  # the window masks by position: its tables carry positions (window_by_position)
     stream_empty: bool  # the exchange stream known to be empty (known_empty)
     own_exchange_empty: bool  # the rank's own exchange region known to be empty
 
 
-def schedule_shape(sizes: RankSizes, ring_rank: int, ring: int, steps: int, causal: bool, gathered: bool,
-                   window: tuple[int, int]) -> ScheduleShape:
+def schedule_shape(sizes: RankSizes, ring_rank: int, ring: int, steps: int, causal: bool,
+                   gathered: bool) -> ScheduleShape:
     """The :class:`ScheduleShape` of rank ``(ring_rank, sizes.ulysses_rank)``'s schedule of
-    ``steps`` ring steps (``gathered``: its own step and a gathered one) for calls under
-    ``window``."""
+    ``steps`` ring steps (``gathered``: its own step and a gathered one)."""
     if gathered:
         sources, kinds = (ring_rank, -1), (StepKind.DIAGONAL, StepKind.GATHERED)
     else:
         sources, kinds = _steps_of(ring_rank, ring, steps, causal)
-    return ScheduleShape(sources, kinds, gathered, window_by_position(window, ring), known_empty(sizes.stream),
-                         known_empty(sizes.own_exchange))
+    return ScheduleShape(sources, kinds, gathered, known_empty(sizes.stream), known_empty(sizes.own_exchange))
 
 
 class RankSegments(NamedTuple):
@@ -786,6 +783,7 @@ class RankSegments(NamedTuple):
     steps see a key."""
 
     shape: ScheduleShape
+    windowed: bool  # the window masks by position (window_by_position)
     active: tuple[bool, ...]  # per step, whether any query sees any key (the own step always)
     local_cu: Tensor  # int32
     cu_q: tuple[Tensor, ...]  # int32, per step
@@ -808,7 +806,8 @@ def rank_segments(layout: BatchLayout, sizes: RankSizes, ring_rank: int, causal:
         # a graph's kind and the schedule come from the same layout: never, but not silently
         raise RuntimeError(f"hcp: a schedule of {steps} ring steps asked for a batch whose calls need {own_count}")
     steps = own_count if steps is None else steps
-    shape = schedule_shape(sizes, ring_rank, ring, steps, causal, gathered and steps > 1, window)
+    shape = schedule_shape(sizes, ring_rank, ring, steps, causal, gathered and steps > 1)
+    windowed = window_by_position(window, ring)
     own = stream_table(layout, ring_rank)
     local_cu = leading_segments(local_segments(layout, ring_rank, sizes.ulysses_rank), sizes.local_entries)
     if shape.gathered:
@@ -816,14 +815,14 @@ def rank_segments(layout: BatchLayout, sizes: RankSizes, ring_rank: int, causal:
         step = gathered_step(layout, ring_rank)
         segments = 4 * sizes.step_entries[0]
         return RankSegments(
-            shape, (True,) * steps, local_cu,
+            shape, windowed, (True,) * steps, local_cu,
             (own_q, leading_segments(step.cu_q, segments)), (own_k, leading_segments(step.cu_k, segments)),
             None, (None, None), step.rows,
         )
     sources, kinds = shape.sources, shape.kinds
     tables = [own] + [stream_table(layout, source, with_group=False) for source in sources[1:]]
     lengths = [sizes.stream] + [sizes.ring_width] * (steps - 1)
-    positions = [stream_tokens(table, source, ring, length).position if shape.windowed else None
+    positions = [stream_tokens(table, source, ring, length).position if windowed else None
                  for table, source, length in zip(tables, sources, lengths)]
     cuts = [_step_cut(own, table, ring_rank, source, ring, kind, entries)
             for table, source, kind, entries in zip(tables, sources, kinds, sizes.step_entries)]
@@ -832,7 +831,7 @@ def rank_segments(layout: BatchLayout, sizes: RankSizes, ring_rank: int, causal:
         seen = torch.stack([step_sees_any_key(own, table, ring_rank, source, ring, kind, *window)
                             for table, source, kind in zip(tables[1:], sources[1:], kinds[1:])])
         active = (True, *seen.tolist())
-    return RankSegments(shape, active, local_cu, tuple(q for q, _ in cuts),
+    return RankSegments(shape, windowed, active, local_cu, tuple(q for q, _ in cuts),
                         tuple(k for _, k in cuts), positions[0], tuple(positions), None)
 
 

@@ -188,7 +188,8 @@ class RankPlan:
     (docs/design.md §2.4)."""
 
     sizes: RankSizes
-    shape: ScheduleShape  # its steps' sources and kinds, whether the second is gathered, positions
+    shape: ScheduleShape  # its steps' sources and kinds, whether the second is gathered
+    windowed: bool  # whether the window masks by position (layout.window_by_position)
     flat: tuple[Tensor, Tensor]  # the tables as ScheduleTables.flat gives them: what goes to the device
     active: tuple[bool, ...]  # per step, whether any query sees any key (the own step always computes)
     # ``flat`` with the steps not active emptied (ScheduleTables.emptied; ``flat`` itself where
@@ -201,7 +202,7 @@ class RankPlan:
 
     @property
     def tables(self) -> ScheduleTables:
-        return ScheduleTables.unflat(*self.flat, self.sizes, self.steps, self.shape.windowed, self.shape.gathered)
+        return ScheduleTables.unflat(*self.flat, self.sizes, self.steps, self.windowed, self.shape.gathered)
 
 
 def plan_rank(batch: BatchLayout, sizes: RankSizes, ring_rank: int, causal: bool, window: tuple[int, int],
@@ -216,7 +217,7 @@ def plan_rank(batch: BatchLayout, sizes: RankSizes, ring_rank: int, causal: bool
     active = segments.active
     # the positions stay: the emptied steps' positions are never read
     skipping = flat if all(active) else (tables.emptied(active).flat()[0], flat[1])
-    return RankPlan(sizes, segments.shape, flat, active, skipping)
+    return RankPlan(sizes, segments.shape, segments.windowed, flat, active, skipping)
 
 
 def prepared_schedule(
@@ -233,22 +234,23 @@ def prepared_schedule(
     plan, flat = prepared.device_tables(ring_rank, ulysses_rank, causal, window, device, gathered=gathered)
     first_key = BATCHES.cache_keys(prepared, (ring_rank, ulysses_rank), cache_keys_needed(ring))
     return rank_schedule(
-        flat, plan.sizes, plan.shape, ring_rank, ring, max_seqlen, causal=causal, scale=scale, window=window, kernel=kernel, active=list(plan.active) if skip_outside_window else None,
+        flat, plan.sizes, plan.shape, ring_rank, ring, max_seqlen, windowed=plan.windowed, causal=causal,
+        scale=scale, window=window, kernel=kernel, active=list(plan.active) if skip_outside_window else None,
         first_cache_key=first_key, scheme=scheme, kv_heads=kv_heads, ulysses=ulysses,
     )
 
 
 def rank_schedule(
     flat: Sequence, sizes: RankSizes, shape: ScheduleShape, ring_rank: int, ring: int,
-    max_seqlen: int | torch.SymInt, *, causal: bool, scale: float, window: tuple[int, int],
+    max_seqlen: int | torch.SymInt, *, windowed: bool, causal: bool, scale: float, window: tuple[int, int],
     kernel: str, first_cache_key: int | torch.SymInt | None, scheme: str, kv_heads: int, ulysses: int,
     active: list[bool] | None = None,
 ) -> RingSchedule:
     """This rank's ring schedule from its flat tables (``PreparedBatch.device_tables``,
     eagerly or through the graph's tables op), its sizes (host ints, or a graph's symbols) and
     its schedule's shape (``RankPlan.shape``, or ``layout.schedule_shape`` of a graph's
-    sizes)."""
-    tables = ScheduleTables.unflat(*flat, sizes, len(shape.sources), shape.windowed, shape.gathered)
+    sizes); ``windowed``: its window masks by position (``RankPlan.windowed``)."""
+    tables = ScheduleTables.unflat(*flat, sizes, len(shape.sources), windowed, shape.gathered)
     return assemble_schedule(
         tables, sizes, shape, max_seqlen, ring_rank, ring, causal=causal, scale=scale, window=window,
         kernel=kernel, active=active, first_cache_key=first_cache_key, scheme=scheme, kv_heads=kv_heads,

@@ -206,9 +206,10 @@ def hierarchical_varlen_attention(
         batch.cu_seqlens_q, q.device, groups.ulysses_size, groups.ring_size, batch.placement,
         groups.ring_rank, groups.ulysses_rank, steps, causal, window[0], window[1], values, gathered,
     )
-    shape = layout.schedule_shape(rank_sizes, groups.ring_rank, groups.ring_size, steps, causal, gathered, window)
+    shape = layout.schedule_shape(rank_sizes, groups.ring_rank, groups.ring_size, steps, causal, gathered)
     sched = rank_schedule(
-        flat, rank_sizes, shape, groups.ring_rank, groups.ring_size, max_seqlen, causal=causal, scale=float(scale),
+        flat, rank_sizes, shape, groups.ring_rank, groups.ring_size, max_seqlen,
+        windowed=layout.window_by_position(window, groups.ring_size), causal=causal, scale=float(scale),
         window=window, kernel=kernel, first_cache_key=first_cache_key, scheme=scheme,
         kv_heads=k.shape[1], ulysses=groups.ulysses_size,
     )
